@@ -1,0 +1,14 @@
+#![doc = include_str!("../README.md")]
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+mod error;
+mod layout;
+mod shared;
+mod sync;
+mod tlsf;
+
+pub use error::{AllocError, WrongAllocator};
+pub use layout::{pack, Layout, Packing};
+pub use shared::{Lease, SharedAllocator};
+pub use tlsf::{Allocator, Block, Group, Placement, Report};

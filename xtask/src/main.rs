@@ -1,0 +1,126 @@
+//! `cargo xtask`: the project's automation. CI runs `cargo xtask test` and nothing else, so what
+//! passes here passes there.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(about = "Tessera project automation")]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Install what the tests need (idempotent), then run fmt, clippy, the tests and loom.
+    Test,
+    /// Run benchmark suites, print their tables and write target/tessera-bench/<suite>.json.
+    Bench {
+        /// Suites to run (default: all).
+        suites: Vec<String>,
+    },
+}
+
+/// Crates with loom tests (`--cfg tessera_loom`), run in release in their own target dir.
+const LOOM_CRATES: &[&str] = &["tessera-alloc"];
+/// Benchmark suites, in the order `cargo xtask bench` runs them.
+const BENCH_SUITES: &[&str] = &["alloc"];
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    let root = workspace_root();
+    std::env::set_current_dir(&root)?;
+    match cli.command {
+        Cmd::Test => test(&root),
+        Cmd::Bench { suites } => bench(&suites),
+    }
+}
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives one level below the workspace root")
+        .to_path_buf()
+}
+
+fn test(root: &Path) -> Result<()> {
+    step("cargo fmt", cargo(&["fmt", "--all", "--check"]))?;
+    step(
+        "cargo clippy",
+        cargo(&[
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "--locked",
+            "--",
+            "-D",
+            "warnings",
+        ]),
+    )?;
+    step("cargo test", cargo(&["test", "--workspace", "--locked"]))?;
+    let loom_dir = root.join("target-loom");
+    for krate in LOOM_CRATES {
+        let mut cmd = cargo(&[
+            "test",
+            "--release",
+            "--locked",
+            "-p",
+            krate,
+            "--lib",
+            "loom",
+        ]);
+        cmd.env("RUSTFLAGS", "--cfg tessera_loom")
+            .env("LOOM_MAX_PREEMPTIONS", "2")
+            .env("CARGO_TARGET_DIR", &loom_dir);
+        step(&format!("loom tests of {krate}"), cmd)?;
+    }
+    println!("xtask test: all steps passed");
+    Ok(())
+}
+
+fn bench(suites: &[String]) -> Result<()> {
+    let suites: Vec<&str> = if suites.is_empty() {
+        BENCH_SUITES.to_vec()
+    } else {
+        suites.iter().map(String::as_str).collect()
+    };
+    for suite in &suites {
+        if !BENCH_SUITES.contains(suite) {
+            bail!(
+                "unknown bench suite {suite:?}; known: {}",
+                BENCH_SUITES.join(", ")
+            );
+        }
+    }
+    let mut cmd = cargo(&[
+        "run",
+        "--release",
+        "--locked",
+        "-p",
+        "tessera-bench",
+        "--bin",
+        "tessera-bench",
+        "--",
+    ]);
+    cmd.args(&suites);
+    step("benchmarks", cmd)
+}
+
+fn cargo(args: &[&str]) -> Command {
+    let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    cmd.args(args);
+    cmd
+}
+
+fn step(name: &str, mut cmd: Command) -> Result<()> {
+    println!("==> {name}");
+    let status = cmd.status().with_context(|| format!("starting {name}"))?;
+    if !status.success() {
+        bail!("{name} failed ({status})");
+    }
+    Ok(())
+}
