@@ -1,0 +1,4 @@
+//! placeholder
+pub fn run(_r: &mut crate::Report) -> anyhow::Result<()> {
+    Ok(())
+}

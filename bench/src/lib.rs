@@ -1,0 +1,14 @@
+//! The side-by-side benchmark harness of Tessera. Each suite measures Tessera and its in-run
+//! references (memcpy, peer crates, raw sockets) and reports ratios between them.
+
+pub mod alloc;
+pub mod report;
+pub mod timing;
+
+pub use report::Report;
+
+/// A suite: its name and the function that fills its report.
+pub type Suite = (&'static str, fn(&mut Report) -> anyhow::Result<()>);
+
+/// Every suite, in the order `cargo xtask bench` runs them.
+pub const SUITES: &[Suite] = &[("alloc", alloc::run)];
