@@ -1,0 +1,791 @@
+//! Agents, the registration cache, peers and notifications.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
+
+use crate::backend::{Connection, Grant, Host, Op, PeerInfo, RegInfo, RemoteReg, Transport};
+use crate::desc::{KeepAlive, LocalDesc, RemoteDesc};
+use crate::error::{
+    AgentError, ConnectError, DescError, RegisterError, RejectReason, TransferError,
+};
+use crate::metadata;
+use crate::sync::{lock, next_id, Arc, AtomicBool, AtomicUsize, Condvar, Mutex, Ordering, Weak};
+use crate::transfer::{Prepared, Transfer};
+use crate::Region;
+
+/// Largest notification, in bytes.
+pub const MAX_NOTIFICATION: usize = 64 * 1024;
+
+/// A named endpoint of one backend: one per process per backend.
+///
+/// It registers memory, publishes [`metadata`](Agent::metadata) for peers, and turns a peer's
+/// metadata into a [`Peer`] to transfer with. Dropping the agent shuts its engine down: pending
+/// transfers fail, peers see it as gone, and registrations still held are deregistered as their
+/// guards drop.
+pub struct Agent {
+    core: Arc<AgentCore>,
+}
+
+pub(crate) struct AgentCore {
+    pub(crate) host: Arc<HostShared>,
+    pub(crate) transport: Arc<dyn Transport>,
+    peers: Mutex<HashMap<String, Weak<PeerCore>>>,
+    pub(crate) in_flight: Arc<AtomicUsize>,
+}
+
+/// The part of an agent its engine may hold: registrations and notifications, never the engine.
+pub(crate) struct HostShared {
+    pub(crate) name: String,
+    pub(crate) id: u64,
+    pub(crate) registry: Registry,
+    pub(crate) notifications: Notifications,
+    pub(crate) closed: AtomicBool,
+}
+
+/// Occupancy of an agent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct AgentReport {
+    /// Live registrations (each cached range counts once, however many guards it has).
+    pub registrations: usize,
+    /// Bytes they cover.
+    pub registered_bytes: u64,
+    /// Peers with a live handle.
+    pub peers: usize,
+    /// Transfers posted and not yet completed.
+    pub in_flight: usize,
+}
+
+const _: () = {
+    const fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<Agent>();
+    assert_send_sync::<Peer>();
+    assert_send_sync::<Registration>();
+    assert_send_sync::<LocalDesc>();
+};
+
+impl Agent {
+    /// An agent named `name` (1 to 255 bytes) on `transport`.
+    pub fn new(name: &str, transport: impl Transport) -> Result<Self, AgentError> {
+        Self::with_transport(name, Arc::new(transport))
+    }
+
+    /// Like [`Agent::new`], for an engine already behind an `Arc`.
+    pub fn with_transport(name: &str, transport: Arc<dyn Transport>) -> Result<Self, AgentError> {
+        if name.is_empty() || name.len() > metadata::MAX_NAME {
+            return Err(AgentError::InvalidName {
+                name: name.to_owned(),
+            });
+        }
+        let host = Arc::new(HostShared {
+            name: name.to_owned(),
+            id: next_id(),
+            registry: Registry::default(),
+            notifications: Notifications::default(),
+            closed: AtomicBool::new(false),
+        });
+        transport.start(Host {
+            shared: host.clone(),
+        })?;
+        Ok(Self {
+            core: Arc::new(AgentCore {
+                host,
+                transport,
+                peers: Mutex::new(HashMap::new()),
+                in_flight: Arc::new(AtomicUsize::new(0)),
+            }),
+        })
+    }
+
+    /// The agent's name.
+    pub fn name(&self) -> &str {
+        &self.core.host.name
+    }
+
+    /// The backend's kind, such as `"shm"`.
+    pub fn kind(&self) -> &'static str {
+        self.core.transport.kind()
+    }
+
+    /// Registers the whole region. See [`Agent::register_range`].
+    pub fn register(&self, region: &Region) -> Result<Registration, RegisterError> {
+        self.register_range(region, 0, region.len())
+    }
+
+    /// Registers `len` bytes at `offset` of `region` and returns a guard; the range is
+    /// deregistered when the last guard, descriptor and transfer using it are gone.
+    ///
+    /// Registrations are cached: if a live registration of this region already covers the
+    /// range, this returns a guard on it without asking the engine (a lock and a lookup).
+    pub fn register_range(
+        &self,
+        region: &Region,
+        offset: u64,
+        len: u64,
+    ) -> Result<Registration, RegisterError> {
+        let host = &self.core.host;
+        if host.closed.load(Ordering::Acquire) {
+            return Err(RegisterError::AgentClosed {
+                agent: host.name.clone(),
+            });
+        }
+        let end = offset.checked_add(len);
+        if len == 0 || end.is_none_or(|e| e > region.len()) {
+            return Err(RegisterError::OutOfRange {
+                offset,
+                len,
+                region_len: region.len(),
+            });
+        }
+        if let Some(entry) = host.registry.find(region.id(), offset, len) {
+            let start = offset - entry.offset;
+            return Ok(Registration { entry, start, len });
+        }
+        let id = next_id();
+        let key = self.core.transport.register(&RegInfo {
+            id,
+            region,
+            offset,
+            len,
+        })?;
+        let entry = Arc::new(RegEntry {
+            id,
+            agent_id: host.id,
+            region: region.clone(),
+            offset,
+            len,
+            key,
+            transport: self.core.transport.clone(),
+            host: Arc::downgrade(host),
+        });
+        host.registry.insert(&entry);
+        Ok(Registration {
+            entry,
+            start: 0,
+            len,
+        })
+    }
+
+    /// Everything a peer needs to reach this agent and its registrations: the engine's
+    /// address and each live registration's id, length and remote key. Send it to peers by any
+    /// means; call again after registering more memory.
+    pub fn metadata(&self) -> Vec<u8> {
+        metadata::encode(&PeerInfo {
+            name: self.core.host.name.clone(),
+            kind: self.core.transport.kind().to_owned(),
+            address: self.core.transport.address(),
+            regs: self.core.host.registry.remote_regs(),
+        })
+    }
+
+    /// Adds (or updates) the peer that published `metadata`. Metadata from a peer this agent
+    /// already knows replaces the old: the same [`Peer`] handle sees the new registrations.
+    pub fn add_remote(&self, metadata: &[u8]) -> Result<Peer, ConnectError> {
+        let info = metadata::decode(metadata)?;
+        let host = &self.core.host;
+        if host.closed.load(Ordering::Acquire) {
+            return Err(ConnectError::AgentClosed {
+                agent: host.name.clone(),
+            });
+        }
+        let ours = self.core.transport.kind();
+        if info.kind != ours {
+            return Err(ConnectError::BackendMismatch {
+                peer: info.name,
+                ours,
+                theirs: info.kind,
+            });
+        }
+        if info.name == host.name {
+            return Err(ConnectError::SelfPeer { agent: info.name });
+        }
+        let mut peers = lock(&self.core.peers);
+        if let Some(existing) = peers.get(&info.name).and_then(Weak::upgrade) {
+            drop(peers);
+            existing
+                .conn
+                .update(&info)
+                .map_err(|source| ConnectError::Backend {
+                    peer: info.name.clone(),
+                    source,
+                })?;
+            *lock(&existing.regs) = Arc::new(RegTable::new(&info.regs));
+            return Ok(Peer { core: existing });
+        }
+        let conn = self
+            .core
+            .transport
+            .connect(&info)
+            .map_err(|source| ConnectError::Backend {
+                peer: info.name.clone(),
+                source,
+            })?;
+        let core = Arc::new(PeerCore {
+            name: Arc::from(info.name.as_str()),
+            agent: self.core.clone(),
+            conn,
+            regs: Mutex::new(Arc::new(RegTable::new(&info.regs))),
+        });
+        peers.insert(info.name, Arc::downgrade(&core));
+        Ok(Peer { core })
+    }
+
+    /// The peer named `name`, if a handle on it is alive.
+    pub fn peer(&self, name: &str) -> Option<Peer> {
+        let core = lock(&self.core.peers).get(name).and_then(Weak::upgrade)?;
+        Some(Peer { core })
+    }
+
+    /// The oldest undelivered notification, without waiting.
+    pub fn try_notification(&self) -> Option<Notification> {
+        self.core.host.notifications.try_pop()
+    }
+
+    /// Waits up to `timeout` for a notification (blocking the thread).
+    pub fn wait_notification(&self, timeout: Duration) -> Option<Notification> {
+        self.core.host.notifications.wait(timeout)
+    }
+
+    /// The next notification, as a future.
+    pub fn next_notification(&self) -> NextNotification<'_> {
+        NextNotification {
+            queue: &self.core.host.notifications,
+        }
+    }
+
+    /// Occupancy now.
+    pub fn report(&self) -> AgentReport {
+        let (registrations, registered_bytes) = self.core.host.registry.stats();
+        let peers = lock(&self.core.peers)
+            .values()
+            .filter(|w| w.strong_count() > 0)
+            .count();
+        AgentReport {
+            registrations,
+            registered_bytes,
+            peers,
+            in_flight: self.core.in_flight.load(Ordering::Acquire),
+        }
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        self.core.host.closed.store(true, Ordering::Release);
+        self.core.transport.shutdown();
+    }
+}
+
+impl fmt::Debug for Agent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Agent")
+            .field("name", &self.name())
+            .field("kind", &self.kind())
+            .field("report", &self.report())
+            .finish()
+    }
+}
+
+/// A notification from a peer, delivered after the data of its transfer landed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Notification {
+    /// The sending agent's name.
+    pub from: String,
+    /// The message.
+    pub msg: Vec<u8>,
+}
+
+#[derive(Default)]
+pub(crate) struct Notifications {
+    queue: Mutex<(VecDeque<Notification>, Vec<Waker>)>,
+    ready: Condvar,
+}
+
+impl Notifications {
+    pub(crate) fn push(&self, from: String, msg: Vec<u8>) {
+        let wakers = {
+            let mut q = lock(&self.queue);
+            q.0.push_back(Notification { from, msg });
+            std::mem::take(&mut q.1)
+        };
+        self.ready.notify_all();
+        for w in wakers {
+            w.wake();
+        }
+    }
+
+    fn try_pop(&self) -> Option<Notification> {
+        lock(&self.queue).0.pop_front()
+    }
+
+    fn wait(&self, timeout: Duration) -> Option<Notification> {
+        let deadline = Instant::now() + timeout;
+        let mut q = lock(&self.queue);
+        loop {
+            if let Some(n) = q.0.pop_front() {
+                return Some(n);
+            }
+            let left = deadline.checked_duration_since(Instant::now())?;
+            q = self
+                .ready
+                .wait_timeout(q, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+}
+
+/// Future of [`Agent::next_notification`].
+#[must_use = "futures do nothing unless polled"]
+pub struct NextNotification<'a> {
+    queue: &'a Notifications,
+}
+
+impl Future for NextNotification<'_> {
+    type Output = Notification;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Notification> {
+        let mut q = lock(&self.queue.queue);
+        match q.0.pop_front() {
+            Some(n) => Poll::Ready(n),
+            None => {
+                if !q.1.iter().any(|w| w.will_wake(cx.waker())) {
+                    q.1.push(cx.waker().clone());
+                }
+                Poll::Pending
+            }
+        }
+    }
+}
+
+/// The registration table: by id for target-side validation, by range for the cache.
+#[derive(Default)]
+pub(crate) struct Registry {
+    table: Mutex<Table>,
+}
+
+#[derive(Default)]
+struct Table {
+    by_id: HashMap<u64, Weak<RegEntry>>,
+    /// (region id, offset, registration id) -> length.
+    by_range: BTreeMap<(u64, u64, u64), u64>,
+}
+
+impl Registry {
+    /// A live registration of `region` covering `offset..offset + len`.
+    fn find(&self, region: u64, offset: u64, len: u64) -> Option<Arc<RegEntry>> {
+        let t = lock(&self.table);
+        let end = offset + len;
+        t.by_range
+            .range((region, 0, 0)..=(region, offset, u64::MAX))
+            .rev()
+            .filter(|(&(_, start, _), &l)| start + l >= end)
+            .find_map(|(&(_, _, id), _)| t.by_id.get(&id).and_then(Weak::upgrade))
+    }
+
+    fn insert(&self, entry: &Arc<RegEntry>) {
+        let mut t = lock(&self.table);
+        t.by_id.insert(entry.id, Arc::downgrade(entry));
+        t.by_range
+            .insert((entry.region.id(), entry.offset, entry.id), entry.len);
+    }
+
+    fn remove(&self, entry: &RegEntry) {
+        let mut t = lock(&self.table);
+        t.by_id.remove(&entry.id);
+        t.by_range
+            .remove(&(entry.region.id(), entry.offset, entry.id));
+    }
+
+    fn remote_regs(&self) -> Vec<RemoteReg> {
+        let t = lock(&self.table);
+        let mut regs: Vec<RemoteReg> = t
+            .by_id
+            .values()
+            .filter_map(Weak::upgrade)
+            .map(|e| RemoteReg {
+                id: e.id,
+                len: e.len,
+                key: e.key.clone(),
+            })
+            .collect();
+        drop(t);
+        regs.sort_unstable_by_key(|r| r.id);
+        regs
+    }
+
+    fn stats(&self) -> (usize, u64) {
+        let t = lock(&self.table);
+        (t.by_range.len(), t.by_range.values().sum())
+    }
+
+    /// Pins every span's registration into `grant`. Never drops an `Arc<RegEntry>` while the
+    /// table is locked (that would re-enter the lock from `RegEntry::drop`).
+    pub(crate) fn pin_spans(
+        &self,
+        grant: &mut Grant,
+        spans: impl IntoIterator<Item = (u64, u64, u64)>,
+    ) -> Result<(), RejectReason> {
+        let t = lock(&self.table);
+        for (reg, offset, len) in spans {
+            let entry = match grant.pins.last() {
+                Some(last) if last.id == reg => last,
+                _ => {
+                    let found = t
+                        .by_id
+                        .get(&reg)
+                        .and_then(Weak::upgrade)
+                        .ok_or(RejectReason::UnknownRegistration)?;
+                    grant.pins.push(found);
+                    grant.pins.last().ok_or(RejectReason::Malformed)?
+                }
+            };
+            if len == 0 {
+                return Err(RejectReason::Malformed);
+            }
+            match offset.checked_add(len) {
+                Some(end) if end <= entry.len => {}
+                _ => return Err(RejectReason::OutOfRange),
+            }
+            grant
+                .spans
+                .push((entry.base() as usize + offset as usize, len));
+        }
+        Ok(())
+    }
+}
+
+/// One live registration, shared by every guard, descriptor and in-flight transfer on it.
+pub(crate) struct RegEntry {
+    pub(crate) id: u64,
+    pub(crate) agent_id: u64,
+    region: Region,
+    offset: u64,
+    pub(crate) len: u64,
+    key: Vec<u8>,
+    transport: Arc<dyn Transport>,
+    host: Weak<HostShared>,
+}
+
+impl RegEntry {
+    pub(crate) fn base(&self) -> *mut u8 {
+        self.region.as_ptr().wrapping_add(self.offset as usize)
+    }
+}
+
+impl Drop for RegEntry {
+    fn drop(&mut self) {
+        if let Some(host) = self.host.upgrade() {
+            host.registry.remove(self);
+        }
+        self.transport.deregister(self.id);
+    }
+}
+
+/// A registration guard: a window onto a registered range. Cloning is cheap; the range is
+/// deregistered when the last guard, descriptor and transfer on it are gone.
+#[derive(Clone)]
+#[must_use = "dropping the last guard deregisters the memory"]
+pub struct Registration {
+    pub(crate) entry: Arc<RegEntry>,
+    /// Window start, relative to the registration.
+    start: u64,
+    len: u64,
+}
+
+impl Registration {
+    /// The registration's id, as peers name it.
+    pub fn id(&self) -> u64 {
+        self.entry.id
+    }
+
+    /// Length of this window.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Always false.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Where this window starts inside the registration that peers see (non-zero when the
+    /// cache answered with a larger registration).
+    pub fn offset_in_registration(&self) -> u64 {
+        self.start
+    }
+
+    /// The region this registration covers.
+    pub fn region(&self) -> &Region {
+        &self.entry.region
+    }
+
+    /// Address of the window's first byte.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.entry.base().wrapping_add(self.start as usize)
+    }
+
+    fn window(&self, offset: u64, len: u64) -> Result<u64, DescError> {
+        if len == 0 {
+            return Err(DescError::Empty);
+        }
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(self.start + offset),
+            _ => Err(DescError::OutOfRange {
+                reg: self.entry.id,
+                offset,
+                len,
+                reg_len: self.len,
+            }),
+        }
+    }
+
+    /// A local descriptor of `len` bytes at `offset` in this window.
+    pub fn desc(&self, offset: u64, len: u64) -> Result<LocalDesc, DescError> {
+        Ok(LocalDesc {
+            offset: self.window(offset, len)?,
+            reg: self.entry.clone(),
+            len,
+            keep: None,
+        })
+    }
+
+    /// Like [`Registration::desc`], also keeping `keep` alive as long as the descriptor and
+    /// any transfer using it.
+    pub fn desc_keeping(
+        &self,
+        offset: u64,
+        len: u64,
+        keep: KeepAlive,
+    ) -> Result<LocalDesc, DescError> {
+        let mut d = self.desc(offset, len)?;
+        d.keep = Some(keep);
+        Ok(d)
+    }
+
+    /// The same range as a peer names it, to send to the peer.
+    pub fn remote(&self, offset: u64, len: u64) -> Result<RemoteDesc, DescError> {
+        Ok(RemoteDesc::new(
+            self.entry.id,
+            self.window(offset, len)?,
+            len,
+        ))
+    }
+}
+
+impl fmt::Debug for Registration {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Registration")
+            .field("id", &self.entry.id)
+            .field("start", &self.start)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+/// A peer's registrations as its latest metadata announced them: id -> length.
+pub(crate) struct RegTable {
+    lens: HashMap<u64, u64>,
+}
+
+impl RegTable {
+    fn new(regs: &[RemoteReg]) -> Self {
+        Self {
+            lens: regs.iter().map(|r| (r.id, r.len)).collect(),
+        }
+    }
+
+    pub(crate) fn len_of(&self, id: u64) -> Option<u64> {
+        self.lens.get(&id).copied()
+    }
+}
+
+/// A handle on a remote agent. Cloning is cheap; the connection closes when the last handle
+/// and the last transfer with the peer are gone.
+#[derive(Clone)]
+pub struct Peer {
+    pub(crate) core: Arc<PeerCore>,
+}
+
+pub(crate) struct PeerCore {
+    pub(crate) name: Arc<str>,
+    pub(crate) agent: Arc<AgentCore>,
+    pub(crate) conn: Arc<dyn Connection>,
+    pub(crate) regs: Mutex<Arc<RegTable>>,
+}
+
+impl Drop for PeerCore {
+    fn drop(&mut self) {
+        self.conn.close();
+        let mut peers = lock(&self.agent.peers);
+        if peers
+            .get(&*self.name)
+            .is_some_and(|w| w.strong_count() == 0)
+        {
+            peers.remove(&*self.name);
+        }
+    }
+}
+
+impl Peer {
+    /// The peer agent's name.
+    pub fn name(&self) -> &str {
+        &self.core.name
+    }
+
+    /// Whether the peer's latest metadata announced registration `id`, and its length.
+    pub fn registration_len(&self, id: u64) -> Option<u64> {
+        lock(&self.core.regs).len_of(id)
+    }
+
+    /// Validates and coalesces a descriptor pair list once, to post it many times.
+    pub fn prepare(
+        &self,
+        op: Op,
+        local: &[LocalDesc],
+        remote: &[RemoteDesc],
+    ) -> Result<Prepared, TransferError> {
+        Prepared::new(self.core.clone(), op, local, remote)
+    }
+
+    /// Copies each `local[i]` to `remote[i]` (pairwise equal lengths), then delivers `notify`
+    /// to the peer. Every remote descriptor is checked against the peer's metadata before a
+    /// byte moves.
+    pub fn write(
+        &self,
+        local: &[LocalDesc],
+        remote: &[RemoteDesc],
+        notify: Option<&[u8]>,
+    ) -> Result<Transfer, TransferError> {
+        self.prepare(Op::Write, local, remote)?.post(notify)
+    }
+
+    /// Copies each `remote[i]` into `local[i]` (pairwise equal lengths), then delivers
+    /// `notify` to the peer.
+    pub fn read(
+        &self,
+        local: &[LocalDesc],
+        remote: &[RemoteDesc],
+        notify: Option<&[u8]>,
+    ) -> Result<Transfer, TransferError> {
+        self.prepare(Op::Read, local, remote)?.post(notify)
+    }
+
+    /// Sends a notification alone.
+    pub fn notify(&self, msg: &[u8]) -> Result<Transfer, TransferError> {
+        self.prepare(Op::Write, &[], &[])?.post(Some(msg))
+    }
+}
+
+impl fmt::Debug for Peer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Peer").field("name", &self.name()).finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::Xfer;
+    use crate::error::BackendError;
+    use crate::sync::{model, thread};
+
+    /// An engine that only counts registrations.
+    #[derive(Default)]
+    struct Counting {
+        live: Mutex<i64>,
+    }
+
+    impl Transport for Arc<Counting> {
+        fn kind(&self) -> &'static str {
+            "counting"
+        }
+        fn start(&self, _: Host) -> Result<(), BackendError> {
+            Ok(())
+        }
+        fn register(&self, _: &RegInfo<'_>) -> Result<Vec<u8>, RegisterError> {
+            *lock(&self.live) += 1;
+            Ok(Vec::new())
+        }
+        fn deregister(&self, _: u64) {
+            *lock(&self.live) -= 1;
+        }
+        fn address(&self) -> Vec<u8> {
+            Vec::new()
+        }
+        fn connect(&self, _: &PeerInfo) -> Result<Arc<dyn Connection>, BackendError> {
+            Err(BackendError::new("counting", "no peers"))
+        }
+        fn shutdown(&self) {}
+    }
+
+    struct Nothing;
+    impl Connection for Nothing {
+        fn post(&self, _: Xfer) {}
+    }
+
+    #[test]
+    fn cache_answers_sub_ranges_and_refcounts() {
+        let engine = Arc::new(Counting::default());
+        let agent = Agent::new("a", engine.clone()).unwrap();
+        let region = Region::anonymous(1 << 16).unwrap();
+        let whole = agent.register(&region).unwrap();
+        let part = agent.register_range(&region, 4096, 100).unwrap();
+        assert_eq!(part.id(), whole.id());
+        assert_eq!(part.offset_in_registration(), 4096);
+        assert_eq!(
+            part.remote(10, 5).unwrap(),
+            RemoteDesc::new(whole.id(), 4106, 5)
+        );
+        assert!(part.desc(0, 101).is_err());
+        assert!(part.desc(0, 0).is_err());
+        assert_eq!(*lock(&engine.live), 1);
+        let desc = whole.desc(0, 10).unwrap();
+        drop((whole, part));
+        assert_eq!(agent.report().registrations, 1, "the descriptor keeps it");
+        drop(desc);
+        assert_eq!(agent.report().registrations, 0);
+        assert_eq!(*lock(&engine.live), 0);
+        let other = Region::anonymous(100).unwrap();
+        assert!(agent.register_range(&other, 50, 51).is_err());
+        let _ = Nothing;
+    }
+
+    #[test]
+    fn bad_names_are_errors() {
+        assert!(Agent::new("", Arc::new(Counting::default())).is_err());
+        assert!(Agent::new(&"x".repeat(256), Arc::new(Counting::default())).is_err());
+    }
+
+    /// Registering and dropping the same range on two threads: the engine sees balanced
+    /// register/deregister calls, and the table ends empty, whatever the interleaving.
+    #[test]
+    fn loom_registration_cache_refcounts() {
+        model(|| {
+            let engine = Arc::new(Counting::default());
+            let agent = Arc::new(Agent::new("a", engine.clone()).unwrap());
+            let region = Region::anonymous(4096).unwrap();
+            let threads: Vec<_> = (0..2)
+                .map(|_| {
+                    let agent = agent.clone();
+                    let region = region.clone();
+                    thread::spawn(move || {
+                        let r = agent.register_range(&region, 0, 64).unwrap();
+                        let d = r.desc(0, 8).unwrap();
+                        drop(r);
+                        d.reg()
+                    })
+                })
+                .collect();
+            for t in threads {
+                t.join().unwrap();
+            }
+            assert_eq!(agent.report().registrations, 0);
+            assert_eq!(*lock(&engine.live), 0);
+        });
+    }
+}

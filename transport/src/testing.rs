@@ -1,0 +1,691 @@
+//! The conformance suite every backend passes, instantiated per backend by
+//! [`conformance_suite!`](crate::conformance_suite).
+//!
+//! Each function takes a factory that makes a fresh agent of the backend under test, so that
+//! engines added later (UCX, NIXL) run the same tests from their own test binaries:
+//!
+//! ```ignore
+//! tessera_transport::conformance_suite!(ucx, |name: &str| {
+//!     tessera_transport::Agent::new(name, my_ucx::Ucx::new().unwrap()).unwrap()
+//! });
+//! ```
+//!
+//! The functions panic on failure, as tests do; they are not meant for production code.
+
+use std::time::Duration;
+
+use crate::{
+    Agent, LocalDesc, Op, Peer, Region, RegisteredPool, RejectReason, RemoteDesc, Side, Status,
+    TransferError,
+};
+
+/// Makes a fresh agent of the backend under test.
+pub type Factory<'a> = &'a dyn Fn(&str) -> Agent;
+
+/// Generous bound on how long any one transfer may take before the suite calls it a hang.
+/// It guards against hangs only; no test asserts speed.
+pub const HANG_GUARD: Duration = Duration::from_secs(120);
+
+/// Instantiates the conformance suite as a module of `#[test]`s for one backend.
+///
+/// `$make` is an expression of type `Fn(&str) -> Agent`. The test over 4 GiB moves 4 GiB of
+/// memory and is `#[ignore]`d: run it by name (`big_transfer_over_4gib`).
+#[macro_export]
+macro_rules! conformance_suite {
+    ($module:ident, $make:expr) => {
+        mod $module {
+            #[allow(unused_imports)]
+            use super::*;
+
+            fn make(name: &str) -> $crate::Agent {
+                let f = $make;
+                f(name)
+            }
+
+            #[test]
+            fn write_then_read() {
+                $crate::testing::write_then_read(&make);
+            }
+            #[test]
+            fn scatter_gather_1000() {
+                $crate::testing::scatter_gather_1000(&make);
+            }
+            #[test]
+            fn notifications() {
+                $crate::testing::notifications(&make);
+            }
+            #[test]
+            fn coalescing_and_prepared() {
+                $crate::testing::coalescing_and_prepared(&make);
+            }
+            #[test]
+            fn out_of_range_initiator() {
+                $crate::testing::out_of_range_initiator(&make);
+            }
+            #[test]
+            fn out_of_range_target() {
+                $crate::testing::out_of_range_target(&make);
+            }
+            #[test]
+            fn peer_death() {
+                $crate::testing::peer_death(&make);
+            }
+            #[test]
+            fn sparse_windows_above_4gib() {
+                $crate::testing::sparse_windows_above_4gib(&make);
+            }
+            #[test]
+            #[ignore = "moves 4 GiB; run by name"]
+            fn big_transfer_over_4gib() {
+                $crate::testing::big_transfer_over_4gib(&make);
+            }
+            #[test]
+            fn concurrent_threads() {
+                $crate::testing::concurrent_threads(&make);
+            }
+            #[test]
+            fn concurrent_tasks() {
+                $crate::testing::concurrent_tasks(&make);
+            }
+            #[test]
+            fn metadata_update() {
+                $crate::testing::metadata_update(&make);
+            }
+            #[test]
+            fn registration_cache_and_deferred_release() {
+                $crate::testing::registration_cache_and_deferred_release(&make);
+            }
+        }
+    };
+}
+
+/// A byte pattern that differs per position and per seed.
+pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+fn read(region: &Region, offset: u64, len: usize) -> Vec<u8> {
+    let mut out = vec![0u8; len];
+    region
+        .read_at(offset, &mut out)
+        .expect("read inside the region");
+    out
+}
+
+/// Two agents that know each other: (a, b, a's handle on b, b's handle on a).
+pub fn pair(make: Factory<'_>) -> (Agent, Agent, Peer, Peer) {
+    let a = make("agent-a");
+    let b = make("agent-b");
+    let (a_to_b, b_to_a) = connect(&a, &b);
+    (a, b, a_to_b, b_to_a)
+}
+
+/// Exchanges metadata both ways.
+pub fn connect(a: &Agent, b: &Agent) -> (Peer, Peer) {
+    let a_to_b = a.add_remote(&b.metadata()).expect("a adds b");
+    let b_to_a = b.add_remote(&a.metadata()).expect("b adds a");
+    (a_to_b, b_to_a)
+}
+
+fn finish(t: crate::Transfer) -> Result<(), TransferError> {
+    match t.wait_timeout(HANG_GUARD) {
+        Err(TransferError::Timeout { .. }) => panic!("transfer hung past {HANG_GUARD:?}"),
+        other => other,
+    }
+}
+
+/// WRITE a pattern to the peer, READ it back elsewhere, both directions.
+pub fn write_then_read(make: Factory<'_>) {
+    let a = make("agent-a");
+    let b = make("agent-b");
+    let ra = Region::new(1 << 20).unwrap();
+    let rb = Region::new(1 << 20).unwrap();
+    let ga = a.register(&ra).unwrap();
+    let gb = b.register(&rb).unwrap();
+    let (a_to_b, b_to_a) = connect(&a, &b);
+    let data = pattern(1, 300_000);
+    ra.write_at(100, &data).unwrap();
+    let t = a_to_b
+        .write(
+            &[ga.desc(100, data.len() as u64).unwrap()],
+            &[gb.remote(5000, data.len() as u64).unwrap()],
+            None,
+        )
+        .unwrap();
+    finish(t).unwrap();
+    assert_eq!(read(&rb, 5000, data.len()), data);
+    let t = a_to_b
+        .read(
+            &[ga.desc(600_000, data.len() as u64).unwrap()],
+            &[gb.remote(5000, data.len() as u64).unwrap()],
+            None,
+        )
+        .unwrap();
+    assert!(matches!(t.status(), Status::Pending | Status::Done));
+    finish(t).unwrap();
+    assert_eq!(read(&ra, 600_000, data.len()), data);
+    // The other direction, on the same pair of agents.
+    let t = b_to_a
+        .write(
+            &[gb.desc(0, 10).unwrap()],
+            &[ga.remote(0, 10).unwrap()],
+            None,
+        )
+        .unwrap();
+    finish(t).unwrap();
+    assert_eq!(read(&ra, 0, 10), read(&rb, 0, 10));
+    assert_eq!(a.report().in_flight, 0);
+}
+
+/// One transfer of 1,000 scattered 4 KiB descriptors, written in a shuffled order and read
+/// back gathered into one contiguous range.
+pub fn scatter_gather_1000(make: Factory<'_>) {
+    const N: u64 = 1000;
+    const SZ: u64 = 4096;
+    let (a, b, a_to_b, _b_to_a) = pair(make);
+    let ra = Region::new(N * SZ * 3).unwrap();
+    let rb = Region::new(N * SZ * 2).unwrap();
+    let ga = a.register(&ra).unwrap();
+    let gb = b.register(&rb).unwrap();
+    let a_to_b = a.add_remote(&b.metadata()).unwrap_or(a_to_b);
+    let data = pattern(2, (N * SZ) as usize);
+    ra.write_at(0, &data).unwrap();
+    // Local i (contiguous) goes to remote slot perm(i), every other 4 KiB slot.
+    let perm = |i: u64| (i * 7919) % N;
+    let local: Vec<LocalDesc> = (0..N).map(|i| ga.desc(i * SZ, SZ).unwrap()).collect();
+    let remote: Vec<RemoteDesc> = (0..N)
+        .map(|i| gb.remote(perm(i) * 2 * SZ, SZ).unwrap())
+        .collect();
+    finish(a_to_b.write(&local, &remote, None).unwrap()).unwrap();
+    for i in [0, 1, 499, 998, 999] {
+        let off = (i * SZ) as usize;
+        assert_eq!(
+            read(&rb, perm(i) * 2 * SZ, SZ as usize),
+            &data[off..off + SZ as usize],
+            "slot {i}"
+        );
+    }
+    // Gather back into [N*SZ, 2*N*SZ) of a.
+    let local: Vec<LocalDesc> = (0..N).map(|i| ga.desc((N + i) * SZ, SZ).unwrap()).collect();
+    finish(a_to_b.read(&local, &remote, None).unwrap()).unwrap();
+    assert_eq!(read(&ra, N * SZ, (N * SZ) as usize), data);
+    drop(b);
+}
+
+/// Notifications arrive after the data landed, with the sender's name; a notification can be
+/// sent alone.
+pub fn notifications(make: Factory<'_>) {
+    let a = make("agent-a");
+    let b = make("agent-b");
+    let ra = Region::new(1 << 16).unwrap();
+    let rb = Region::new(1 << 16).unwrap();
+    let ga = a.register(&ra).unwrap();
+    let gb = b.register(&rb).unwrap();
+    let (a_to_b, _b_to_a) = connect(&a, &b);
+    let data = pattern(3, 50_000);
+    ra.write_at(0, &data).unwrap();
+    let t = a_to_b
+        .write(
+            &[ga.desc(0, 50_000).unwrap()],
+            &[gb.remote(1000, 50_000).unwrap()],
+            Some(b"batch-7 ready"),
+        )
+        .unwrap();
+    let n = b
+        .wait_notification(HANG_GUARD)
+        .expect("notification arrives");
+    // Read the target's memory as soon as the notification is seen: the data must be there.
+    assert_eq!(read(&rb, 1000, 50_000), data);
+    assert_eq!(n.from, "agent-a");
+    assert_eq!(n.msg, b"batch-7 ready");
+    finish(t).unwrap();
+    finish(a_to_b.notify(b"just a note").unwrap()).unwrap();
+    let n = b.wait_notification(HANG_GUARD).expect("bare notification");
+    assert_eq!(n.msg, b"just a note");
+    // A READ may carry one too.
+    finish(
+        a_to_b
+            .read(
+                &[ga.desc(0, 8).unwrap()],
+                &[gb.remote(0, 8).unwrap()],
+                Some(b"read"),
+            )
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(b.wait_notification(HANG_GUARD).unwrap().msg, b"read");
+    assert!(b.try_notification().is_none());
+    let big = vec![0u8; crate::MAX_NOTIFICATION + 1];
+    assert!(matches!(
+        a_to_b.notify(&big),
+        Err(TransferError::NotificationTooLarge { .. })
+    ));
+}
+
+/// 10,000 contiguous 64-byte views coalesce into one segment; the prepared transfer posts many
+/// times and moves the right bytes.
+pub fn coalescing_and_prepared(make: Factory<'_>) {
+    let a = make("agent-a");
+    let b = make("agent-b");
+    let ra = Region::new(1 << 20).unwrap();
+    let rb = Region::new(1 << 20).unwrap();
+    let ga = a.register(&ra).unwrap();
+    let gb = b.register(&rb).unwrap();
+    let (a_to_b, _) = connect(&a, &b);
+    let local: Vec<LocalDesc> = (0..10_000).map(|i| ga.desc(i * 64, 64).unwrap()).collect();
+    let remote: Vec<RemoteDesc> = (0..10_000)
+        .map(|i| gb.remote(4096 + i * 64, 64).unwrap())
+        .collect();
+    let prepared = a_to_b.prepare(Op::Write, &local, &remote).unwrap();
+    assert_eq!(prepared.plan().segments().len(), 1);
+    assert_eq!(prepared.plan().bytes(), 640_000);
+    for round in 0..5u64 {
+        let data = pattern(10 + round, 640_000);
+        ra.write_at(0, &data).unwrap();
+        finish(prepared.post(None).unwrap()).unwrap();
+        assert_eq!(read(&rb, 4096, 640_000), data);
+    }
+    // Shuffled order coalesces too.
+    let mut idx: Vec<usize> = (0..10_000).collect();
+    idx.reverse();
+    let l2: Vec<LocalDesc> = idx.iter().map(|&i| local[i].clone()).collect();
+    let r2: Vec<RemoteDesc> = idx.iter().map(|&i| remote[i]).collect();
+    let p2 = a_to_b.prepare(Op::Read, &l2, &r2).unwrap();
+    assert_eq!(p2.plan().segments().len(), 1);
+}
+
+/// Remote descriptors outside what the peer announced are refused before a byte moves.
+pub fn out_of_range_initiator(make: Factory<'_>) {
+    let (a, b, a_to_b, _) = pair(make);
+    let ra = Region::new(1 << 16).unwrap();
+    let rb = Region::new(1 << 16).unwrap();
+    let ga = a.register(&ra).unwrap();
+    let gb = b.register(&rb).unwrap();
+    let a_to_b = a.add_remote(&b.metadata()).unwrap_or(a_to_b);
+    rb.fill(0, 1 << 16, 0xAB).unwrap();
+    let local = [ga.desc(0, 100).unwrap()];
+    let past_end = [RemoteDesc::new(gb.id(), (1 << 16) - 50, 100)];
+    match a_to_b.write(&local, &past_end, None) {
+        Err(TransferError::OutOfRange {
+            side: Side::Remote,
+            index: 0,
+            ref peer,
+            ..
+        }) => assert_eq!(peer, "agent-b"),
+        other => panic!("expected out of range, got {other:?}"),
+    }
+    let wrapping = [RemoteDesc::new(gb.id(), u64::MAX - 10, 100)];
+    assert!(matches!(
+        a_to_b.read(&local, &wrapping, None),
+        Err(TransferError::OutOfRange { .. })
+    ));
+    let unknown = [RemoteDesc::new(gb.id() + 1_000_000, 0, 100)];
+    assert!(matches!(
+        a_to_b.write(&local, &unknown, None),
+        Err(TransferError::UnknownRegistration { .. })
+    ));
+    let short = [RemoteDesc::new(gb.id(), 0, 99)];
+    assert!(matches!(
+        a_to_b.write(&local, &short, None),
+        Err(TransferError::Mismatch { .. })
+    ));
+    assert!(matches!(
+        a_to_b.write(&local, &[], None),
+        Err(TransferError::Mismatch { .. })
+    ));
+    // A local descriptor of another agent is refused.
+    let gb_local = [gb.desc(0, 100).unwrap()];
+    assert!(matches!(
+        a_to_b.write(&gb_local, &[gb.remote(0, 100).unwrap()], None),
+        Err(TransferError::Mismatch { .. })
+    ));
+    assert_eq!(read(&rb, 0, 16), vec![0xAB; 16], "nothing moved");
+    assert_eq!(a.report().in_flight, 0);
+}
+
+/// The target validates every request against its live registrations: a peer holding stale
+/// or forged metadata is refused, and nothing outside a registration is touched.
+pub fn out_of_range_target(make: Factory<'_>) {
+    let a = make("agent-a");
+    let b = make("agent-b");
+    let ra = Region::new(1 << 16).unwrap();
+    let rb = Region::new(1 << 17).unwrap();
+    let ga = a.register(&ra).unwrap();
+    // b registers only the first half of its region; the second half is a canary.
+    let gb = b.register_range(&rb, 0, 1 << 16).unwrap();
+    rb.fill(0, 1 << 17, 0xCD).unwrap();
+    let _ = a.add_remote(&b.metadata()).unwrap();
+    // Forge b's metadata: claim its registration is twice as long.
+    let mut info = crate::metadata::decode(&b.metadata()).unwrap();
+    for r in &mut info.regs {
+        r.len *= 2;
+    }
+    let a_to_b = a.add_remote(&crate::metadata::encode(&info)).unwrap();
+    let local = [ga.desc(0, 4096).unwrap()];
+    let beyond = [RemoteDesc::new(gb.id(), 1 << 16, 4096)];
+    for op in [Op::Write, Op::Read] {
+        let t = a_to_b
+            .prepare(op, &local, &beyond)
+            .unwrap()
+            .post(None)
+            .unwrap();
+        match finish(t) {
+            Err(TransferError::Rejected {
+                reason: RejectReason::OutOfRange,
+                ref peer,
+            }) => assert_eq!(peer, "agent-b"),
+            other => panic!("expected a target-side rejection, got {other:?}"),
+        }
+    }
+    assert_eq!(read(&rb, 1 << 16, 4096), vec![0xCD; 4096], "canary intact");
+    // A registration the target dropped is refused too, even though a still knows it.
+    let gone = b.register(&Region::new(4096).unwrap()).unwrap();
+    let a_to_b = a.add_remote(&b.metadata()).unwrap();
+    let stale = [gone.remote(0, 4096).unwrap()];
+    drop(gone);
+    let t = a_to_b.write(&local, &stale, None).unwrap();
+    assert!(matches!(
+        finish(t),
+        Err(TransferError::Rejected {
+            reason: RejectReason::UnknownRegistration,
+            ..
+        })
+    ));
+    // The connection still works afterwards.
+    finish(
+        a_to_b
+            .write(&local, &[gb.remote(0, 4096).unwrap()], None)
+            .unwrap(),
+    )
+    .unwrap();
+}
+
+/// The target dies with transfers in flight: every transfer resolves (done or a peer error,
+/// never a hang), later ones fail, and the survivor leaks no registration.
+pub fn peer_death(make: Factory<'_>) {
+    let a = make("agent-a");
+    let b = make("agent-b");
+    let len: u64 = 8 << 20;
+    let ra = Region::new(len).unwrap();
+    let rb = Region::new(len).unwrap();
+    let ga = a.register(&ra).unwrap();
+    let gb = b.register(&rb).unwrap();
+    let (a_to_b, _) = connect(&a, &b);
+    let local = [ga.desc(0, len).unwrap()];
+    let remote = [gb.remote(0, len).unwrap()];
+    let before = a.report();
+    let in_flight: Vec<_> = (0..8)
+        .map(|i| {
+            let op = if i % 2 == 0 { Op::Write } else { Op::Read };
+            a_to_b
+                .prepare(op, &local, &remote)
+                .unwrap()
+                .post(None)
+                .unwrap()
+        })
+        .collect();
+    drop(gb);
+    drop(b);
+    for t in in_flight {
+        match finish(t) {
+            Ok(()) | Err(TransferError::PeerGone { .. }) => {}
+            Err(TransferError::Rejected {
+                reason: RejectReason::ShuttingDown | RejectReason::UnknownRegistration,
+                ..
+            }) => {}
+            Err(e) => panic!("unexpected error {e}"),
+        }
+    }
+    // Later transfers fail with an error that names the peer.
+    let mut failed = None;
+    for _ in 0..50 {
+        match finish(a_to_b.write(&local, &remote, None).unwrap()) {
+            Err(e) => {
+                failed = Some(e);
+                break;
+            }
+            Ok(()) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+    let e = failed.expect("writes to a dead peer fail");
+    assert_eq!(e.peer(), "agent-b");
+    assert!(
+        matches!(
+            e,
+            TransferError::PeerGone { .. } | TransferError::Rejected { .. }
+        ),
+        "{e}"
+    );
+    assert_eq!(a.report().in_flight, 0);
+    assert_eq!(a.report().registrations, before.registrations);
+    drop((local, ga, a_to_b));
+    assert_eq!(a.report().registrations, 0, "no registration leaked");
+}
+
+/// Descriptors above 4 GiB in sparse regions: offsets and lengths are 64-bit throughout.
+pub fn sparse_windows_above_4gib(make: Factory<'_>) {
+    let (a, b, _, _) = pair(make);
+    let len: u64 = (5 << 30) + 4096;
+    let ra = Region::new(len).unwrap();
+    let rb = Region::new(len).unwrap();
+    let ga = a.register(&ra).unwrap();
+    let gb = b.register(&rb).unwrap();
+    let a_to_b = a.add_remote(&b.metadata()).unwrap();
+    let offsets = [(4u64 << 30) + 1, (4 << 30) + (1 << 29), len - 4096];
+    for (i, &off) in offsets.iter().enumerate() {
+        ra.write_at(off, &pattern(20 + i as u64, 4096)).unwrap();
+    }
+    let local: Vec<LocalDesc> = offsets.iter().map(|&o| ga.desc(o, 4096).unwrap()).collect();
+    let remote: Vec<RemoteDesc> = offsets
+        .iter()
+        .map(|&o| gb.remote(o - 1, 4096).unwrap())
+        .collect();
+    finish(a_to_b.write(&local, &remote, None).unwrap()).unwrap();
+    for (i, &off) in offsets.iter().enumerate() {
+        assert_eq!(read(&rb, off - 1, 4096), pattern(20 + i as u64, 4096));
+    }
+    // A single descriptor longer than 4 GiB validates and coalesces without truncation.
+    let big = (4u64 << 30) + 8192;
+    let l = [
+        ga.desc(0, big / 2).unwrap(),
+        ga.desc(big / 2, big / 2).unwrap(),
+    ];
+    let r = [
+        gb.remote(4096, big / 2).unwrap(),
+        gb.remote(4096 + big / 2, big / 2).unwrap(),
+    ];
+    let p = a_to_b.prepare(Op::Write, &l, &r).unwrap();
+    assert_eq!(p.plan().segments().len(), 1);
+    assert_eq!(p.plan().segments()[0].len, big);
+}
+
+/// One WRITE of more than 4 GiB from sparse private memory into a sparse shared region: 4 GiB
+/// of RAM once, and about as many bytes copied.
+pub fn big_transfer_over_4gib(make: Factory<'_>) {
+    let (a, b, _, _) = pair(make);
+    let len: u64 = (4 << 30) + 3 * 4096;
+    let src = Region::anonymous(len).unwrap();
+    let dst = Region::new(len).unwrap();
+    let ga = a.register(&src).unwrap();
+    let gb = b.register(&dst).unwrap();
+    let a_to_b = a.add_remote(&b.metadata()).unwrap();
+    let marks = [7u64, (1 << 32) - 3, (1 << 32) + 5, len - 9];
+    for (i, &m) in marks.iter().enumerate() {
+        src.write_at(m, &[i as u8 + 1; 4]).unwrap();
+    }
+    dst.write_at(1 << 31, b"gone").unwrap();
+    let t = a_to_b
+        .write(
+            &[ga.desc(0, len).unwrap()],
+            &[gb.remote(0, len).unwrap()],
+            Some(b"big"),
+        )
+        .unwrap();
+    finish(t).unwrap();
+    for (i, &m) in marks.iter().enumerate() {
+        assert_eq!(read(&dst, m, 4), vec![i as u8 + 1; 4], "mark at {m}");
+    }
+    assert_eq!(read(&dst, 1 << 31, 4), vec![0; 4], "overwritten");
+    assert_eq!(b.wait_notification(HANG_GUARD).unwrap().msg, b"big");
+}
+
+/// Several threads transfer on the same peer at once, each to its own range.
+pub fn concurrent_threads(make: Factory<'_>) {
+    let (a, b, a_to_b, _) = pair(make);
+    const T: u64 = 4;
+    const CHUNK: u64 = 64 * 1024;
+    let ra = Region::new(T * CHUNK * 2).unwrap();
+    let rb = Region::new(T * CHUNK).unwrap();
+    let ga = a.register(&ra).unwrap();
+    let gb = b.register(&rb).unwrap();
+    let a_to_b = a.add_remote(&b.metadata()).unwrap_or(a_to_b);
+    std::thread::scope(|s| {
+        for t in 0..T {
+            let (ga, gb, ra, a_to_b) = (ga.clone(), gb.clone(), ra.clone(), a_to_b.clone());
+            s.spawn(move || {
+                for round in 0..20u64 {
+                    let data = pattern(100 + t * 1000 + round, CHUNK as usize);
+                    ra.write_at(t * CHUNK, &data).unwrap();
+                    let l = [ga.desc(t * CHUNK, CHUNK).unwrap()];
+                    let r = [gb.remote(t * CHUNK, CHUNK).unwrap()];
+                    finish(a_to_b.write(&l, &r, None).unwrap()).unwrap();
+                    let back = [ga.desc((T + t) * CHUNK, CHUNK).unwrap()];
+                    finish(a_to_b.read(&back, &r, None).unwrap()).unwrap();
+                    assert_eq!(read(&ra, (T + t) * CHUNK, CHUNK as usize), data);
+                }
+            });
+        }
+    });
+    assert_eq!(a.report().in_flight, 0);
+    drop(b);
+}
+
+/// Several tokio tasks await transfers (the `Future` side of [`crate::Transfer`]).
+pub fn concurrent_tasks(make: Factory<'_>) {
+    let (a, b, _, _) = pair(make);
+    const T: u64 = 8;
+    const CHUNK: u64 = 16 * 1024;
+    let ra = Region::new(T * CHUNK).unwrap();
+    let rb = Region::new(T * CHUNK).unwrap();
+    let ga = a.register(&ra).unwrap();
+    let gb = b.register(&rb).unwrap();
+    let a_to_b = a.add_remote(&b.metadata()).unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mut tasks = Vec::new();
+        for t in 0..T {
+            let (ga, gb, ra, a_to_b) = (ga.clone(), gb.clone(), ra.clone(), a_to_b.clone());
+            tasks.push(tokio::spawn(async move {
+                for round in 0..10u64 {
+                    let data = pattern(7000 + t * 100 + round, CHUNK as usize);
+                    ra.write_at(t * CHUNK, &data).unwrap();
+                    let l = [ga.desc(t * CHUNK, CHUNK).unwrap()];
+                    let r = [gb.remote(t * CHUNK, CHUNK).unwrap()];
+                    let xfer = a_to_b.write(&l, &r, None).unwrap();
+                    tokio::time::timeout(HANG_GUARD, xfer)
+                        .await
+                        .expect("no hang")
+                        .unwrap();
+                }
+            }));
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+    });
+    for t in 0..T {
+        assert_eq!(
+            read(&rb, t * CHUNK, CHUNK as usize),
+            pattern(7000 + t * 100 + 9, CHUNK as usize)
+        );
+    }
+    drop(b);
+}
+
+/// New metadata from a known peer replaces the old on the same handle.
+pub fn metadata_update(make: Factory<'_>) {
+    let (a, b, a_to_b, _) = pair(make);
+    let ra = Region::new(4096).unwrap();
+    let ga = a.register(&ra).unwrap();
+    let rb = Region::new(4096).unwrap();
+    let gb = b.register(&rb).unwrap();
+    let l = [ga.desc(0, 64).unwrap()];
+    let r = [gb.remote(0, 64).unwrap()];
+    assert!(matches!(
+        a_to_b.write(&l, &r, None),
+        Err(TransferError::UnknownRegistration { .. })
+    ));
+    let again = a.add_remote(&b.metadata()).unwrap();
+    assert_eq!(again.name(), a_to_b.name());
+    assert_eq!(a_to_b.registration_len(gb.id()), Some(4096));
+    ra.write_at(0, &pattern(5, 64)).unwrap();
+    finish(a_to_b.write(&l, &r, None).unwrap()).unwrap();
+    assert_eq!(read(&rb, 0, 64), pattern(5, 64));
+    assert_eq!(a.report().peers, 1);
+    let mismatch = Agent::new("other-kind", crate::Inproc::new()).unwrap();
+    if a.kind() != "inproc" {
+        assert!(matches!(
+            a.add_remote(&mismatch.metadata()),
+            Err(crate::ConnectError::BackendMismatch { .. })
+        ));
+    }
+    assert!(a.add_remote(&a.metadata()).is_err());
+    assert!(a.add_remote(b"garbage").is_err());
+}
+
+/// Re-registering is a cache hit; a pool block, its descriptor and a prepared transfer keep
+/// the block leased and the memory registered until the last of them is gone.
+pub fn registration_cache_and_deferred_release(make: Factory<'_>) {
+    let (a, b, _, _) = pair(make);
+    let region = Region::new(1 << 20).unwrap();
+    let g1 = a.register(&region).unwrap();
+    let g2 = a.register(&region).unwrap();
+    let g3 = a.register_range(&region, 4096, 4096).unwrap();
+    assert_eq!(g1.id(), g2.id());
+    assert_eq!(g1.id(), g3.id());
+    assert_eq!(a.report().registrations, 1);
+    drop((g1, g2, g3));
+    assert_eq!(a.report().registrations, 0);
+
+    let pool = RegisteredPool::new(&a, 1 << 20).unwrap();
+    let rb = Region::new(1 << 20).unwrap();
+    let gb = b.register(&rb).unwrap();
+    let a_to_b = a.add_remote(&b.metadata()).unwrap();
+    let block = pool.lease(5000, 64).unwrap();
+    block.write_at(0, &pattern(9, 5000)).unwrap();
+    let prepared = a_to_b
+        .prepare(
+            Op::Write,
+            &[block.desc().unwrap()],
+            &[gb.remote(0, 5000).unwrap()],
+        )
+        .unwrap();
+    drop(block);
+    assert!(
+        pool.report().used >= 5000,
+        "the prepared transfer keeps the block"
+    );
+    finish(prepared.post(None).unwrap()).unwrap();
+    assert_eq!(read(&rb, 0, 5000), pattern(9, 5000));
+    drop(prepared);
+    assert_eq!(pool.report().used, 0);
+    let reg_id = pool.registration().id();
+    drop(pool);
+    assert_eq!(
+        a.report().registrations,
+        0,
+        "registration {reg_id} released"
+    );
+}
