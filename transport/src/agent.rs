@@ -387,6 +387,12 @@ impl Registry {
             .find_map(|(&(_, _, id), _)| t.by_id.get(&id).and_then(Weak::upgrade))
     }
 
+    pub(crate) fn lookup(&self, id: u64) -> Option<(Region, u64, u64)> {
+        let entry = lock(&self.table).by_id.get(&id).and_then(Weak::upgrade)?;
+        // The lock is released before `entry` can drop.
+        Some((entry.region.clone(), entry.offset, entry.len))
+    }
+
     fn insert(&self, entry: &Arc<RegEntry>) {
         let mut t = lock(&self.table);
         t.by_id.insert(entry.id, Arc::downgrade(entry));

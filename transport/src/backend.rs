@@ -31,8 +31,6 @@ pub enum Op {
     /// Remote memory to local memory.
     Read,
 }
-
-#[allow(dead_code)] // wire codes of the socket backends, which come next
 impl Op {
     pub(crate) fn code(self) -> u8 {
         match self {
@@ -206,6 +204,12 @@ impl Host {
             grant.clear();
         }
         result
+    }
+
+    /// A live registration by id: its region, where it starts in the region and its length.
+    /// Engines that hand memory to peers (such as `shm` passing a memfd) use it.
+    pub fn registration(&self, id: u64) -> Option<(Region, u64, u64)> {
+        self.shared.registry.lookup(id)
     }
 
     /// Queues a notification from peer `from` for the agent's user.

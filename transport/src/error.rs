@@ -253,8 +253,6 @@ pub enum RejectReason {
     /// The target is shutting down.
     ShuttingDown,
 }
-
-#[allow(dead_code)] // wire codes of the socket backends, which come next
 impl RejectReason {
     pub(crate) fn code(self) -> u8 {
         match self {

@@ -166,7 +166,6 @@ impl Region {
     ///
     /// The memfd must carry the grow, shrink and seal seals and be at least `len` bytes long,
     /// so that it can never be truncated under the mapping.
-    #[allow(dead_code)] // the shm backend maps peers' regions with it
     pub(crate) fn map_sealed(fd: OwnedFd, len: u64) -> Result<Self, RegionError> {
         if len == 0 {
             return Err(RegionError::Empty);

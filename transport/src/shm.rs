@@ -1,1 +1,737 @@
-//! `shm`: not yet.
+//! `shm`: agents in different processes of one host.
+//!
+//! Regions are sealed memfd mappings. The initiator asks the target for each registration it
+//! needs; the target checks it is live and passes its memfd over a Unix socket (SCM_RIGHTS);
+//! the initiator maps it once and keeps the mapping for the connection's life. A transfer is:
+//!
+//! 1. initiator → target `XFER` with every (registration, offset, len);
+//! 2. the target validates them against its live registrations and pins them (`GRANT`), or
+//!    refuses (`REJECT`): a peer never touches memory the target does not currently register;
+//! 3. the initiator's own `memcpy` between the mappings;
+//! 4. initiator → target `DONE`, with the notification: the target unpins and delivers the
+//!    notification, after the data landed.
+//!
+//! Each connection has one progress thread per side, blocked in `recvmsg` while idle.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+use std::sync::OnceLock;
+
+use crate::backend::{Connection, Grant, Host, Op, PeerInfo, RegInfo, Transport, Xfer};
+use crate::error::{BackendError, RegisterError, RejectReason, TransferError};
+use crate::sync::{lock, next_id, Arc, AtomicBool, Mutex, Ordering, Weak};
+use crate::Region;
+
+const KIND: &str = "shm";
+
+const HELLO: u8 = 1;
+const MAP_REQ: u8 = 2;
+const MAP_OK: u8 = 3;
+const MAP_ERR: u8 = 4;
+const XFER: u8 = 5;
+const GRANT: u8 = 6;
+const REJECT: u8 = 7;
+const DONE: u8 = 8;
+const NOTIFY: u8 = 9;
+
+/// Largest message body (a transfer of about 2.8 million descriptors).
+const MAX_BODY: usize = 64 << 20;
+const HEADER: usize = 8;
+
+/// The shared-memory backend. Only memfd-backed regions ([`Region::new`]) can be the target
+/// of a transfer; any region can be the local side.
+pub struct Shm {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    name: String,
+    host: OnceLock<Host>,
+    closed: AtomicBool,
+    /// Every live socket, to shut down with the engine.
+    sockets: Mutex<Vec<Weak<UnixStream>>>,
+}
+
+impl Shm {
+    /// A new engine listening on an abstract Unix socket named after the process.
+    pub fn new() -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                name: format!("tessera-shm-{}-{}", std::process::id(), next_id()),
+                host: OnceLock::new(),
+                closed: AtomicBool::new(false),
+                sockets: Mutex::new(Vec::new()),
+            }),
+        }
+    }
+}
+
+impl Default for Shm {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl std::fmt::Debug for Shm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shm")
+            .field("address", &self.inner.name)
+            .finish()
+    }
+}
+
+fn backend(e: impl std::fmt::Display) -> BackendError {
+    BackendError::new(KIND, e)
+}
+
+impl Inner {
+    fn track(&self, s: &Arc<UnixStream>) {
+        let mut v = lock(&self.sockets);
+        v.retain(|w| w.strong_count() > 0);
+        v.push(Arc::downgrade(s));
+    }
+}
+
+impl Transport for Shm {
+    fn kind(&self) -> &'static str {
+        KIND
+    }
+
+    fn start(&self, host: Host) -> Result<(), BackendError> {
+        self.inner
+            .host
+            .set(host)
+            .map_err(|_| backend("started twice"))?;
+        let addr = SocketAddr::from_abstract_name(self.inner.name.as_bytes()).map_err(backend)?;
+        let listener = UnixListener::bind_addr(&addr).map_err(backend)?;
+        let inner = self.inner.clone();
+        std::thread::Builder::new()
+            .name(format!("shm-accept-{}", inner.name))
+            .spawn(move || accept_loop(inner, listener))
+            .map_err(backend)?;
+        Ok(())
+    }
+
+    fn register(&self, _: &RegInfo<'_>) -> Result<Vec<u8>, RegisterError> {
+        // Nothing to do until a peer asks for the memory; private regions can still be the
+        // local side of a transfer, and the target refuses to share them.
+        Ok(Vec::new())
+    }
+
+    fn deregister(&self, _: u64) {}
+
+    fn address(&self) -> Vec<u8> {
+        self.inner.name.as_bytes().to_vec()
+    }
+
+    fn connect(&self, peer: &PeerInfo) -> Result<Arc<dyn Connection>, BackendError> {
+        let addr = SocketAddr::from_abstract_name(&peer.address).map_err(backend)?;
+        let stream = UnixStream::connect_addr(&addr)
+            .map_err(|e| backend(format!("connecting to {}: {e}", peer.name)))?;
+        let stream = Arc::new(stream);
+        self.inner.track(&stream);
+        let host = self
+            .inner
+            .host
+            .get()
+            .ok_or_else(|| backend("not started"))?;
+        let conn = Arc::new(ShmConnection {
+            peer: peer.name.clone(),
+            writer: Mutex::new(Vec::with_capacity(4096)),
+            stream: stream.clone(),
+            state: Mutex::new(State::default()),
+        });
+        let mut hello = Vec::new();
+        frame(&mut hello, HELLO, |b| {
+            b.extend_from_slice(host.name().as_bytes())
+        });
+        send_all(&stream, &hello).map_err(backend)?;
+        let reader = conn.clone();
+        std::thread::Builder::new()
+            .name(format!("shm-init-{}", peer.name))
+            .spawn(move || reader.progress())
+            .map_err(backend)?;
+        Ok(conn)
+    }
+
+    fn shutdown(&self) {
+        if self.inner.closed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        // Wake the accept loop so it sees `closed` and exits.
+        if let Ok(addr) = SocketAddr::from_abstract_name(self.inner.name.as_bytes()) {
+            let _ = UnixStream::connect_addr(&addr);
+        }
+        let sockets = std::mem::take(&mut *lock(&self.inner.sockets));
+        for s in sockets.iter().filter_map(Weak::upgrade) {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+// ----- framing -----------------------------------------------------------------------------
+
+/// Appends a message: type, three zero bytes, body length, body.
+fn frame(out: &mut Vec<u8>, ty: u8, body: impl FnOnce(&mut Vec<u8>)) {
+    let start = out.len();
+    out.extend_from_slice(&[ty, 0, 0, 0, 0, 0, 0, 0]);
+    body(out);
+    let len = (out.len() - start - HEADER) as u32;
+    out[start + 4..start + 8].copy_from_slice(&len.to_le_bytes());
+}
+
+fn send_all(stream: &UnixStream, mut data: &[u8]) -> io::Result<()> {
+    while !data.is_empty() {
+        // SAFETY: `data` is a valid readable buffer for its length; MSG_NOSIGNAL turns a dead
+        // peer into EPIPE instead of a signal.
+        let n = unsafe {
+            libc::send(
+                stream.as_raw_fd(),
+                data.as_ptr().cast(),
+                data.len(),
+                libc::MSG_NOSIGNAL,
+            )
+        };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        data = &data[n as usize..];
+    }
+    Ok(())
+}
+
+/// Sends `data` with `fd` attached (SCM_RIGHTS) to its first byte.
+fn send_with_fd(stream: &UnixStream, data: &[u8], fd: RawFd) -> io::Result<()> {
+    // u64 words keep the control buffer aligned for `cmsghdr`.
+    let mut control = [0u64; 8];
+    let mut iov = libc::iovec {
+        iov_base: data.as_ptr() as *mut libc::c_void,
+        iov_len: data.len(),
+    };
+    // SAFETY: an all-zero msghdr is valid (null pointers, zero lengths).
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    // SAFETY: CMSG_SPACE is a pure size computation.
+    msg.msg_controllen = unsafe { libc::CMSG_SPACE(size_of::<RawFd>() as u32) } as _;
+    // SAFETY: `msg` points at `control`, which is large enough (64 bytes) and aligned for one
+    // cmsghdr carrying one fd, so CMSG_FIRSTHDR is non-null and CMSG_DATA lies inside it.
+    unsafe {
+        let cmsg = libc::CMSG_FIRSTHDR(&msg);
+        (*cmsg).cmsg_level = libc::SOL_SOCKET;
+        (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+        (*cmsg).cmsg_len = libc::CMSG_LEN(size_of::<RawFd>() as u32) as _;
+        std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>(), fd);
+    }
+    let sent = loop {
+        // SAFETY: `msg` and everything it points to (iov, data, control) live across the call.
+        let n = unsafe { libc::sendmsg(stream.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
+        if n >= 0 {
+            break n as usize;
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    };
+    send_all(stream, &data[sent..])
+}
+
+/// Reads framed messages, collecting any passed file descriptors in arrival order.
+struct Reader {
+    buf: Vec<u8>,
+    start: usize,
+    end: usize,
+    fds: VecDeque<OwnedFd>,
+}
+
+impl Reader {
+    fn new() -> Self {
+        Self {
+            buf: vec![0; 64 * 1024],
+            start: 0,
+            end: 0,
+            fds: VecDeque::new(),
+        }
+    }
+
+    fn fill(&mut self, stream: &UnixStream) -> io::Result<usize> {
+        if self.start > 0 && self.start == self.end {
+            self.start = 0;
+            self.end = 0;
+        }
+        if self.end == self.buf.len() {
+            self.buf.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+        let mut control = [0u64; 16];
+        let free = &mut self.buf[self.end..];
+        let mut iov = libc::iovec {
+            iov_base: free.as_mut_ptr().cast(),
+            iov_len: free.len(),
+        };
+        // SAFETY: an all-zero msghdr is valid.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = size_of_val(&control) as _;
+        let n = loop {
+            // SAFETY: `msg` points at a writable iovec over our buffer's free tail and a
+            // writable, aligned control buffer of the stated size; all outlive the call.
+            let n = unsafe { libc::recvmsg(stream.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+            if n >= 0 {
+                break n as usize;
+            }
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        };
+        // SAFETY: `msg` was filled by recvmsg; the CMSG_* walk stays within msg_controllen,
+        // and each SCM_RIGHTS payload holds `count` descriptors that are now ours.
+        unsafe {
+            let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
+            while !cmsg.is_null() {
+                if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
+                    let data = libc::CMSG_DATA(cmsg);
+                    let bytes = (*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
+                    for i in 0..bytes / size_of::<RawFd>() {
+                        let fd = std::ptr::read_unaligned(data.cast::<RawFd>().add(i));
+                        self.fds.push_back(OwnedFd::from_raw_fd(fd));
+                    }
+                }
+                cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
+            }
+        }
+        self.end += n;
+        Ok(n)
+    }
+
+    /// The next message as (type, body range in `self.buf`), or `None` at end of stream.
+    fn next(&mut self, stream: &UnixStream) -> io::Result<Option<(u8, std::ops::Range<usize>)>> {
+        loop {
+            let avail = self.end - self.start;
+            if avail >= HEADER {
+                let h = &self.buf[self.start..self.start + HEADER];
+                let ty = h[0];
+                let len = u32::from_le_bytes([h[4], h[5], h[6], h[7]]) as usize;
+                if len > MAX_BODY {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        "message too large",
+                    ));
+                }
+                if avail >= HEADER + len {
+                    let body = self.start + HEADER..self.start + HEADER + len;
+                    self.start += HEADER + len;
+                    return Ok(Some((ty, body)));
+                }
+                if HEADER + len > self.buf.len() {
+                    self.buf.resize(HEADER + len, 0);
+                }
+            }
+            if self.fill(stream)? == 0 {
+                return Ok(None);
+            }
+        }
+    }
+}
+
+fn u64_at(b: &[u8], at: usize) -> Option<u64> {
+    Some(u64::from_le_bytes(b.get(at..at + 8)?.try_into().ok()?))
+}
+
+// ----- initiator side ----------------------------------------------------------------------
+
+struct Mapped {
+    region: Region,
+    /// Where the registration starts in the mapped memfd.
+    base: u64,
+    len: u64,
+}
+
+#[derive(Default)]
+struct State {
+    mapped: HashMap<u64, Arc<Mapped>>,
+    refused: HashSet<u64>,
+    requested: HashSet<u64>,
+    pending: HashMap<u64, Xfer>,
+    dead: Option<String>,
+}
+
+struct ShmConnection {
+    peer: String,
+    stream: Arc<UnixStream>,
+    writer: Mutex<Vec<u8>>,
+    state: Mutex<State>,
+}
+
+impl ShmConnection {
+    fn gone(&self, detail: &str) -> TransferError {
+        TransferError::PeerGone {
+            peer: self.peer.clone(),
+            detail: detail.to_owned(),
+        }
+    }
+
+    /// Fails every pending transfer; later posts fail at once.
+    fn die(&self, why: &str) {
+        let pending: Vec<Xfer> = {
+            let mut st = lock(&self.state);
+            st.dead.get_or_insert_with(|| why.to_owned());
+            st.pending.drain().map(|(_, x)| x).collect()
+        };
+        for x in pending {
+            x.done.complete(Err(self.gone(why)));
+        }
+    }
+
+    fn send(&self, build: impl FnOnce(&mut Vec<u8>)) -> io::Result<()> {
+        let mut buf = lock(&self.writer);
+        buf.clear();
+        build(&mut buf);
+        send_all(&self.stream, &buf)
+    }
+
+    fn progress(self: Arc<Self>) {
+        let mut reader = Reader::new();
+        let why = loop {
+            let (ty, body) = match reader.next(&self.stream) {
+                Ok(Some(m)) => m,
+                Ok(None) => break "connection closed".to_owned(),
+                Err(e) => break format!("connection failed: {e}"),
+            };
+            let b = &reader.buf[body];
+            match ty {
+                MAP_OK => {
+                    let (Some(reg), Some(base), Some(len)) =
+                        (u64_at(b, 0), u64_at(b, 8), u64_at(b, 16))
+                    else {
+                        break "malformed MAP_OK".to_owned();
+                    };
+                    let Some(fd) = reader.fds.pop_front() else {
+                        break "MAP_OK without a file descriptor".to_owned();
+                    };
+                    let mapped = base
+                        .checked_add(len)
+                        .ok_or(crate::RegionError::TooLarge { len })
+                        .and_then(|total| Region::map_sealed(fd, total));
+                    let mut st = lock(&self.state);
+                    st.requested.remove(&reg);
+                    match mapped {
+                        Ok(region) => {
+                            st.mapped
+                                .insert(reg, Arc::new(Mapped { region, base, len }));
+                        }
+                        Err(_) => {
+                            st.refused.insert(reg);
+                        }
+                    }
+                }
+                MAP_ERR => {
+                    let Some(reg) = u64_at(b, 0) else {
+                        break "malformed MAP_ERR".to_owned();
+                    };
+                    let mut st = lock(&self.state);
+                    st.requested.remove(&reg);
+                    st.refused.insert(reg);
+                }
+                GRANT | REJECT => {
+                    let Some(id) = u64_at(b, 0) else {
+                        break "malformed GRANT".to_owned();
+                    };
+                    let reason = b.get(8).copied().unwrap_or(0);
+                    let xfer = lock(&self.state).pending.remove(&id);
+                    let Some(xfer) = xfer else {
+                        break "GRANT for an unknown transfer".to_owned();
+                    };
+                    if ty == REJECT {
+                        xfer.done.complete(Err(TransferError::Rejected {
+                            peer: self.peer.clone(),
+                            reason: RejectReason::from_code(reason),
+                        }));
+                        continue;
+                    }
+                    self.execute(id, xfer);
+                }
+                _ => break format!("unexpected message type {ty}"),
+            }
+        };
+        self.die(&why);
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+    }
+
+    /// Copies a granted transfer, then tells the target it is done.
+    fn execute(&self, id: u64, xfer: Xfer) {
+        let copied = self.copy(&xfer);
+        let notify = xfer.notify.as_deref();
+        let sent = self.send(|out| {
+            frame(out, DONE, |b| {
+                b.extend_from_slice(&id.to_le_bytes());
+                b.push(u8::from(notify.is_some()));
+                b.extend_from_slice(notify.unwrap_or_default());
+            })
+        });
+        let result = match (copied, sent) {
+            (Err(e), _) => Err(e),
+            (Ok(()), Err(e)) => Err(self.gone(&format!("sending DONE: {e}"))),
+            (Ok(()), Ok(())) => Ok(()),
+        };
+        xfer.done.complete(result);
+    }
+
+    fn copy(&self, xfer: &Xfer) -> Result<(), TransferError> {
+        let plan = xfer.plan();
+        let mut current: Option<(u64, Arc<Mapped>)> = None;
+        for seg in plan.segments() {
+            let m = match &current {
+                Some((reg, m)) if *reg == seg.remote_reg => m.clone(),
+                _ => {
+                    let m = lock(&self.state)
+                        .mapped
+                        .get(&seg.remote_reg)
+                        .cloned()
+                        .ok_or_else(|| TransferError::Backend {
+                            peer: self.peer.clone(),
+                            source: backend(format!(
+                                "registration {} could not be mapped (private memory?)",
+                                seg.remote_reg
+                            )),
+                        })?;
+                    current = Some((seg.remote_reg, m.clone()));
+                    m
+                }
+            };
+            match seg.remote_offset.checked_add(seg.len) {
+                Some(end) if end <= m.len => {}
+                _ => {
+                    return Err(TransferError::Rejected {
+                        peer: self.peer.clone(),
+                        reason: RejectReason::OutOfRange,
+                    })
+                }
+            }
+            let remote = m
+                .region
+                .as_ptr()
+                .wrapping_add((m.base + seg.remote_offset) as usize);
+            let (src, dst) = match plan.op() {
+                Op::Write => (seg.local_ptr(), remote),
+                Op::Read => (remote, seg.local_ptr()),
+            };
+            // SAFETY: the local range lies in a registration the plan pins; the remote range
+            // was checked against the mapping (sealed, so never truncated) and the target
+            // pinned its registration for this transfer. `copy` tolerates overlap.
+            unsafe { std::ptr::copy(src, dst, seg.len as usize) };
+        }
+        Ok(())
+    }
+}
+
+impl Connection for ShmConnection {
+    fn post(&self, xfer: Xfer) {
+        if xfer.plan().segments().is_empty() {
+            if let Some(why) = lock(&self.state).dead.clone() {
+                xfer.done.complete(Err(self.gone(&why)));
+                return;
+            }
+            let msg = xfer.notify.as_deref().unwrap_or_default();
+            let sent = self.send(|out| frame(out, NOTIFY, |b| b.extend_from_slice(msg)));
+            let result = sent.map_err(|e| self.gone(&format!("sending a notification: {e}")));
+            xfer.done.complete(result);
+            return;
+        }
+        let id = next_id();
+        // Lock order: writer, then state. The progress thread never holds both, and the
+        // target always keeps reading, so a blocked send cannot deadlock.
+        let mut out = lock(&self.writer);
+        out.clear();
+        {
+            let mut st = lock(&self.state);
+            if let Some(why) = st.dead.clone() {
+                drop(st);
+                drop(out);
+                xfer.done.complete(Err(self.gone(&why)));
+                return;
+            }
+            let segments = xfer.plan().segments();
+            for seg in segments {
+                let r = seg.remote_reg;
+                if !st.mapped.contains_key(&r) && st.requested.insert(r) {
+                    st.refused.remove(&r);
+                    frame(&mut out, MAP_REQ, |b| b.extend_from_slice(&r.to_le_bytes()));
+                }
+            }
+            frame(&mut out, XFER, |b| {
+                b.extend_from_slice(&id.to_le_bytes());
+                b.push(xfer.plan().op().code());
+                b.extend_from_slice(&(segments.len() as u32).to_le_bytes());
+                for s in segments {
+                    b.extend_from_slice(&s.remote_reg.to_le_bytes());
+                    b.extend_from_slice(&s.remote_offset.to_le_bytes());
+                    b.extend_from_slice(&s.len.to_le_bytes());
+                }
+            });
+            st.pending.insert(id, xfer);
+        }
+        let sent = send_all(&self.stream, &out);
+        drop(out);
+        if let Err(e) = sent {
+            self.die(&format!("sending a request: {e}"));
+        }
+    }
+
+    fn close(&self) {
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+// ----- target side -------------------------------------------------------------------------
+
+fn accept_loop(inner: Arc<Inner>, listener: UnixListener) {
+    for stream in listener.incoming() {
+        if inner.closed.load(Ordering::Acquire) {
+            break;
+        }
+        let Ok(stream) = stream else { continue };
+        let Some(host) = inner.host.get().cloned() else {
+            break;
+        };
+        let stream = Arc::new(stream);
+        inner.track(&stream);
+        let spawned = std::thread::Builder::new()
+            .name("shm-target".into())
+            .spawn(move || serve(host, stream));
+        if spawned.is_err() {
+            continue;
+        }
+    }
+}
+
+/// Serves one initiator until it disconnects. Grants live here, so a dead initiator's pins
+/// are released when this returns.
+fn serve(host: Host, stream: Arc<UnixStream>) {
+    // Replies go through their own thread, so this one always keeps reading and an initiator
+    // blocked sending to us always makes progress.
+    let (tx, rx) = std::sync::mpsc::channel::<(Vec<u8>, Option<Region>)>();
+    let replies = stream.clone();
+    let writer = std::thread::Builder::new()
+        .name("shm-target-tx".into())
+        .spawn(move || {
+            for (msg, region) in rx {
+                let sent = match region.as_ref().and_then(Region::fd) {
+                    Some(fd) => send_with_fd(&replies, &msg, fd.as_raw_fd()),
+                    None => send_all(&replies, &msg),
+                };
+                if sent.is_err() {
+                    let _ = replies.shutdown(std::net::Shutdown::Both);
+                    break;
+                }
+            }
+        });
+    if writer.is_err() {
+        let _ = stream.shutdown(std::net::Shutdown::Both);
+        return;
+    }
+    let mut reader = Reader::new();
+    let mut grants: HashMap<u64, Grant> = HashMap::new();
+    let mut spare: Vec<Grant> = Vec::new();
+    let mut peer = String::new();
+    while let Ok(Some((ty, body))) = reader.next(&stream) {
+        let b = &reader.buf[body];
+        let mut out = Vec::new();
+        let ok = match ty {
+            HELLO => {
+                peer = String::from_utf8_lossy(b).into_owned();
+                true
+            }
+            MAP_REQ => {
+                let Some(reg) = u64_at(b, 0) else { break };
+                match host
+                    .registration(reg)
+                    .filter(|(region, _, _)| region.is_shareable())
+                {
+                    Some((region, base, len)) => {
+                        frame(&mut out, MAP_OK, |o| {
+                            o.extend_from_slice(&reg.to_le_bytes());
+                            o.extend_from_slice(&base.to_le_bytes());
+                            o.extend_from_slice(&len.to_le_bytes());
+                        });
+                        tx.send((out, Some(region))).is_ok()
+                    }
+                    None => {
+                        frame(&mut out, MAP_ERR, |o| {
+                            o.extend_from_slice(&reg.to_le_bytes())
+                        });
+                        tx.send((out, None)).is_ok()
+                    }
+                }
+            }
+            XFER => {
+                let (Some(id), Some(&op), Some(n)) = (u64_at(b, 0), b.get(8), b.get(9..13)) else {
+                    break;
+                };
+                let n = u32::from_le_bytes([n[0], n[1], n[2], n[3]]) as usize;
+                if Op::from_code(op).is_none() || b.len() != 13 + n * 24 {
+                    break;
+                }
+                let spans = (0..n).map(|i| {
+                    let at = 13 + i * 24;
+                    (
+                        u64_at(b, at).unwrap_or(0),
+                        u64_at(b, at + 8).unwrap_or(0),
+                        u64_at(b, at + 16).unwrap_or(0),
+                    )
+                });
+                let mut grant = spare.pop().unwrap_or_default();
+                match host.grant_into(&mut grant, spans) {
+                    Ok(()) => {
+                        grants.insert(id, grant);
+                        frame(&mut out, GRANT, |o| o.extend_from_slice(&id.to_le_bytes()));
+                    }
+                    Err(reason) => {
+                        spare.push(grant);
+                        frame(&mut out, REJECT, |o| {
+                            o.extend_from_slice(&id.to_le_bytes());
+                            o.push(reason.code());
+                        });
+                    }
+                }
+                tx.send((out, None)).is_ok()
+            }
+            DONE => {
+                let (Some(id), Some(&has_note)) = (u64_at(b, 0), b.get(8)) else {
+                    break;
+                };
+                if let Some(mut g) = grants.remove(&id) {
+                    g.clear();
+                    spare.push(g);
+                }
+                if has_note != 0 {
+                    host.notify(&peer, b[9..].to_vec());
+                }
+                true
+            }
+            NOTIFY => {
+                host.notify(&peer, b.to_vec());
+                true
+            }
+            _ => false,
+        };
+        if !ok {
+            break;
+        }
+    }
+    let _ = stream.shutdown(std::net::Shutdown::Both);
+    drop(grants);
+}

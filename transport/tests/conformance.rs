@@ -4,3 +4,8 @@ use tessera_transport::{conformance_suite, Agent, Inproc};
 
 conformance_suite!(inproc, |name: &str| Agent::new(name, Inproc::new())
     .unwrap());
+conformance_suite!(shm, |name: &str| Agent::new(
+    name,
+    tessera_transport::shm::Shm::new()
+)
+.unwrap());
