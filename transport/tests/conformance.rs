@@ -9,3 +9,8 @@ conformance_suite!(shm, |name: &str| Agent::new(
     tessera_transport::shm::Shm::new()
 )
 .unwrap());
+conformance_suite!(tcp, |name: &str| Agent::new(
+    name,
+    tessera_transport::tcp::Tcp::new()
+)
+.unwrap());
