@@ -467,15 +467,19 @@ async fn send_loop(
         if is_write {
             spans.extend(segs.iter().map(|s| (s.local_ptr() as usize, s.len)));
         }
+        // Hold the plan while its payload is written: if the connection fails meanwhile, the
+        // receive loop completes the transfer, and the memory must stay pinned until the
+        // write call has returned.
+        let keep = is_write.then(|| xfer.done.plan_handle());
         // Queue before writing: the response may come back before the write call returns.
         lock(&shared.pending).push_back(xfer);
         let mut sent = w.write_all(&head).await;
         if sent.is_ok() && is_write {
-            // SAFETY: the spans lie in local registrations pinned by the plan of the transfer
-            // just queued, which stays pending (and so alive) until its response arrives,
-            // and that cannot happen before the target has read this payload.
+            // SAFETY: the spans lie in local registrations pinned by the plan that `keep`
+            // holds until the write has returned.
             sent = unsafe { write_spans(&w, &spans) }.await;
         }
+        drop(keep);
         if let Err(e) = sent {
             shared.die(&format!("sending a request: {e}"));
             break;

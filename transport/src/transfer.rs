@@ -289,6 +289,16 @@ impl Completion {
             .unwrap_or_else(|| unreachable!("plan taken before completion"))
     }
 
+    /// Another handle on the plan, for an engine that may still touch the plan's memory after
+    /// the outcome is reported (say, a payload write racing the failure of its connection).
+    /// The transfer's resources are released when the last handle is dropped.
+    pub fn plan_handle(&self) -> Arc<Plan> {
+        match &self.plan {
+            Some(p) => p.clone(),
+            None => unreachable!("plan taken before completion"),
+        }
+    }
+
     /// The peer's name, for building errors.
     pub fn peer(&self) -> &str {
         &self.peer
