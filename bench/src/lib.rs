@@ -4,6 +4,7 @@
 pub mod alloc;
 pub mod report;
 pub mod timing;
+pub mod transport;
 
 pub use report::Report;
 
@@ -11,4 +12,4 @@ pub use report::Report;
 pub type Suite = (&'static str, fn(&mut Report) -> anyhow::Result<()>);
 
 /// Every suite, in the order `cargo xtask bench` runs them.
-pub const SUITES: &[Suite] = &[("alloc", alloc::run)];
+pub const SUITES: &[Suite] = &[("alloc", alloc::run), ("transport", transport::run)];

@@ -143,7 +143,7 @@ impl Pair {
     }
 
     /// Whether `next` continues `self` on both sides.
-    fn continued_by(&self, next: &Pair) -> bool {
+    pub(crate) fn continued_by(&self, next: &Pair) -> bool {
         self.local.reg == next.local.reg
             && self.remote.reg == next.remote.reg
             && self.local.offset.checked_add(self.len) == Some(next.local.offset)

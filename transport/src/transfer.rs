@@ -108,10 +108,11 @@ impl Prepared {
         }
         let table = lock(&peer.regs).clone();
         let agent_id = peer.agent.host.id;
-        let mut pairs = Vec::with_capacity(local.len());
+        let mut pairs: Vec<Pair> = Vec::with_capacity(local.len());
         let mut pins: Vec<Arc<RegEntry>> = Vec::new();
         let mut keep = Vec::new();
         let mut bytes = 0u64;
+        let mut last_remote: Option<(u64, u64)> = None;
         for (index, (l, r)) in local.iter().zip(remote).enumerate() {
             if l.len != r.len {
                 return Err(TransferError::Mismatch {
@@ -128,15 +129,22 @@ impl Prepared {
                     detail: format!("local descriptor {index} is registered with another agent"),
                 });
             }
-            let reg_len =
-                table
-                    .len_of(r.reg)
-                    .ok_or_else(|| TransferError::UnknownRegistration {
-                        peer: name(&peer),
-                        side: Side::Remote,
-                        index,
-                        reg: r.reg,
-                    })?;
+            let reg_len = match last_remote {
+                Some((id, len)) if id == r.reg => len,
+                _ => {
+                    let len =
+                        table
+                            .len_of(r.reg)
+                            .ok_or_else(|| TransferError::UnknownRegistration {
+                                peer: name(&peer),
+                                side: Side::Remote,
+                                index,
+                                reg: r.reg,
+                            })?;
+                    last_remote = Some((r.reg, len));
+                    len
+                }
+            };
             match r.end() {
                 Some(end) if end <= reg_len && r.len > 0 => {}
                 _ => {
@@ -158,7 +166,7 @@ impl Prepared {
                 keep.push(k.clone());
             }
             bytes += l.len;
-            pairs.push(Pair {
+            let pair = Pair {
                 local: Loc {
                     reg: l.reg.id,
                     offset: l.offset,
@@ -168,7 +176,13 @@ impl Prepared {
                     offset: r.offset,
                 },
                 len: l.len,
-            });
+            };
+            // Merging a pair into the one just before it is always right; `coalesce_in_place`
+            // below then handles whatever is out of order.
+            match pairs.last_mut() {
+                Some(last) if last.continued_by(&pair) => last.len += pair.len,
+                _ => pairs.push(pair),
+            }
         }
         coalesce_in_place(&mut pairs);
         pins.sort_unstable_by_key(|p| p.id);

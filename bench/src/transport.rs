@@ -1,0 +1,492 @@
+//! The `transport` suite: two processes pinned to different cores, moving registered memory
+//! over `shm` and `tcp`, against a single-thread memcpy and a raw TCP stream between the same
+//! two processes, measured in the same run.
+//!
+//! The second process is this very binary, started again with `TESSERA_BENCH_TRANSPORT_PEER`
+//! set: it runs [`peer_main`] instead of the suites.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use tessera_transport::{
+    coalesce, shm::Shm, tcp::Tcp, Agent, Loc, LocalDesc, Pair, Peer, Region, Registration,
+    RemoteDesc,
+};
+
+use crate::timing::{best_of, us};
+use crate::Report;
+
+const PEER_ENV: &str = "TESSERA_BENCH_TRANSPORT_PEER";
+const MIB: u64 = 1 << 20;
+const BIG: u64 = 256 * MIB;
+/// The peer's region: 256 MiB for the large transfers, then room for scattered slots.
+const PEER_REGION: u64 = BIG + 16 * MIB;
+const SCATTER_N: u64 = 1000;
+const SCATTER_SZ: u64 = 4096;
+const VIEWS_N: u64 = 10_000;
+const VIEWS_SZ: u64 = 1024;
+const RUNS_BIG: usize = 5;
+const RUNS_SMALL: usize = 30;
+/// The raw stream moves its 256 MiB in calls of this size (one 256 MiB call measured slower).
+const RAW_CHUNK: usize = 1 << 20;
+const PARENT_CPU: usize = 0;
+const PEER_CPU: usize = 1;
+
+/// Runs the suite, or the peer process when started as one.
+pub fn run(report: &mut Report) -> Result<()> {
+    if let Ok(kind) = std::env::var(PEER_ENV) {
+        let code = match peer_main(&kind) {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("transport bench peer: {e:#}");
+                1
+            }
+        };
+        std::process::exit(code);
+    }
+    let saved = affinity();
+    pin(PARENT_CPU)?;
+    let result = suite(report);
+    if let Some(mask) = saved {
+        restore_affinity(&mask);
+    }
+    result
+}
+
+fn suite(report: &mut Report) -> Result<()> {
+    let pinned = format!("parent pinned to cpu {PARENT_CPU}, peer process to cpu {PEER_CPU}");
+    let interleaved = format!(
+        "best of {RUNS_BIG}, rounds interleaved with its reference after one untimed warm-up"
+    );
+
+    // shm against memcpy, rounds interleaved so that load from other work hits both alike.
+    let shm = Session::start("shm")?;
+    let mut copy = Memcpy::new();
+    let (mut m, mut w, mut r) = (copy.once(), shm.big_once(true)?, shm.big_once(false)?);
+    for _ in 0..RUNS_BIG {
+        m = m.min(copy.once());
+        w = w.min(shm.big_once(true)?);
+        r = r.min(shm.big_once(false)?);
+    }
+    drop(copy);
+    let (m, w, r) = (gbps(BIG, m), gbps(BIG, w), gbps(BIG, r));
+    report.put(
+        "memcpy_256m_gbps",
+        m,
+        format!("single-thread copy_from_slice of 256 MiB between pre-touched buffers, cpu {PARENT_CPU}, {interleaved}"),
+    );
+    report.put(
+        "shm_write_256m_gbps",
+        w,
+        format!(
+            "one 256 MiB WRITE into another process's pre-touched region, {interleaved}; {pinned}"
+        ),
+    );
+    report.put(
+        "shm_read_256m_gbps",
+        r,
+        format!("one 256 MiB READ from another process, {interleaved}; {pinned}"),
+    );
+    report.put(
+        "shm_write_256m_vs_memcpy",
+        w / m,
+        "shm_write_256m_gbps / memcpy_256m_gbps, same run",
+    );
+    let s = shm.scatter()?;
+    report.put(
+        "shm_scatter_us_per_desc",
+        s,
+        format!("1,000 x 4 KiB scattered descriptors in one WRITE (validate, coalesce, post, complete), per descriptor, best of {RUNS_SMALL}"),
+    );
+    let (c, vs) = shm.views()?;
+    report.put(
+        "coalesce_10k_us",
+        c,
+        format!("coalesce() of 10,000 contiguous 1 KiB pairs into one, best of {RUNS_SMALL}"),
+    );
+    report.put(
+        "coalesced_vs_single",
+        vs,
+        format!("shm WRITE of 10,000 contiguous 1 KiB views (validated and coalesced per call) / one 10 MB descriptor, best of {RUNS_SMALL} each"),
+    );
+    drop(shm);
+
+    // tcp against a raw stream between the same two processes, interleaved likewise.
+    let tcp = Session::start("tcp")?;
+    let mut raw = tcp.raw_client()?;
+    let (mut x, mut w, mut r) = (raw.once()?, tcp.big_once(true)?, tcp.big_once(false)?);
+    for _ in 0..RUNS_BIG {
+        x = x.min(raw.once()?);
+        w = w.min(tcp.big_once(true)?);
+        r = r.min(tcp.big_once(false)?);
+    }
+    let (x, w, r) = (gbps(BIG, x), gbps(BIG, w), gbps(BIG, r));
+    report.put(
+        "tcp_write_256m_gbps",
+        w,
+        format!(
+            "one 256 MiB WRITE over loopback TCP into another process, {interleaved}; {pinned}"
+        ),
+    );
+    report.put(
+        "raw_tcp_256m_gbps",
+        x,
+        format!("plain blocking TCP stream between the same two processes: 256 MiB in 1 MiB write_all/read_exact calls + 1-byte ack, {interleaved}"),
+    );
+    report.put(
+        "tcp_write_256m_vs_raw",
+        w / x,
+        "tcp_write_256m_gbps / raw_tcp_256m_gbps, same run",
+    );
+    report.put(
+        "tcp_read_256m_gbps",
+        r,
+        format!("one 256 MiB READ over loopback TCP, {interleaved}; {pinned}"),
+    );
+    let s = tcp.scatter()?;
+    report.put(
+        "tcp_scatter_us_per_desc",
+        s,
+        format!("1,000 x 4 KiB scattered descriptors in one WRITE over TCP, per descriptor, best of {RUNS_SMALL}"),
+    );
+    Ok(())
+}
+
+fn gbps(bytes: u64, d: Duration) -> f64 {
+    bytes as f64 / d.as_secs_f64() / 1e9
+}
+
+/// The memcpy reference: two pre-touched 256 MiB buffers.
+struct Memcpy {
+    src: Vec<u8>,
+    dst: Vec<u8>,
+}
+
+impl Memcpy {
+    fn new() -> Self {
+        Self {
+            src: vec![1u8; BIG as usize],
+            dst: vec![2u8; BIG as usize],
+        }
+    }
+
+    fn once(&mut self) -> Duration {
+        let start = Instant::now();
+        self.dst.copy_from_slice(&self.src);
+        let d = start.elapsed();
+        std::hint::black_box(&self.dst);
+        d
+    }
+}
+
+/// The raw TCP reference: a plain blocking stream to the peer's sink.
+struct RawClient {
+    stream: TcpStream,
+    buf: Vec<u8>,
+}
+
+impl RawClient {
+    fn once(&mut self) -> Result<Duration> {
+        let mut ack = [0u8; 1];
+        let start = Instant::now();
+        for chunk in self.buf.chunks(RAW_CHUNK) {
+            self.stream.write_all(chunk)?;
+        }
+        self.stream.read_exact(&mut ack)?;
+        Ok(start.elapsed())
+    }
+}
+
+// ----- the parent side --------------------------------------------------------------------
+
+struct Session {
+    child: Child,
+    stdin: ChildStdin,
+    lines: std::io::Lines<BufReader<ChildStdout>>,
+    agent: Agent,
+    _region: Region,
+    reg: Registration,
+    peer: Peer,
+    peer_reg: u64,
+    raw_addr: Option<String>,
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Result<Vec<u8>> {
+    (0..s.len())
+        .step_by(2)
+        .map(|i| {
+            s.get(i..i + 2)
+                .and_then(|h| u8::from_str_radix(h, 16).ok())
+                .ok_or_else(|| anyhow!("bad hex"))
+        })
+        .collect()
+}
+
+impl Session {
+    fn start(kind: &str) -> Result<Self> {
+        let exe = std::env::current_exe()?;
+        let mut child = Command::new(exe)
+            .arg("transport")
+            .env(PEER_ENV, kind)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("starting the peer process")?;
+        let stdin = child.stdin.take().context("peer stdin")?;
+        let mut lines = BufReader::new(child.stdout.take().context("peer stdout")?).lines();
+        let mut next = || -> Result<String> {
+            lines
+                .next()
+                .ok_or_else(|| anyhow!("peer exited"))?
+                .map_err(Into::into)
+        };
+        let meta = unhex(next()?.strip_prefix("META ").context("META")?)?;
+        let peer_reg: u64 = next()?.strip_prefix("REG ").context("REG")?.parse()?;
+        let raw_addr = next()?
+            .strip_prefix("RAW ")
+            .map(str::to_owned)
+            .filter(|a| a != "-");
+        let agent = match kind {
+            "shm" => Agent::new("bench", Shm::new())?,
+            _ => Agent::new("bench", Tcp::new())?,
+        };
+        let region = Region::new(BIG + 16 * MIB)?;
+        region.fill(0, region.len(), 0x5A)?;
+        let reg = agent.register(&region)?;
+        let peer = agent.add_remote(&meta)?;
+        let mut s = Self {
+            child,
+            stdin,
+            lines,
+            agent,
+            _region: region,
+            reg,
+            peer,
+            peer_reg,
+            raw_addr,
+        };
+        let meta = hex(&s.agent.metadata());
+        s.cmd(&format!("ADD {meta}"))?;
+        Ok(s)
+    }
+
+    fn cmd(&mut self, line: &str) -> Result<String> {
+        writeln!(self.stdin, "{line}")?;
+        self.stdin.flush()?;
+        let answer = self.lines.next().ok_or_else(|| anyhow!("peer exited"))??;
+        if answer.starts_with("ERR") {
+            bail!("peer: {answer}");
+        }
+        Ok(answer)
+    }
+
+    fn timed(&self, local: &[LocalDesc], remote: &[RemoteDesc], write: bool) -> Result<Duration> {
+        let start = Instant::now();
+        let t = if write {
+            self.peer.write(local, remote, None)?
+        } else {
+            self.peer.read(local, remote, None)?
+        };
+        t.wait()?;
+        Ok(start.elapsed())
+    }
+
+    fn best(
+        &self,
+        runs: usize,
+        local: &[LocalDesc],
+        remote: &[RemoteDesc],
+        write: bool,
+    ) -> Result<Duration> {
+        // One untimed warm-up moves every page once (mappings, first touch, socket buffers).
+        self.timed(local, remote, write)?;
+        let mut best = Duration::MAX;
+        for _ in 0..runs {
+            best = best.min(self.timed(local, remote, write)?);
+        }
+        Ok(best)
+    }
+
+    fn big_once(&self, write: bool) -> Result<Duration> {
+        let local = [self.reg.desc(0, BIG)?];
+        let remote = [RemoteDesc::new(self.peer_reg, 0, BIG)];
+        self.timed(&local, &remote, write)
+    }
+
+    fn scatter(&self) -> Result<f64> {
+        // Every other 4 KiB slot on both sides, the remote order permuted: nothing coalesces.
+        let local: Vec<LocalDesc> = (0..SCATTER_N)
+            .map(|i| self.reg.desc(BIG + i * 2 * SCATTER_SZ, SCATTER_SZ))
+            .collect::<Result<_, _>>()?;
+        let remote: Vec<RemoteDesc> = (0..SCATTER_N)
+            .map(|i| {
+                let slot = (i * 7919) % SCATTER_N;
+                RemoteDesc::new(self.peer_reg, BIG + slot * 2 * SCATTER_SZ, SCATTER_SZ)
+            })
+            .collect();
+        let d = self.best(RUNS_SMALL, &local, &remote, true)?;
+        Ok(us(d) / SCATTER_N as f64)
+    }
+
+    fn views(&self) -> Result<(f64, f64)> {
+        let pairs: Vec<Pair> = (0..VIEWS_N)
+            .map(|i| Pair {
+                local: Loc {
+                    reg: 1,
+                    offset: i * VIEWS_SZ,
+                },
+                remote: Loc {
+                    reg: 2,
+                    offset: i * VIEWS_SZ,
+                },
+                len: VIEWS_SZ,
+            })
+            .collect();
+        let c = best_of(RUNS_SMALL, || (), |()| coalesce(&pairs));
+        let local: Vec<LocalDesc> = (0..VIEWS_N)
+            .map(|i| self.reg.desc(i * VIEWS_SZ, VIEWS_SZ))
+            .collect::<Result<_, _>>()?;
+        let remote: Vec<RemoteDesc> = (0..VIEWS_N)
+            .map(|i| RemoteDesc::new(self.peer_reg, i * VIEWS_SZ, VIEWS_SZ))
+            .collect();
+        let views = self.best(RUNS_SMALL, &local, &remote, true)?;
+        let total = VIEWS_N * VIEWS_SZ;
+        let single = self.best(
+            RUNS_SMALL,
+            &[self.reg.desc(0, total)?],
+            &[RemoteDesc::new(self.peer_reg, 0, total)],
+            true,
+        )?;
+        Ok((us(c), views.as_secs_f64() / single.as_secs_f64()))
+    }
+
+    fn raw_client(&self) -> Result<RawClient> {
+        let addr = self
+            .raw_addr
+            .as_deref()
+            .context("the tcp peer has a raw listener")?;
+        let stream = TcpStream::connect(addr)?;
+        stream.set_nodelay(true)?;
+        // Its own pre-touched source, as large as the engine's.
+        let buf = vec![0x5Au8; BIG as usize];
+        Ok(RawClient { stream, buf })
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        let _ = writeln!(self.stdin, "EXIT");
+        let _ = self.stdin.flush();
+        let _ = self.child.wait();
+    }
+}
+
+// ----- the peer process -------------------------------------------------------------------
+
+fn peer_main(kind: &str) -> Result<()> {
+    pin(PEER_CPU)?;
+    let agent = match kind {
+        "shm" => Agent::new("bench-peer", Shm::new())?,
+        "tcp" => Agent::new("bench-peer", Tcp::new())?,
+        other => bail!("unknown backend {other}"),
+    };
+    let region = Region::new(PEER_REGION)?;
+    region.fill(0, PEER_REGION, 0xA5)?;
+    let reg = agent.register(&region)?;
+    let raw = if kind == "tcp" {
+        let listener = TcpListener::bind("127.0.0.1:0")?;
+        let addr = listener.local_addr()?.to_string();
+        std::thread::spawn(move || raw_sink(listener));
+        addr
+    } else {
+        "-".to_owned()
+    };
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "META {}", hex(&agent.metadata()))?;
+    writeln!(out, "REG {}", reg.id())?;
+    writeln!(out, "RAW {raw}")?;
+    out.flush()?;
+    let mut peer = None;
+    for line in std::io::stdin().lock().lines() {
+        let line = line?;
+        let answer = match line.split_once(' ') {
+            Some(("ADD", h)) => {
+                peer = Some(agent.add_remote(&unhex(h)?)?);
+                "ADDED".to_owned()
+            }
+            _ if line == "EXIT" => break,
+            _ => format!("ERR unknown command {line}"),
+        };
+        writeln!(out, "{answer}")?;
+        out.flush()?;
+    }
+    drop(peer);
+    Ok(())
+}
+
+/// Reads 256 MiB at a time into a pre-touched buffer and acknowledges each with one byte.
+fn raw_sink(listener: TcpListener) {
+    for s in listener.incoming() {
+        let Ok(s) = s else { return };
+        raw_sink_one(s);
+    }
+}
+
+fn raw_sink_one(mut s: TcpStream) {
+    let _ = s.set_nodelay(true);
+    let Ok(region) = Region::new(BIG) else { return };
+    let _ = region.fill(0, BIG, 1);
+    // SAFETY: this thread is the only user of its private region.
+    let buf = unsafe { region.as_mut_slice() };
+    'outer: loop {
+        for chunk in buf.chunks_mut(RAW_CHUNK) {
+            if s.read_exact(chunk).is_err() {
+                break 'outer;
+            }
+        }
+        if s.write_all(&[1]).is_err() {
+            return;
+        }
+    }
+}
+
+// ----- pinning ----------------------------------------------------------------------------
+
+fn pin(cpu: usize) -> Result<()> {
+    let online = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let cpu = cpu % online.max(1);
+    // SAFETY: a zeroed cpu_set_t is an empty set; CPU_SET writes inside it; the call only
+    // reads the set.
+    let rc = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set)
+    };
+    if rc != 0 {
+        bail!(
+            "sched_setaffinity to cpu {cpu}: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+    Ok(())
+}
+
+fn affinity() -> Option<libc::cpu_set_t> {
+    // SAFETY: a zeroed cpu_set_t is valid; the call writes at most its size.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        (libc::sched_getaffinity(0, size_of::<libc::cpu_set_t>(), &mut set) == 0).then_some(set)
+    }
+}
+
+fn restore_affinity(set: &libc::cpu_set_t) {
+    // SAFETY: `set` is a valid cpu set; the call only reads it.
+    unsafe { libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), set) };
+}
