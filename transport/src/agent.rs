@@ -700,10 +700,12 @@ mod tests {
     use crate::error::BackendError;
     use crate::sync::{model, thread};
 
-    /// An engine that only counts registrations.
+    /// An engine that counts registrations and parks posted transfers for the test to
+    /// complete from another thread.
     #[derive(Default)]
     struct Counting {
         live: Mutex<i64>,
+        parked: Arc<Mutex<Vec<Xfer>>>,
     }
 
     impl Transport for Arc<Counting> {
@@ -724,14 +726,16 @@ mod tests {
             Vec::new()
         }
         fn connect(&self, _: &PeerInfo) -> Result<Arc<dyn Connection>, BackendError> {
-            Err(BackendError::new("counting", "no peers"))
+            Ok(Arc::new(Parking(self.parked.clone())))
         }
         fn shutdown(&self) {}
     }
 
-    struct Nothing;
-    impl Connection for Nothing {
-        fn post(&self, _: Xfer) {}
+    struct Parking(Arc<Mutex<Vec<Xfer>>>);
+    impl Connection for Parking {
+        fn post(&self, xfer: Xfer) {
+            lock(&self.0).push(xfer);
+        }
     }
 
     #[test]
@@ -758,13 +762,69 @@ mod tests {
         assert_eq!(*lock(&engine.live), 0);
         let other = Region::anonymous(100).unwrap();
         assert!(agent.register_range(&other, 50, 51).is_err());
-        let _ = Nothing;
     }
 
     #[test]
     fn bad_names_are_errors() {
         assert!(Agent::new("", Arc::new(Counting::default())).is_err());
         assert!(Agent::new(&"x".repeat(256), Arc::new(Counting::default())).is_err());
+    }
+
+    /// A transfer completed on another thread while its owner drops every handle and waits:
+    /// the waiter sees the outcome only after the transfer's registration, pool block and
+    /// in-flight count were released (deferred release, then completion).
+    #[test]
+    fn loom_completion_releases_before_waking() {
+        model(|| {
+            let engine = Arc::new(Counting::default());
+            let a = Agent::new("a", engine.clone()).unwrap();
+            let b = Agent::new("b", Arc::new(Counting::default())).unwrap();
+            let rb = Region::anonymous(4096).unwrap();
+            let gb = b.register(&rb).unwrap();
+            let peer = a.add_remote(&b.metadata()).unwrap();
+            let pool = crate::RegisteredPool::new(&a, 4096).unwrap();
+            let block = pool.lease(64, 8).unwrap();
+            let t = peer
+                .write(&[block.desc().unwrap()], &[gb.remote(0, 64).unwrap()], None)
+                .unwrap();
+            drop((block, peer));
+            let xfer = lock(&engine.parked).pop().unwrap();
+            let completer = thread::spawn(move || xfer.done.complete(Ok(())));
+            assert_eq!(t.wait(), Ok(()));
+            assert_eq!(pool.report().used, 0, "block released before completion");
+            assert_eq!(a.report().in_flight, 0);
+            completer.join().unwrap();
+            drop(pool);
+            assert_eq!(a.report().registrations, 0);
+        });
+    }
+
+    /// An engine that drops a transfer without reporting it fails the transfer, on any
+    /// thread, and releases what it held.
+    #[test]
+    fn loom_lost_status_is_a_failure() {
+        model(|| {
+            let engine = Arc::new(Counting::default());
+            let a = Agent::new("a", engine.clone()).unwrap();
+            let b = Agent::new("b", Arc::new(Counting::default())).unwrap();
+            let rb = Region::anonymous(4096).unwrap();
+            let gb = b.register(&rb).unwrap();
+            let ra = Region::anonymous(4096).unwrap();
+            let ga = a.register(&ra).unwrap();
+            let peer = a.add_remote(&b.metadata()).unwrap();
+            let t = peer
+                .write(&[ga.desc(0, 8).unwrap()], &[gb.remote(0, 8).unwrap()], None)
+                .unwrap();
+            drop(ga);
+            let xfer = lock(&engine.parked).pop().unwrap();
+            let dropper = thread::spawn(move || drop(xfer));
+            assert!(matches!(
+                t.wait(),
+                Err(TransferError::StatusLost { ref peer }) if peer == "b"
+            ));
+            dropper.join().unwrap();
+            assert_eq!(a.report().registrations, 0);
+        });
     }
 
     /// Registering and dropping the same range on two threads: the engine sees balanced

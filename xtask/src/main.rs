@@ -26,7 +26,7 @@ enum Cmd {
 }
 
 /// Crates with loom tests (`--cfg tessera_loom`), run in release in their own target dir.
-const LOOM_CRATES: &[&str] = &["tessera-alloc"];
+const LOOM_CRATES: &[&str] = &["tessera-alloc", "tessera-transport"];
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
