@@ -363,7 +363,6 @@ struct Mapped {
 #[derive(Default)]
 struct State {
     mapped: HashMap<u64, Arc<Mapped>>,
-    refused: HashSet<u64>,
     requested: HashSet<u64>,
     pending: HashMap<u64, Xfer>,
     dead: Option<String>,
@@ -428,23 +427,18 @@ impl ShmConnection {
                         .and_then(|total| Region::map_sealed(fd, total));
                     let mut st = lock(&self.state);
                     st.requested.remove(&reg);
-                    match mapped {
-                        Ok(region) => {
-                            st.mapped
-                                .insert(reg, Arc::new(Mapped { region, base, len }));
-                        }
-                        Err(_) => {
-                            st.refused.insert(reg);
-                        }
+                    // A mapping that fails leaves the registration unmapped: transfers to it
+                    // fail with a backend error naming it.
+                    if let Ok(region) = mapped {
+                        st.mapped
+                            .insert(reg, Arc::new(Mapped { region, base, len }));
                     }
                 }
                 MAP_ERR => {
                     let Some(reg) = u64_at(b, 0) else {
                         break "malformed MAP_ERR".to_owned();
                     };
-                    let mut st = lock(&self.state);
-                    st.requested.remove(&reg);
-                    st.refused.insert(reg);
+                    lock(&self.state).requested.remove(&reg);
                 }
                 GRANT | REJECT => {
                     let Some(id) = u64_at(b, 0) else {
@@ -474,7 +468,9 @@ impl ShmConnection {
     /// Copies a granted transfer, then tells the target it is done.
     fn execute(&self, id: u64, xfer: Xfer) {
         let copied = self.copy(&xfer);
-        let notify = xfer.notify.as_deref();
+        // The target releases its pins either way; the notification only follows data that
+        // landed.
+        let notify = xfer.notify.as_deref().filter(|_| copied.is_ok());
         let sent = self.send(|out| {
             frame(out, DONE, |b| {
                 b.extend_from_slice(&id.to_le_bytes());
@@ -568,7 +564,6 @@ impl Connection for ShmConnection {
             for seg in segments {
                 let r = seg.remote_reg;
                 if !st.mapped.contains_key(&r) && st.requested.insert(r) {
-                    st.refused.remove(&r);
                     frame(&mut out, MAP_REQ, |b| b.extend_from_slice(&r.to_le_bytes()));
                 }
             }
@@ -589,6 +584,24 @@ impl Connection for ShmConnection {
         if let Err(e) = sent {
             self.die(&format!("sending a request: {e}"));
         }
+    }
+
+    /// Unmaps registrations the peer no longer announces, so their memory can be freed on
+    /// its side (a transfer still copying keeps its own handle on the mapping).
+    fn update(&self, peer: &PeerInfo) -> Result<(), BackendError> {
+        let live: HashSet<u64> = peer.regs.iter().map(|r| r.id).collect();
+        let dropped: Vec<Arc<Mapped>> = {
+            let mut st = lock(&self.state);
+            let gone: Vec<u64> = st
+                .mapped
+                .keys()
+                .filter(|k| !live.contains(k))
+                .copied()
+                .collect();
+            gone.iter().filter_map(|k| st.mapped.remove(k)).collect()
+        };
+        drop(dropped);
+        Ok(())
     }
 
     fn close(&self) {

@@ -338,8 +338,10 @@ impl Completion {
 
 impl Drop for Completion {
     fn drop(&mut self) {
-        let peer = self.peer.to_string();
-        self.finish(Err(TransferError::StatusLost { peer }));
+        if self.in_flight.is_some() {
+            let peer = self.peer.to_string();
+            self.finish(Err(TransferError::StatusLost { peer }));
+        }
     }
 }
 
