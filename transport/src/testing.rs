@@ -88,6 +88,10 @@ macro_rules! conformance_suite {
                 $crate::testing::concurrent_tasks(&make);
             }
             #[test]
+            fn sub_range_registrations() {
+                $crate::testing::sub_range_registrations(&make);
+            }
+            #[test]
             fn metadata_update() {
                 $crate::testing::metadata_update(&make);
             }
@@ -612,6 +616,57 @@ pub fn concurrent_tasks(make: Factory<'_>) {
         );
     }
     drop(b);
+}
+
+/// Registrations of a part of a region, on both sides: offsets are relative to the
+/// registration, and nothing outside it is touched.
+pub fn sub_range_registrations(make: Factory<'_>) {
+    let (a, b, _, _) = pair(make);
+    let ra = Region::new(64 * 1024).unwrap();
+    let rb = Region::new(64 * 1024).unwrap();
+    rb.fill(0, 64 * 1024, 0xEE).unwrap();
+    let ga = a.register_range(&ra, 12_288, 8192).unwrap();
+    let gb = b.register_range(&rb, 20_480, 8192).unwrap();
+    let a_to_b = a.add_remote(&b.metadata()).unwrap();
+    ra.write_at(12_288 + 100, &pattern(31, 5000)).unwrap();
+    finish(
+        a_to_b
+            .write(
+                &[ga.desc(100, 5000).unwrap()],
+                &[gb.remote(3000, 5000).unwrap()],
+                None,
+            )
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(read(&rb, 20_480 + 3000, 5000), pattern(31, 5000));
+    assert_eq!(read(&rb, 20_480 + 2999, 1), vec![0xEE]);
+    assert_eq!(read(&rb, 20_480 + 8000, 1), vec![0xEE]);
+    // A window the cache answered from a larger registration.
+    let inner = b.register_range(&rb, 20_480 + 4096, 1024).unwrap();
+    assert_eq!(inner.id(), gb.id());
+    finish(
+        a_to_b
+            .read(
+                &[ga.desc(0, 1024).unwrap()],
+                &[inner.remote(0, 1024).unwrap()],
+                None,
+            )
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(read(&ra, 12_288, 1024), read(&rb, 20_480 + 4096, 1024));
+    // The last byte is reachable; one past it is not.
+    assert!(gb.remote(8191, 1).is_ok());
+    assert!(gb.remote(8191, 2).is_err());
+    assert!(matches!(
+        a_to_b.write(
+            &[ga.desc(0, 2).unwrap()],
+            &[RemoteDesc::new(gb.id(), 8191, 2)],
+            None
+        ),
+        Err(TransferError::OutOfRange { .. })
+    ));
 }
 
 /// New metadata from a known peer replaces the old on the same handle.
