@@ -203,34 +203,38 @@ impl Agent {
         if info.name == host.name {
             return Err(ConnectError::SelfPeer { agent: info.name });
         }
-        let mut peers = lock(&self.core.peers);
-        if let Some(existing) = peers.get(&info.name).and_then(Weak::upgrade) {
-            drop(peers);
-            existing
-                .conn
-                .update(&info)
-                .map_err(|source| ConnectError::Backend {
-                    peer: info.name.clone(),
-                    source,
-                })?;
+        let backend_err = |source| ConnectError::Backend {
+            peer: info.name.clone(),
+            source,
+        };
+        let existing = lock(&self.core.peers)
+            .get(&info.name)
+            .and_then(Weak::upgrade);
+        if let Some(existing) = existing {
+            let moved = *lock(&existing.address) != info.address;
+            if moved {
+                // The peer restarted (or rebound): reconnect, and retire the old connection.
+                let fresh = self.core.transport.connect(&info).map_err(backend_err)?;
+                let old = std::mem::replace(&mut *lock(&existing.conn), fresh);
+                old.close();
+                *lock(&existing.address) = info.address.clone();
+            } else {
+                let conn = lock(&existing.conn).clone();
+                conn.update(&info).map_err(backend_err)?;
+            }
             *lock(&existing.regs) = Arc::new(RegTable::new(&info.regs));
             return Ok(Peer { core: existing });
         }
-        let conn = self
-            .core
-            .transport
-            .connect(&info)
-            .map_err(|source| ConnectError::Backend {
-                peer: info.name.clone(),
-                source,
-            })?;
+        // Connect without holding the peer table: engines may take a while.
+        let conn = self.core.transport.connect(&info).map_err(backend_err)?;
         let core = Arc::new(PeerCore {
             name: Arc::from(info.name.as_str()),
             agent: self.core.clone(),
-            conn,
+            conn: Mutex::new(conn),
+            address: Mutex::new(info.address),
             regs: Mutex::new(Arc::new(RegTable::new(&info.regs))),
         });
-        peers.insert(info.name, Arc::downgrade(&core));
+        lock(&self.core.peers).insert(info.name, Arc::downgrade(&core));
         Ok(Peer { core })
     }
 
@@ -620,13 +624,14 @@ pub struct Peer {
 pub(crate) struct PeerCore {
     pub(crate) name: Arc<str>,
     pub(crate) agent: Arc<AgentCore>,
-    pub(crate) conn: Arc<dyn Connection>,
+    pub(crate) conn: Mutex<Arc<dyn Connection>>,
+    address: Mutex<Vec<u8>>,
     pub(crate) regs: Mutex<Arc<RegTable>>,
 }
 
 impl Drop for PeerCore {
     fn drop(&mut self) {
-        self.conn.close();
+        lock(&self.conn).close();
         let mut peers = lock(&self.agent.peers);
         if peers
             .get(&*self.name)

@@ -473,6 +473,13 @@ async fn send_loop(
         let keep = is_write.then(|| xfer.done.plan_handle());
         // Queue before writing: the response may come back before the write call returns.
         lock(&shared.pending).push_back(xfer);
+        // If the receive loop already failed, nobody will answer: fail what is queued. (`die`
+        // marks the connection dead before draining, so either it drained this transfer or
+        // this check sees the mark.)
+        if let Some(why) = shared.dead() {
+            shared.die(&why);
+            break;
+        }
         let mut sent = w.write_all(&head).await;
         if sent.is_ok() && is_write {
             // SAFETY: the spans lie in local registrations pinned by the plan that `keep`

@@ -92,6 +92,10 @@ macro_rules! conformance_suite {
                 $crate::testing::sub_range_registrations(&make);
             }
             #[test]
+            fn restarted_peer() {
+                $crate::testing::restarted_peer(&make);
+            }
+            #[test]
             fn metadata_update() {
                 $crate::testing::metadata_update(&make);
             }
@@ -667,6 +671,51 @@ pub fn sub_range_registrations(make: Factory<'_>) {
         ),
         Err(TransferError::OutOfRange { .. })
     ));
+}
+
+/// A peer that died and came back under the same name is reached again through the same
+/// handle once its new metadata is added.
+pub fn restarted_peer(make: Factory<'_>) {
+    let a = make("agent-a");
+    let ra = Region::new(4096).unwrap();
+    let ga = a.register(&ra).unwrap();
+    ra.write_at(0, &pattern(41, 4096)).unwrap();
+    let b = make("agent-b");
+    let rb = Region::new(4096).unwrap();
+    let gb = b.register(&rb).unwrap();
+    let a_to_b = a.add_remote(&b.metadata()).unwrap();
+    let local = [ga.desc(0, 4096).unwrap()];
+    finish(
+        a_to_b
+            .write(&local, &[gb.remote(0, 4096).unwrap()], None)
+            .unwrap(),
+    )
+    .unwrap();
+    drop((gb, b));
+    let mut failed = false;
+    for _ in 0..50 {
+        match a_to_b.notify(b"anyone?").map(finish) {
+            Ok(Ok(())) => std::thread::sleep(Duration::from_millis(20)),
+            _ => {
+                failed = true;
+                break;
+            }
+        }
+    }
+    assert!(failed, "a dead peer is reported");
+    let b2 = make("agent-b");
+    let rb2 = Region::new(4096).unwrap();
+    let gb2 = b2.register(&rb2).unwrap();
+    let again = a.add_remote(&b2.metadata()).unwrap();
+    assert_eq!(again.name(), "agent-b");
+    finish(
+        a_to_b
+            .write(&local, &[gb2.remote(0, 4096).unwrap()], Some(b"back"))
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(read(&rb2, 0, 4096), pattern(41, 4096));
+    assert_eq!(b2.wait_notification(HANG_GUARD).unwrap().msg, b"back");
 }
 
 /// New metadata from a known peer replaces the old on the same handle.

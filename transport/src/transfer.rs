@@ -248,7 +248,8 @@ impl Prepared {
             in_flight: Some(in_flight),
             peer: peer.name.clone(),
         };
-        peer.conn.post(Xfer {
+        let conn = lock(&peer.conn).clone();
+        conn.post(Xfer {
             notify: notify.map(<[u8]>::to_vec),
             done,
         });
