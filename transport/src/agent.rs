@@ -711,13 +711,15 @@ mod tests {
     struct Counting {
         live: Mutex<i64>,
         parked: Arc<Mutex<Vec<Xfer>>>,
+        host: Mutex<Option<Host>>,
     }
 
     impl Transport for Arc<Counting> {
         fn kind(&self) -> &'static str {
             "counting"
         }
-        fn start(&self, _: Host) -> Result<(), BackendError> {
+        fn start(&self, host: Host) -> Result<(), BackendError> {
+            *lock(&self.host) = Some(host);
             Ok(())
         }
         fn register(&self, _: &RegInfo<'_>) -> Result<Vec<u8>, RegisterError> {
@@ -829,6 +831,34 @@ mod tests {
             ));
             dropper.join().unwrap();
             assert_eq!(a.report().registrations, 0);
+        });
+    }
+
+    /// A peer's request races the owner dropping the last guard: the request is either
+    /// refused as unknown or pins the registration, which is then deregistered exactly once,
+    /// after the pin is released.
+    #[test]
+    fn loom_target_grant_races_deregistration() {
+        model(|| {
+            let engine = Arc::new(Counting::default());
+            let agent = Agent::new("a", engine.clone()).unwrap();
+            let host = lock(&engine.host).clone().unwrap();
+            let region = Region::anonymous(4096).unwrap();
+            let reg = agent.register(&region).unwrap();
+            let id = reg.id();
+            let dropper = thread::spawn(move || drop(reg));
+            let mut grant = Grant::new();
+            match host.grant_into(&mut grant, [(id, 0, 64)]) {
+                Ok(()) => {
+                    assert_eq!(grant.len(), 1);
+                    assert_eq!(*lock(&engine.live), 1, "pinned memory stays registered");
+                }
+                Err(reason) => assert_eq!(reason, RejectReason::UnknownRegistration),
+            }
+            dropper.join().unwrap();
+            drop(grant);
+            assert_eq!(*lock(&engine.live), 0);
+            assert_eq!(agent.report().registrations, 0);
         });
     }
 
