@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use tessera_transport::{
-    coalesce, shm::Shm, tcp::Tcp, Agent, Loc, LocalDesc, Pair, Peer, Region, Registration,
+    coalesce, shm::Shm, tcp::Tcp, Agent, Loc, LocalDesc, Op, Pair, Peer, Region, Registration,
     RemoteDesc,
 };
 
@@ -101,7 +101,7 @@ fn suite(report: &mut Report) -> Result<()> {
         s,
         format!("1,000 x 4 KiB scattered descriptors in one WRITE (validate, coalesce, post, complete), per descriptor, best of {RUNS_SMALL}"),
     );
-    let (c, vs) = shm.views()?;
+    let (c, vs, raw_views) = shm.views()?;
     report.put(
         "coalesce_10k_us",
         c,
@@ -111,6 +111,11 @@ fn suite(report: &mut Report) -> Result<()> {
         "coalesced_vs_single",
         vs,
         format!("shm WRITE of 10,000 contiguous 1 KiB views (validated and coalesced per call) / one 10 MB descriptor, best of {RUNS_SMALL} each"),
+    );
+    report.put(
+        "uncoalesced_vs_single",
+        raw_views,
+        format!("the same 10,000 views posted uncoalesced (one segment each, prepared once) / one 10 MB descriptor, best of {RUNS_SMALL}"),
     );
     drop(shm);
 
@@ -335,7 +340,7 @@ impl Session {
         Ok(us(d) / SCATTER_N as f64)
     }
 
-    fn views(&self) -> Result<(f64, f64)> {
+    fn views(&self) -> Result<(f64, f64, f64)> {
         let pairs: Vec<Pair> = (0..VIEWS_N)
             .map(|i| Pair {
                 local: Loc {
@@ -357,6 +362,14 @@ impl Session {
             .map(|i| RemoteDesc::new(self.peer_reg, i * VIEWS_SZ, VIEWS_SZ))
             .collect();
         let views = self.best(RUNS_SMALL, &local, &remote, true)?;
+        let exact = self.peer.prepare_uncoalesced(Op::Write, &local, &remote)?;
+        exact.post(None)?.wait()?;
+        let mut uncoalesced = Duration::MAX;
+        for _ in 0..RUNS_SMALL {
+            let start = Instant::now();
+            exact.post(None)?.wait()?;
+            uncoalesced = uncoalesced.min(start.elapsed());
+        }
         let total = VIEWS_N * VIEWS_SZ;
         let single = self.best(
             RUNS_SMALL,
@@ -364,7 +377,11 @@ impl Session {
             &[RemoteDesc::new(self.peer_reg, 0, total)],
             true,
         )?;
-        Ok((us(c), views.as_secs_f64() / single.as_secs_f64()))
+        Ok((
+            us(c),
+            views.as_secs_f64() / single.as_secs_f64(),
+            uncoalesced.as_secs_f64() / single.as_secs_f64(),
+        ))
     }
 
     fn raw_client(&self) -> Result<RawClient> {

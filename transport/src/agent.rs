@@ -660,7 +660,19 @@ impl Peer {
         local: &[LocalDesc],
         remote: &[RemoteDesc],
     ) -> Result<Prepared, TransferError> {
-        Prepared::new(self.core.clone(), op, local, remote)
+        Prepared::new(self.core.clone(), op, local, remote, true)
+    }
+
+    /// Like [`Peer::prepare`] without coalescing: the engine sees one segment per pair, in the
+    /// given order. Useful to measure what coalescing saves, or to keep a strict order of
+    /// overlapping destinations.
+    pub fn prepare_uncoalesced(
+        &self,
+        op: Op,
+        local: &[LocalDesc],
+        remote: &[RemoteDesc],
+    ) -> Result<Prepared, TransferError> {
+        Prepared::new(self.core.clone(), op, local, remote, false)
     }
 
     /// Copies each `local[i]` to `remote[i]` (pairwise equal lengths), then delivers `notify`

@@ -308,6 +308,13 @@ pub fn coalescing_and_prepared(make: Factory<'_>) {
     let r2: Vec<RemoteDesc> = idx.iter().map(|&i| remote[i]).collect();
     let p2 = a_to_b.prepare(Op::Read, &l2, &r2).unwrap();
     assert_eq!(p2.plan().segments().len(), 1);
+    // Without coalescing the engine sees every pair, and moves the same bytes.
+    let p3 = a_to_b.prepare_uncoalesced(Op::Write, &l2, &r2).unwrap();
+    assert_eq!(p3.plan().segments().len(), 10_000);
+    let data = pattern(99, 640_000);
+    ra.write_at(0, &data).unwrap();
+    finish(p3.post(None).unwrap()).unwrap();
+    assert_eq!(read(&rb, 4096, 640_000), data);
 }
 
 /// Remote descriptors outside what the peer announced are refused before a byte moves.

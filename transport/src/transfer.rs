@@ -94,6 +94,7 @@ impl Prepared {
         op: Op,
         local: &[LocalDesc],
         remote: &[RemoteDesc],
+        merge: bool,
     ) -> Result<Self, TransferError> {
         let name = |p: &PeerCore| p.name.to_string();
         if local.len() != remote.len() {
@@ -180,11 +181,13 @@ impl Prepared {
             // Merging a pair into the one just before it is always right; `coalesce_in_place`
             // below then handles whatever is out of order.
             match pairs.last_mut() {
-                Some(last) if last.continued_by(&pair) => last.len += pair.len,
+                Some(last) if merge && last.continued_by(&pair) => last.len += pair.len,
                 _ => pairs.push(pair),
             }
         }
-        coalesce_in_place(&mut pairs);
+        if merge {
+            coalesce_in_place(&mut pairs);
+        }
         pins.sort_unstable_by_key(|p| p.id);
         pins.dedup_by_key(|p| p.id);
         let segments = pairs
