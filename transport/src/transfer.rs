@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use crate::agent::{PeerCore, RegEntry, MAX_NOTIFICATION};
 use crate::backend::{Op, Xfer};
 use crate::desc::{coalesce_in_place, KeepAlive, Loc, LocalDesc, Pair, RemoteDesc};
-use crate::error::{Side, TransferError};
+use crate::error::{RejectReason, Side, TransferError};
 use crate::sync::{lock, Arc, AtomicUsize, Condvar, Mutex, Ordering};
 
 /// One contiguous copy of a plan: `len` bytes between a local address and a remote
@@ -269,6 +269,14 @@ impl fmt::Debug for Prepared {
     }
 }
 
+const _: () = {
+    const fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<Transfer>();
+    assert_send_sync::<Prepared>();
+    assert_send_sync::<Completion>();
+    assert_send_sync::<Plan>();
+};
+
 #[derive(Default)]
 struct XferState {
     slot: Mutex<Slot>,
@@ -293,8 +301,19 @@ pub struct Completion {
 }
 
 impl Completion {
-    /// Reports the outcome.
+    /// Reports the outcome. A target's refusal because it is shutting down is reported as
+    /// [`TransferError::PeerGone`], whichever engine saw it.
     pub fn complete(mut self, result: Result<(), TransferError>) {
+        let result = match result {
+            Err(TransferError::Rejected {
+                peer,
+                reason: RejectReason::ShuttingDown,
+            }) => Err(TransferError::PeerGone {
+                peer,
+                detail: "the peer is shutting down".into(),
+            }),
+            other => other,
+        };
         self.finish(result);
     }
 
