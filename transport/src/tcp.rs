@@ -19,6 +19,7 @@
 use std::collections::VecDeque;
 use std::io::{self, IoSlice, IoSliceMut};
 use std::net::{SocketAddr, ToSocketAddrs};
+use std::os::fd::AsRawFd;
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -43,6 +44,49 @@ const MAX_DESCS: usize = 1 << 22;
 /// Slices per vectored system call.
 const IOV_BATCH: usize = 64;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// A peer that stops acknowledging data (a dead host, a partition) fails the connection after
+/// this long, rather than leaving transfers pending forever.
+const USER_TIMEOUT: Duration = Duration::from_secs(30);
+/// Keepalive probes: first after this much idleness, then every `KEEPALIVE_INTERVAL`, giving
+/// up after `KEEPALIVE_PROBES` unanswered ones.
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(10);
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(2);
+const KEEPALIVE_PROBES: i32 = 5;
+
+/// Bounds how long a silent peer can hold a connection: keepalive while idle, and
+/// `TCP_USER_TIMEOUT` while data is unacknowledged.
+fn harden(fd: std::os::fd::RawFd) {
+    let set = |level: libc::c_int, name: libc::c_int, value: libc::c_int| {
+        // SAFETY: `fd` is an open socket owned by the caller; the option value is a c_int
+        // that lives across the call, with its size passed alongside.
+        unsafe {
+            libc::setsockopt(
+                fd,
+                level,
+                name,
+                (&value as *const libc::c_int).cast(),
+                size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        }
+    };
+    set(libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1);
+    set(
+        libc::IPPROTO_TCP,
+        libc::TCP_KEEPIDLE,
+        KEEPALIVE_IDLE.as_secs() as libc::c_int,
+    );
+    set(
+        libc::IPPROTO_TCP,
+        libc::TCP_KEEPINTVL,
+        KEEPALIVE_INTERVAL.as_secs() as libc::c_int,
+    );
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPCNT, KEEPALIVE_PROBES);
+    set(
+        libc::IPPROTO_TCP,
+        libc::TCP_USER_TIMEOUT,
+        USER_TIMEOUT.as_millis() as libc::c_int,
+    );
+}
 
 /// The TCP backend.
 pub struct Tcp {
@@ -185,6 +229,7 @@ impl Transport for Tcp {
         let std_stream = std::net::TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT)
             .map_err(|e| backend(format!("connecting to {} at {addr}: {e}", peer.name)))?;
         std_stream.set_nodelay(true).map_err(backend)?;
+        harden(std_stream.as_raw_fd());
         let me = self
             .inner
             .name
@@ -560,6 +605,7 @@ async fn accept_loop(listener: TcpListener, host: Host, mut stop: watch::Receive
             continue;
         };
         let _ = stream.set_nodelay(true);
+        harden(stream.as_raw_fd());
         tokio::spawn(serve(stream, host.clone(), stop.clone()));
     }
 }
