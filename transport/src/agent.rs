@@ -170,6 +170,18 @@ impl Agent {
         })
     }
 
+    /// The live registration of this agent that covers `len` bytes at `ptr`, as a window
+    /// starting at `ptr`: memory that already lives in registered memory (a pool block, a
+    /// received buffer) is described in place with `desc(0, len)`, without registering again.
+    pub fn find_registered(&self, ptr: *const u8, len: u64) -> Option<Registration> {
+        if len == 0 {
+            return None;
+        }
+        let entry = self.core.host.registry.find_addr(ptr as usize, len)?;
+        let start = ptr as u64 - entry.base() as u64;
+        Some(Registration { entry, start, len })
+    }
+
     /// Everything a peer needs to reach this agent and its registrations: the engine's
     /// address and each live registration's id, length and remote key. Send it to peers by any
     /// means; call again after registering more memory.
@@ -377,6 +389,8 @@ struct Table {
     by_id: HashMap<u64, Weak<RegEntry>>,
     /// (region id, offset, registration id) -> length.
     by_range: BTreeMap<(u64, u64, u64), u64>,
+    /// (first address, registration id) -> length.
+    by_addr: BTreeMap<(usize, u64), u64>,
 }
 
 impl Registry {
@@ -402,6 +416,8 @@ impl Registry {
         t.by_id.insert(entry.id, Arc::downgrade(entry));
         t.by_range
             .insert((entry.region.id(), entry.offset, entry.id), entry.len);
+        t.by_addr
+            .insert((entry.base() as usize, entry.id), entry.len);
     }
 
     fn remove(&self, entry: &RegEntry) {
@@ -409,6 +425,18 @@ impl Registry {
         t.by_id.remove(&entry.id);
         t.by_range
             .remove(&(entry.region.id(), entry.offset, entry.id));
+        t.by_addr.remove(&(entry.base() as usize, entry.id));
+    }
+
+    /// A live registration covering `addr..addr + len`.
+    fn find_addr(&self, addr: usize, len: u64) -> Option<Arc<RegEntry>> {
+        let end = (addr as u64).checked_add(len)?;
+        let t = lock(&self.table);
+        t.by_addr
+            .range(..=(addr, u64::MAX))
+            .rev()
+            .filter(|(&(base, _), &l)| base as u64 + l >= end)
+            .find_map(|(&(_, id), _)| t.by_id.get(&id).and_then(Weak::upgrade))
     }
 
     fn remote_regs(&self) -> Vec<RemoteReg> {
@@ -781,6 +809,32 @@ mod tests {
         assert_eq!(*lock(&engine.live), 0);
         let other = Region::anonymous(100).unwrap();
         assert!(agent.register_range(&other, 50, 51).is_err());
+    }
+
+    #[test]
+    fn registered_memory_is_found_by_address() {
+        let agent = Agent::new("a", Arc::new(Counting::default())).unwrap();
+        let region = Region::anonymous(1 << 16).unwrap();
+        let other = Region::anonymous(4096).unwrap();
+        let reg = agent.register_range(&region, 4096, 8192).unwrap();
+        let inside = region.as_ptr().wrapping_add(5000);
+        let found = agent.find_registered(inside, 100).unwrap();
+        assert_eq!(found.id(), reg.id());
+        assert_eq!(found.offset_in_registration(), 5000 - 4096);
+        assert_eq!(found.desc(0, 100).unwrap().as_ptr(), inside);
+        assert!(found.desc(0, 101).is_err());
+        assert!(
+            agent.find_registered(inside, 8192).is_none(),
+            "runs past the end"
+        );
+        assert!(
+            agent.find_registered(region.as_ptr(), 10).is_none(),
+            "before the start"
+        );
+        assert!(agent.find_registered(other.as_ptr(), 10).is_none());
+        assert!(agent.find_registered(inside, 0).is_none());
+        drop((reg, found));
+        assert!(agent.find_registered(inside, 100).is_none());
     }
 
     #[test]
