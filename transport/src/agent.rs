@@ -837,6 +837,91 @@ mod tests {
         assert!(agent.find_registered(inside, 100).is_none());
     }
 
+    #[derive(Debug, Clone)]
+    enum CacheOp {
+        Register {
+            region: usize,
+            offset: u64,
+            len: u64,
+        },
+        DropGuard(usize),
+        Desc(usize),
+        DropDesc(usize),
+    }
+
+    fn cache_op() -> impl proptest::strategy::Strategy<Value = CacheOp> {
+        use proptest::prelude::*;
+        prop_oneof![
+            (0usize..2, 0u64..8, 1u64..8).prop_map(|(region, o, l)| CacheOp::Register {
+                region,
+                offset: o * 512,
+                len: (l * 512).min(4096 - o * 512),
+            }),
+            any::<usize>().prop_map(CacheOp::DropGuard),
+            any::<usize>().prop_map(CacheOp::Desc),
+            any::<usize>().prop_map(CacheOp::DropDesc),
+        ]
+    }
+
+    proptest::proptest! {
+        /// Random register / drop / describe sequences against a model of which registrations
+        /// are live: the cache answers from a live covering registration when there is one,
+        /// and the engine sees exactly the live ones.
+        #[test]
+        fn registration_cache_matches_model(
+            ops in proptest::collection::vec(cache_op(), 1..60)
+        ) {
+            let engine = Arc::new(Counting::default());
+            let agent = Agent::new("a", engine.clone()).unwrap();
+            let regions = [Region::anonymous(4096).unwrap(), Region::anonymous(4096).unwrap()];
+            // Model: registration id -> (region, start, len).
+            let mut model: HashMap<u64, (usize, u64, u64)> = HashMap::new();
+            let mut guards: Vec<Registration> = Vec::new();
+            let mut descs: Vec<LocalDesc> = Vec::new();
+            for op in ops {
+                match op {
+                    CacheOp::Register { region, offset, len } => {
+                        let covering: Vec<u64> = model
+                            .iter()
+                            .filter(|(_, &(r, s, l))| r == region && s <= offset && offset + len <= s + l)
+                            .map(|(&id, _)| id)
+                            .collect();
+                        let g = agent.register_range(&regions[region], offset, len).unwrap();
+                        if covering.is_empty() {
+                            proptest::prop_assert!(!model.contains_key(&g.id()));
+                            model.insert(g.id(), (region, offset, len));
+                        } else {
+                            proptest::prop_assert!(covering.contains(&g.id()), "cache missed");
+                        }
+                        guards.push(g);
+                    }
+                    CacheOp::DropGuard(i) if !guards.is_empty() => {
+                        drop(guards.swap_remove(i % guards.len()));
+                    }
+                    CacheOp::Desc(i) if !guards.is_empty() => {
+                        let g = &guards[i % guards.len()];
+                        descs.push(g.desc(0, g.len()).unwrap());
+                    }
+                    CacheOp::DropDesc(i) if !descs.is_empty() => {
+                        descs.swap_remove(i % descs.len());
+                    }
+                    _ => {}
+                }
+                let live: std::collections::HashSet<u64> = guards
+                    .iter()
+                    .map(Registration::id)
+                    .chain(descs.iter().map(LocalDesc::reg))
+                    .collect();
+                model.retain(|id, _| live.contains(id));
+                proptest::prop_assert_eq!(agent.report().registrations, model.len());
+                proptest::prop_assert_eq!(*lock(&engine.live), model.len() as i64);
+            }
+            drop((guards, descs));
+            proptest::prop_assert_eq!(agent.report().registrations, 0);
+            proptest::prop_assert_eq!(*lock(&engine.live), 0);
+        }
+    }
+
     #[test]
     fn bad_names_are_errors() {
         assert!(Agent::new("", Arc::new(Counting::default())).is_err());
