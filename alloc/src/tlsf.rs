@@ -14,7 +14,13 @@ const SL_COUNT: usize = 1 << SL_BITS;
 /// one first-level class, 1 to 58.
 const FL_COUNT: usize = 64 - SL_BITS as usize + 1;
 const NIL: u32 = u32::MAX;
+/// `prev_free` of a node that is a live block (free nodes hold a node index or `NIL` there).
+const USED: u32 = u32::MAX - 1;
+/// Own-class entries `find_fit` looks at before rounding up, for a closer fit in bounded time.
+const OWN_CLASS_PROBES: usize = 2;
 
+/// One range, free or used, in the side table: 32 bytes, linked to its physical neighbours
+/// and, when free, to the other ranges of its size class.
 #[derive(Debug, Clone, Copy)]
 struct Node {
     offset: u64,
@@ -23,7 +29,6 @@ struct Node {
     next_phys: u32,
     prev_free: u32,
     next_free: u32,
-    free: bool,
 }
 
 /// A granted range `[offset, offset + size)`. It is neither `Copy` nor `Clone`: the only way to
@@ -36,7 +41,7 @@ pub struct Block {
     offset: u64,
     size: u64,
     node: u32,
-    owner: u64,
+    owner: u32,
 }
 
 impl Block {
@@ -106,10 +111,11 @@ pub struct Report {
 /// neighbours at once.
 #[derive(Debug)]
 pub struct Allocator {
-    id: u64,
+    id: u32,
     capacity: u64,
     nodes: Vec<Node>,
-    spare: Vec<u32>,
+    /// Recycled nodes, chained through `next_free`.
+    spare: u32,
     phys_head: u32,
     fl_bitmap: u64,
     sl_bitmap: [u64; FL_COUNT],
@@ -146,11 +152,17 @@ fn class_at_least(size: u64) -> Option<(usize, usize)> {
 impl Allocator {
     /// An allocator over `[0, capacity)`, all free. Any `u64` capacity works.
     pub fn new(capacity: u64) -> Self {
+        Self::with_range_hint(capacity, 64)
+    }
+
+    /// Like [`Self::new`], with side-table room for `ranges` ranges (free or used) reserved up
+    /// front, so that no allocation up to that many pays for growing it.
+    pub fn with_range_hint(capacity: u64, ranges: usize) -> Self {
         let mut a = Self {
             id: crate::sync::next_allocator_id(),
             capacity,
-            nodes: Vec::with_capacity(64),
-            spare: Vec::new(),
+            nodes: Vec::with_capacity(ranges.max(1)),
+            spare: NIL,
             phys_head: NIL,
             fl_bitmap: 0,
             sl_bitmap: [0; FL_COUNT],
@@ -160,7 +172,7 @@ impl Allocator {
             free_ranges: 0,
         };
         if capacity > 0 {
-            let n = a.new_node(0, capacity);
+            let n = a.new_node(0, capacity, true);
             a.phys_head = n;
             a.insert_free(n);
             a.free_ranges = 1;
@@ -206,27 +218,52 @@ impl Allocator {
         if block.size == 0 {
             return Ok(());
         }
-        let mut cur = block.node;
+        let node = block.node;
+        let Node {
+            prev_phys: prev,
+            next_phys: next,
+            ..
+        } = self.nodes[node as usize];
         debug_assert!({
-            let n = &self.nodes[cur as usize];
-            !n.free && n.offset == block.offset && n.size == block.size
+            let n = &self.nodes[node as usize];
+            !self.is_free(node) && n.offset == block.offset && n.size == block.size
         });
-        self.nodes[cur as usize].free = true;
         self.free_bytes += block.size;
         self.live_blocks -= 1;
-        self.free_ranges += 1;
-        let prev = self.nodes[cur as usize].prev_phys;
-        if prev != NIL && self.nodes[prev as usize].free {
-            self.remove_free(prev);
-            self.absorb_next(prev);
-            cur = prev;
+        let prev_free = prev != NIL && self.is_free(prev);
+        let next_free = next != NIL && self.is_free(next);
+        match (prev_free, next_free) {
+            (false, false) => {
+                self.insert_free(node);
+                self.free_ranges += 1;
+            }
+            (true, false) => {
+                // The free neighbour grows over the block and keeps its list entry when its
+                // class does not change.
+                let old = self.nodes[prev as usize].size;
+                self.nodes[prev as usize].size += block.size;
+                self.unlink_phys(node);
+                self.reclass(prev, old);
+            }
+            (false, true) => {
+                let old = self.nodes[next as usize].size;
+                let n = &mut self.nodes[next as usize];
+                n.offset = block.offset;
+                n.size += block.size;
+                self.unlink_phys(node);
+                self.reclass(next, old);
+            }
+            (true, true) => {
+                let old = self.nodes[prev as usize].size;
+                let next_size = self.nodes[next as usize].size;
+                self.remove_free(next);
+                self.nodes[prev as usize].size += block.size + next_size;
+                self.unlink_phys(node);
+                self.unlink_phys(next);
+                self.reclass(prev, old);
+                self.free_ranges -= 1;
+            }
         }
-        let next = self.nodes[cur as usize].next_phys;
-        if next != NIL && self.nodes[next as usize].free {
-            self.remove_free(next);
-            self.absorb_next(cur);
-        }
-        self.insert_free(cur);
         Ok(())
     }
 
@@ -383,9 +420,10 @@ impl Allocator {
         let mut cur = self.phys_head;
         std::iter::from_fn(move || {
             while cur != NIL {
-                let n = &self.nodes[cur as usize];
+                let node = cur;
+                let n = &self.nodes[node as usize];
                 cur = n.next_phys;
-                if n.free {
+                if self.is_free(node) {
                     return Some(n.offset..n.offset + n.size);
                 }
             }
@@ -439,6 +477,19 @@ impl Allocator {
     /// slow path over the classes the fast path skips.
     #[inline]
     fn find_fit(&self, size: u64, align: u64) -> Option<(u32, u64)> {
+        // A closer fit first: the first few ranges of the request's own class may hold it,
+        // which spares a larger range from being split.
+        let (fl, sl) = class_of(size);
+        let mut cur = self.heads[fl * SL_COUNT + sl];
+        for _ in 0..OWN_CLASS_PROBES {
+            if cur == NIL {
+                break;
+            }
+            if let Some(start) = self.fits(cur, size, align) {
+                return Some((cur, start));
+            }
+            cur = self.nodes[cur as usize].next_free;
+        }
         if let Some(node) = size
             .checked_add(align - 1)
             .and_then(|need| self.find_fast(need))
@@ -511,10 +562,11 @@ impl Allocator {
             .map(|(fl, sl)| self.heads[fl * SL_COUNT + sl])
     }
 
-    /// Turns `[start, start + size)` of free node `node` into a block, returning what is left
-    /// on either side to the free lists.
+    /// Turns `[start, start + size)` of free node `node` into a block. The larger leftover
+    /// keeps `node`, and with it its free-list entry when its size class does not change (the
+    /// common case of carving from a large range); the other leftover, if any, gets a new node.
+    #[inline]
     fn carve(&mut self, node: u32, start: u64, size: u64) -> Block {
-        self.remove_free(node);
         let Node {
             offset,
             size: node_size,
@@ -522,86 +574,130 @@ impl Allocator {
         } = self.nodes[node as usize];
         let end = start + size;
         let node_end = offset + node_size;
-        debug_assert!(offset <= start && end <= node_end);
-        self.free_ranges -= 1;
-        if start > offset {
-            let lead = self.new_node(offset, start - offset);
-            let prev = self.nodes[node as usize].prev_phys;
-            self.link_phys(prev, lead);
-            self.link_phys(lead, node);
-            if prev == NIL {
-                self.phys_head = lead;
-            }
-            self.insert_free(lead);
-            self.free_ranges += 1;
-        }
-        if end < node_end {
-            let tail = self.new_node(end, node_end - end);
-            let next = self.nodes[node as usize].next_phys;
-            self.link_phys(tail, next);
-            self.link_phys(node, tail);
-            self.insert_free(tail);
-            self.free_ranges += 1;
-        }
-        let n = &mut self.nodes[node as usize];
-        n.offset = start;
-        n.size = size;
-        n.free = false;
+        debug_assert!(offset <= start && end <= node_end && size > 0);
+        let lead = start - offset;
+        let tail = node_end - end;
         self.free_bytes -= size;
         self.live_blocks += 1;
-        Block {
+        let owner = self.id;
+        let block = |node| Block {
             offset: start,
             size,
             node,
-            owner: self.id,
-        }
-    }
-
-    /// Merges the physical successor of `node` into it and recycles the successor's node.
-    fn absorb_next(&mut self, node: u32) {
-        let next = self.nodes[node as usize].next_phys;
-        let (next_size, after) = {
-            let n = &self.nodes[next as usize];
-            (n.size, n.next_phys)
+            owner,
         };
-        self.nodes[node as usize].size += next_size;
-        self.link_phys(node, after);
-        self.free_ranges -= 1;
-        self.spare.push(next);
+        if lead == 0 && tail == 0 {
+            self.remove_free(node);
+            self.nodes[node as usize].prev_free = USED;
+            self.free_ranges -= 1;
+            return block(node);
+        }
+        let used = self.new_node(start, size, false);
+        if tail >= lead {
+            // [lead?][used][node = tail]
+            self.insert_phys_before(node, used);
+            if lead > 0 {
+                let l = self.new_node(offset, lead, true);
+                self.insert_phys_before(used, l);
+                self.insert_free(l);
+                self.free_ranges += 1;
+            }
+            let n = &mut self.nodes[node as usize];
+            n.offset = end;
+            n.size = tail;
+        } else {
+            // [node = lead][used][tail?]
+            self.insert_phys_after(node, used);
+            if tail > 0 {
+                let t = self.new_node(end, tail, true);
+                self.insert_phys_after(used, t);
+                self.insert_free(t);
+                self.free_ranges += 1;
+            }
+            self.nodes[node as usize].size = lead;
+        }
+        self.reclass(node, node_size);
+        block(used)
     }
 
-    #[inline]
-    fn link_phys(&mut self, a: u32, b: u32) {
-        if a != NIL {
-            self.nodes[a as usize].next_phys = b;
-        }
-        if b != NIL {
-            self.nodes[b as usize].prev_phys = a;
+    /// Moves free node `node`, whose size was `old_size`, to its new class if it changed.
+    #[inline(always)]
+    fn reclass(&mut self, node: u32, old_size: u64) {
+        let new_size = self.nodes[node as usize].size;
+        if class_of(new_size) != class_of(old_size) {
+            self.nodes[node as usize].size = old_size;
+            self.remove_free(node);
+            self.nodes[node as usize].size = new_size;
+            self.insert_free(node);
         }
     }
 
-    fn new_node(&mut self, offset: u64, size: u64) -> u32 {
+    fn insert_phys_before(&mut self, at: u32, node: u32) {
+        let prev = self.nodes[at as usize].prev_phys;
+        self.nodes[node as usize].prev_phys = prev;
+        self.nodes[node as usize].next_phys = at;
+        self.nodes[at as usize].prev_phys = node;
+        if prev == NIL {
+            self.phys_head = node;
+        } else {
+            self.nodes[prev as usize].next_phys = node;
+        }
+    }
+
+    fn insert_phys_after(&mut self, at: u32, node: u32) {
+        let next = self.nodes[at as usize].next_phys;
+        self.nodes[node as usize].prev_phys = at;
+        self.nodes[node as usize].next_phys = next;
+        self.nodes[at as usize].next_phys = node;
+        if next != NIL {
+            self.nodes[next as usize].prev_phys = node;
+        }
+    }
+
+    /// Takes `node` out of the physical order and recycles it.
+    fn unlink_phys(&mut self, node: u32) {
+        let Node {
+            prev_phys,
+            next_phys,
+            ..
+        } = self.nodes[node as usize];
+        if prev_phys == NIL {
+            self.phys_head = next_phys;
+        } else {
+            self.nodes[prev_phys as usize].next_phys = next_phys;
+        }
+        if next_phys != NIL {
+            self.nodes[next_phys as usize].prev_phys = prev_phys;
+        }
+        self.nodes[node as usize].next_free = self.spare;
+        self.spare = node;
+    }
+
+    fn new_node(&mut self, offset: u64, size: u64, free: bool) -> u32 {
         let node = Node {
             offset,
             size,
             prev_phys: NIL,
             next_phys: NIL,
-            prev_free: NIL,
+            prev_free: if free { NIL } else { USED },
             next_free: NIL,
-            free: true,
         };
-        match self.spare.pop() {
-            Some(i) => {
-                self.nodes[i as usize] = node;
-                i
-            }
-            None => {
-                let i = self.nodes.len() as u32;
-                debug_assert!(i != NIL, "more than 2^32 - 1 ranges");
-                self.nodes.push(node);
-                i
-            }
+        if self.spare != NIL {
+            let i = self.spare;
+            self.spare = self.nodes[i as usize].next_free;
+            self.nodes[i as usize] = node;
+            i
+        } else {
+            let i = self.nodes.len() as u32;
+            debug_assert!(i < USED, "more than 2^32 - 2 ranges");
+            self.nodes.push(node);
+            i
         }
+    }
+
+    #[inline]
+    fn is_free(&self, node: u32) -> bool {
+        self.nodes[node as usize].prev_free != USED
     }
 
     #[inline]
@@ -611,7 +707,6 @@ impl Allocator {
         let head = self.heads[slot];
         {
             let n = &mut self.nodes[node as usize];
-            n.free = true;
             n.prev_free = NIL;
             n.next_free = head;
         }
