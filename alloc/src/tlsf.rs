@@ -13,11 +13,14 @@ const SL_COUNT: usize = 1 << SL_BITS;
 /// Sizes below 64 get one class each (first level 0); each power of two from 2^6 to 2^63 gets
 /// one first-level class, 1 to 58.
 const FL_COUNT: usize = 64 - SL_BITS as usize + 1;
-const NIL: u32 = u32::MAX;
-/// `prev_free` of a node that is a live block (free nodes hold a node index or `NIL` there).
-const USED: u32 = u32::MAX - 1;
-/// Own-class entries `find_fit` looks at before rounding up, for a closer fit in bounded time.
-const OWN_CLASS_PROBES: usize = 2;
+/// The end of a free list. Node 0 is a sink that is never a range: list updates write to it
+/// instead of branching on a missing neighbour.
+const NIL: u32 = 0;
+/// The sentinel of the circular physical order (node 1): the node before the first range and
+/// after the last. It is never free, so ranges at either end have a non-free neighbour.
+const EDGE: u32 = 1;
+/// `next_free` of a node that is a live block (free nodes hold a node index or `NIL` there).
+const USED: u32 = u32::MAX;
 
 /// One range, free or used, in the side table: 32 bytes, linked to its physical neighbours
 /// and, when free, to the other ranges of its size class.
@@ -116,7 +119,6 @@ pub struct Allocator {
     nodes: Vec<Node>,
     /// Recycled nodes, chained through `next_free`.
     spare: u32,
-    phys_head: u32,
     fl_bitmap: u64,
     sl_bitmap: [u64; FL_COUNT],
     heads: Box<[u32]>,
@@ -125,28 +127,22 @@ pub struct Allocator {
     free_ranges: u64,
 }
 
+/// The class `size` falls in. Sizes below 64 map linearly (first level 0, and first level 1
+/// continues the same step of one byte), which the saturating shifts give without a branch.
 #[inline]
 fn class_of(size: u64) -> (usize, usize) {
-    if size < SL_COUNT as u64 {
-        (0, size as usize)
-    } else {
-        let msb = 63 - size.leading_zeros();
-        let fl = msb - SL_BITS + 1;
-        let sl = (size >> (msb - SL_BITS)) as usize & (SL_COUNT - 1);
-        (fl as usize, sl)
-    }
+    let msb = 63 - (size | 1).leading_zeros();
+    let fl = msb.saturating_sub(SL_BITS - 1);
+    let sl = (size >> msb.saturating_sub(SL_BITS)) as usize & (SL_COUNT - 1);
+    (fl as usize, sl)
 }
 
 /// The smallest class whose every range is at least `size` bytes.
 #[inline]
 fn class_at_least(size: u64) -> Option<(usize, usize)> {
-    if size < SL_COUNT as u64 {
-        Some((0, size as usize))
-    } else {
-        let msb = 63 - size.leading_zeros();
-        let round = (1u64 << (msb - SL_BITS)) - 1;
-        size.checked_add(round).map(class_of)
-    }
+    let msb = 63 - (size | 1).leading_zeros();
+    let round = (1u64 << msb.saturating_sub(SL_BITS)) - 1;
+    size.checked_add(round).map(class_of)
 }
 
 impl Allocator {
@@ -161,9 +157,8 @@ impl Allocator {
         let mut a = Self {
             id: crate::sync::next_allocator_id(),
             capacity,
-            nodes: Vec::with_capacity(ranges.max(1)),
+            nodes: Vec::with_capacity(ranges.saturating_add(1)),
             spare: NIL,
-            phys_head: NIL,
             fl_bitmap: 0,
             sl_bitmap: [0; FL_COUNT],
             heads: vec![NIL; FL_COUNT * SL_COUNT].into_boxed_slice(),
@@ -171,9 +166,18 @@ impl Allocator {
             live_blocks: 0,
             free_ranges: 0,
         };
+        let sentinel = Node {
+            offset: 0,
+            size: 0,
+            prev_phys: EDGE,
+            next_phys: EDGE,
+            prev_free: NIL,
+            next_free: USED,
+        };
+        a.nodes.extend([sentinel, sentinel]);
         if capacity > 0 {
             let n = a.new_node(0, capacity, true);
-            a.phys_head = n;
+            a.insert_phys_after(EDGE, n);
             a.insert_free(n);
             a.free_ranges = 1;
         }
@@ -195,6 +199,7 @@ impl Allocator {
     /// The block is exactly `size` bytes: nothing is rounded up, so requests whose sizes add up
     /// to the capacity fill it whenever their alignments allow. A zero-size request succeeds and
     /// takes nothing.
+    #[inline]
     pub fn allocate(&mut self, size: u64, align: u64) -> Result<Block, AllocError> {
         if !align.is_power_of_two() {
             return Err(AllocError::InvalidAlignment { align });
@@ -211,6 +216,7 @@ impl Allocator {
     /// Gives a block back; its range merges with free neighbours at once.
     ///
     /// A block granted by another allocator is refused and handed back inside the error.
+    #[inline]
     pub fn free(&mut self, block: Block) -> Result<(), WrongAllocator> {
         if block.owner != self.id {
             return Err(WrongAllocator::new(block));
@@ -230,8 +236,8 @@ impl Allocator {
         });
         self.free_bytes += block.size;
         self.live_blocks -= 1;
-        let prev_free = prev != NIL && self.is_free(prev);
-        let next_free = next != NIL && self.is_free(next);
+        let prev_free = self.is_free(prev);
+        let next_free = self.is_free(next);
         match (prev_free, next_free) {
             (false, false) => {
                 self.insert_free(node);
@@ -417,9 +423,9 @@ impl Allocator {
     /// The free ranges in address order. It walks every range, free or used: for diagnostics
     /// and tests, not for hot paths.
     pub fn free_ranges(&self) -> impl Iterator<Item = Range<u64>> + '_ {
-        let mut cur = self.phys_head;
+        let mut cur = self.nodes[EDGE as usize].next_phys;
         std::iter::from_fn(move || {
-            while cur != NIL {
+            while cur != EDGE {
                 let node = cur;
                 let n = &self.nodes[node as usize];
                 cur = n.next_phys;
@@ -477,19 +483,6 @@ impl Allocator {
     /// slow path over the classes the fast path skips.
     #[inline]
     fn find_fit(&self, size: u64, align: u64) -> Option<(u32, u64)> {
-        // A closer fit first: the first few ranges of the request's own class may hold it,
-        // which spares a larger range from being split.
-        let (fl, sl) = class_of(size);
-        let mut cur = self.heads[fl * SL_COUNT + sl];
-        for _ in 0..OWN_CLASS_PROBES {
-            if cur == NIL {
-                break;
-            }
-            if let Some(start) = self.fits(cur, size, align) {
-                return Some((cur, start));
-            }
-            cur = self.nodes[cur as usize].next_free;
-        }
         if let Some(node) = size
             .checked_add(align - 1)
             .and_then(|need| self.find_fast(need))
@@ -588,7 +581,7 @@ impl Allocator {
         };
         if lead == 0 && tail == 0 {
             self.remove_free(node);
-            self.nodes[node as usize].prev_free = USED;
+            self.nodes[node as usize].next_free = USED;
             self.free_ranges -= 1;
             return block(node);
         }
@@ -634,14 +627,7 @@ impl Allocator {
 
     fn insert_phys_before(&mut self, at: u32, node: u32) {
         let prev = self.nodes[at as usize].prev_phys;
-        self.nodes[node as usize].prev_phys = prev;
-        self.nodes[node as usize].next_phys = at;
-        self.nodes[at as usize].prev_phys = node;
-        if prev == NIL {
-            self.phys_head = node;
-        } else {
-            self.nodes[prev as usize].next_phys = node;
-        }
+        self.insert_phys_after(prev, node);
     }
 
     fn insert_phys_after(&mut self, at: u32, node: u32) {
@@ -649,9 +635,7 @@ impl Allocator {
         self.nodes[node as usize].prev_phys = at;
         self.nodes[node as usize].next_phys = next;
         self.nodes[at as usize].next_phys = node;
-        if next != NIL {
-            self.nodes[next as usize].prev_phys = node;
-        }
+        self.nodes[next as usize].prev_phys = node;
     }
 
     /// Takes `node` out of the physical order and recycles it.
@@ -661,14 +645,8 @@ impl Allocator {
             next_phys,
             ..
         } = self.nodes[node as usize];
-        if prev_phys == NIL {
-            self.phys_head = next_phys;
-        } else {
-            self.nodes[prev_phys as usize].next_phys = next_phys;
-        }
-        if next_phys != NIL {
-            self.nodes[next_phys as usize].prev_phys = prev_phys;
-        }
+        self.nodes[prev_phys as usize].next_phys = next_phys;
+        self.nodes[next_phys as usize].prev_phys = prev_phys;
         self.nodes[node as usize].next_free = self.spare;
         self.spare = node;
     }
@@ -679,8 +657,8 @@ impl Allocator {
             size,
             prev_phys: NIL,
             next_phys: NIL,
-            prev_free: if free { NIL } else { USED },
-            next_free: NIL,
+            prev_free: NIL,
+            next_free: if free { NIL } else { USED },
         };
         if self.spare != NIL {
             let i = self.spare;
@@ -690,6 +668,7 @@ impl Allocator {
         } else {
             let i = self.nodes.len() as u32;
             debug_assert!(i < USED, "more than 2^32 - 2 ranges");
+            debug_assert!(i > EDGE);
             self.nodes.push(node);
             i
         }
@@ -697,7 +676,7 @@ impl Allocator {
 
     #[inline]
     fn is_free(&self, node: u32) -> bool {
-        self.nodes[node as usize].prev_free != USED
+        self.nodes[node as usize].next_free != USED
     }
 
     #[inline]
@@ -710,9 +689,7 @@ impl Allocator {
             n.prev_free = NIL;
             n.next_free = head;
         }
-        if head != NIL {
-            self.nodes[head as usize].prev_free = node;
-        }
+        self.nodes[head as usize].prev_free = node;
         self.heads[slot] = node;
         self.fl_bitmap |= 1 << fl;
         self.sl_bitmap[fl] |= 1 << sl;
@@ -726,21 +703,67 @@ impl Allocator {
             next_free,
             ..
         } = self.nodes[node as usize];
-        if next_free != NIL {
-            self.nodes[next_free as usize].prev_free = prev_free;
-        }
-        if prev_free != NIL {
-            self.nodes[prev_free as usize].next_free = next_free;
+        // Without branches, which random neighbours would mispredict: the sink takes the
+        // writes for a missing neighbour, and the head and bitmaps are updated by selects.
+        self.nodes[next_free as usize].prev_free = prev_free;
+        self.nodes[prev_free as usize].next_free = next_free;
+        let (fl, sl) = class_of(size);
+        let slot = fl * SL_COUNT + sl;
+        let head = self.heads[slot];
+        let head = if head == node { next_free } else { head };
+        self.heads[slot] = head;
+        self.sl_bitmap[fl] &= !(u64::from(head == NIL) << sl);
+        self.fl_bitmap &= !(u64::from(self.sl_bitmap[fl] == 0) << fl);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The smallest size of class `(fl, sl)`.
+    fn floor((fl, sl): (usize, usize)) -> u128 {
+        if fl == 0 {
+            sl as u128
         } else {
-            let (fl, sl) = class_of(size);
-            let slot = fl * SL_COUNT + sl;
-            self.heads[slot] = next_free;
-            if next_free == NIL {
-                self.sl_bitmap[fl] &= !(1 << sl);
-                if self.sl_bitmap[fl] == 0 {
-                    self.fl_bitmap &= !(1 << fl);
-                }
+            ((SL_COUNT + sl) as u128) << (fl - 1)
+        }
+    }
+
+    #[test]
+    fn classes_are_monotonic_and_bounded() {
+        let mut sizes: Vec<u64> = (0..4096).collect();
+        sizes.extend((12..64).flat_map(|s| {
+            [
+                (1u64 << s) - 1,
+                1 << s,
+                (1 << s) + 1,
+                (1 << s) + (1 << (s - 1)),
+            ]
+        }));
+        sizes.push(u64::MAX);
+        let mut last = (0, 0);
+        for &size in &sizes {
+            let c = class_of(size);
+            assert!(c >= last, "class of {size} went down");
+            assert!(c.0 < FL_COUNT && c.1 < SL_COUNT);
+            assert!(floor(c) <= u128::from(size), "{size} below its class {c:?}");
+            last = c;
+            if let Some(up) = class_at_least(size) {
+                assert!(
+                    floor(up) >= u128::from(size),
+                    "{size}: class {up:?} holds smaller"
+                );
+                assert!(floor(up) <= u128::from(size) + (u128::from(size) >> SL_BITS));
             }
         }
+        assert_eq!(class_of(0), (0, 0));
+        assert_eq!(class_of(63), (0, 63));
+        assert_eq!(class_of(64), (1, 0));
+        assert_eq!(class_of(127), (1, 63));
+        assert_eq!(class_of(128), (2, 0));
+        assert_eq!(class_of(129), (2, 0));
+        assert_eq!(class_at_least(129), Some((2, 1)));
+        assert_eq!(class_at_least(u64::MAX), None);
     }
 }
