@@ -1,10 +1,6 @@
 //! Meta frame + payload frames -> value, with every payload a slice of its frame.
 
-use std::fmt;
-use std::io::Cursor;
-
 use bytes::Bytes;
-use serde::de::{self, DeserializeSeed, IgnoredAny, MapAccess, SeqAccess, Visitor};
 
 use crate::encode::tag;
 use crate::tensor::Dims;
@@ -133,36 +129,22 @@ impl Decoder {
         frames: &[Bytes],
         path: &[PathSeg<'_>],
     ) -> Result<Option<Value>, DecodeError> {
-        let body = &meta[table.body_start..];
-        let mut de = rmp_serde::Deserializer::new(Cursor::new(body));
-        // Each value level is at most two msgpack levels (node, then list or map).
-        let depth = (self.limits.max_depth as usize).saturating_mul(2) + 8;
-        de.set_max_depth(depth);
         let mut st = State {
+            rd: Reader {
+                buf: &meta[table.body_start..],
+                pos: 0,
+                base: table.body_start as u64,
+            },
             frames,
             specs: table.frames(),
             limits: &self.limits,
             nodes: 0,
-            error: None,
         };
-        let seed = NodeSeed {
-            st: &mut st,
-            depth: 1,
-            path,
-        };
-        let result = seed.deserialize(&mut de);
-        let offset = table.body_start as u64 + de.position();
-        match result {
-            Ok(v) if de.position() == body.len() as u64 => Ok(v),
-            Ok(_) => Err(DecodeError::Malformed {
-                offset,
-                reason: "trailing bytes after the root value".into(),
-            }),
-            Err(e) => Err(st.error.take().unwrap_or(DecodeError::Malformed {
-                offset,
-                reason: e.to_string(),
-            })),
+        let out = st.node(1, path)?;
+        if st.rd.pos != st.rd.buf.len() {
+            return Err(st.rd.malformed("trailing bytes after the root value"));
         }
+        Ok(out)
     }
 }
 
@@ -176,22 +158,198 @@ pub fn decode_contiguous(meta: &[u8], buf: &Bytes, align: u64) -> Result<Value, 
     Decoder::new().decode_contiguous(meta, buf, align)
 }
 
-struct State<'f> {
+/// A strict msgpack reader over the meta body: every length is checked against the bytes left.
+struct Reader<'a> {
+    buf: &'a [u8],
+    pos: usize,
+    /// Offset of `buf` inside the meta frame, for error messages.
+    base: u64,
+}
+
+impl<'a> Reader<'a> {
+    fn malformed(&self, reason: impl Into<String>) -> DecodeError {
+        DecodeError::Malformed {
+            offset: self.base + self.pos as u64,
+            reason: reason.into(),
+        }
+    }
+
+    fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
+        match self.buf.get(self.pos..).and_then(|rest| rest.get(..n)) {
+            Some(bytes) => {
+                self.pos += n;
+                Ok(bytes)
+            }
+            None => Err(self.malformed(format!(
+                "{n} bytes expected, {} left",
+                self.buf.len() - self.pos
+            ))),
+        }
+    }
+
+    fn byte(&mut self) -> Result<u8, DecodeError> {
+        Ok(self.take(1)?[0])
+    }
+
+    fn be(&mut self, n: usize) -> Result<u64, DecodeError> {
+        Ok(self
+            .take(n)?
+            .iter()
+            .fold(0u64, |acc, &b| (acc << 8) | u64::from(b)))
+    }
+
+    fn peek(&self) -> Option<u8> {
+        self.buf.get(self.pos).copied()
+    }
+
+    /// Any msgpack integer, widened.
+    fn integer(&mut self) -> Result<i128, DecodeError> {
+        let m = self.byte()?;
+        Ok(match m {
+            0x00..=0x7f => i128::from(m),
+            0xe0..=0xff => i128::from(m as i8),
+            0xcc => i128::from(self.be(1)?),
+            0xcd => i128::from(self.be(2)?),
+            0xce => i128::from(self.be(4)?),
+            0xcf => i128::from(self.be(8)?),
+            0xd0 => i128::from(self.be(1)? as u8 as i8),
+            0xd1 => i128::from(self.be(2)? as u16 as i16),
+            0xd2 => i128::from(self.be(4)? as u32 as i32),
+            0xd3 => i128::from(self.be(8)? as i64),
+            _ => {
+                self.pos -= 1;
+                return Err(self.malformed(format!("integer expected, found marker {m:#04x}")));
+            }
+        })
+    }
+
+    fn uint(&mut self) -> Result<u64, DecodeError> {
+        let v = self.integer()?;
+        u64::try_from(v)
+            .map_err(|_| self.malformed(format!("unsigned integer expected, found {v}")))
+    }
+
+    fn int(&mut self) -> Result<i64, DecodeError> {
+        let v = self.integer()?;
+        i64::try_from(v).map_err(|_| self.malformed(format!("{v} does not fit in an i64")))
+    }
+
+    fn float(&mut self) -> Result<f64, DecodeError> {
+        match self.byte()? {
+            0xca => Ok(f64::from(f32::from_bits(self.be(4)? as u32))),
+            0xcb => Ok(f64::from_bits(self.be(8)?)),
+            m => Err(self.malformed(format!("float expected, found marker {m:#04x}"))),
+        }
+    }
+
+    fn bool(&mut self) -> Result<bool, DecodeError> {
+        match self.byte()? {
+            0xc2 => Ok(false),
+            0xc3 => Ok(true),
+            m => Err(self.malformed(format!("bool expected, found marker {m:#04x}"))),
+        }
+    }
+
+    /// Consumes a nil if one is next.
+    fn nil(&mut self) -> bool {
+        if self.peek() == Some(0xc0) {
+            self.pos += 1;
+            true
+        } else {
+            false
+        }
+    }
+
+    fn array(&mut self) -> Result<u64, DecodeError> {
+        match self.byte()? {
+            m @ 0x90..=0x9f => Ok(u64::from(m & 0x0f)),
+            0xdc => self.be(2),
+            0xdd => self.be(4),
+            m => Err(self.malformed(format!("array expected, found marker {m:#04x}"))),
+        }
+    }
+
+    fn map(&mut self) -> Result<u64, DecodeError> {
+        match self.byte()? {
+            m @ 0x80..=0x8f => Ok(u64::from(m & 0x0f)),
+            0xde => self.be(2),
+            0xdf => self.be(4),
+            m => Err(self.malformed(format!("map expected, found marker {m:#04x}"))),
+        }
+    }
+
+    fn str(&mut self) -> Result<&'a str, DecodeError> {
+        let len = match self.byte()? {
+            m @ 0xa0..=0xbf => u64::from(m & 0x1f),
+            0xd9 => self.be(1)?,
+            0xda => self.be(2)?,
+            0xdb => self.be(4)?,
+            m => return Err(self.malformed(format!("string expected, found marker {m:#04x}"))),
+        };
+        let start = self.pos;
+        let bytes = self.take(len as usize)?;
+        std::str::from_utf8(bytes).map_err(|e| DecodeError::Malformed {
+            offset: self.base + (start + e.valid_up_to()) as u64,
+            reason: "string is not UTF-8".into(),
+        })
+    }
+
+    /// Skips one msgpack value of any kind, nesting at most `depth` levels.
+    fn skip(&mut self, depth: u32, limit: u32) -> Result<(), DecodeError> {
+        if depth > limit {
+            return Err(DecodeError::TooDeep { limit });
+        }
+        let m = self.byte()?;
+        let (items, bytes) = match m {
+            0x00..=0x7f | 0xe0..=0xff | 0xc0 | 0xc2 | 0xc3 => (0, 0),
+            0x80..=0x8f => (2 * u64::from(m & 0x0f), 0),
+            0x90..=0x9f => (u64::from(m & 0x0f), 0),
+            0xa0..=0xbf => (0, u64::from(m & 0x1f)),
+            0xc4 | 0xd9 => (0, self.be(1)?),
+            0xc5 | 0xda => (0, self.be(2)?),
+            0xc6 | 0xdb => (0, self.be(4)?),
+            0xc7 => (0, self.be(1)? + 1),
+            0xc8 => (0, self.be(2)? + 1),
+            0xc9 => (0, self.be(4)? + 1),
+            0xca => (0, 4),
+            0xcb => (0, 8),
+            0xcc | 0xd0 => (0, 1),
+            0xcd | 0xd1 => (0, 2),
+            0xce | 0xd2 => (0, 4),
+            0xcf | 0xd3 => (0, 8),
+            0xd4 => (0, 2),
+            0xd5 => (0, 3),
+            0xd6 => (0, 5),
+            0xd7 => (0, 9),
+            0xd8 => (0, 17),
+            0xdc => (self.be(2)?, 0),
+            0xdd => (self.be(4)?, 0),
+            0xde => (2 * self.be(2)?, 0),
+            0xdf => (2 * self.be(4)?, 0),
+            0xc1 => return Err(self.malformed("reserved marker 0xc1")),
+        };
+        self.take(bytes as usize)?;
+        // Each item takes at least one byte, so a lying count ends at the end of the input.
+        for _ in 0..items {
+            self.skip(depth + 1, limit)?;
+        }
+        Ok(())
+    }
+}
+
+/// Decoding state: the reader, the frames payloads are cut from, and the budgets.
+struct State<'a, 'f> {
+    rd: Reader<'a>,
     frames: &'f [Bytes],
     specs: &'f [FrameSpec],
     limits: &'f Limits,
     nodes: u64,
-    error: Option<DecodeError>,
 }
 
-impl State<'_> {
-    /// Records the typed error and returns a serde error that unwinds the deserializer.
-    fn fail<E: de::Error>(&mut self, e: DecodeError) -> E {
-        let msg = e.to_string();
-        self.error = Some(e);
-        E::custom(msg)
-    }
+/// How many items a node array of each tag has, the tag included.
+const ARITY: [u64; 10] = [1, 2, 2, 2, 2, 2, 2, 2, 2, 5];
 
+impl State<'_, '_> {
     fn count(&mut self, extra: u64) -> Result<(), DecodeError> {
         self.nodes = self.nodes.saturating_add(extra);
         if self.nodes > self.limits.max_elements {
@@ -200,6 +358,179 @@ impl State<'_> {
             });
         }
         Ok(())
+    }
+
+    /// Elements still allowed: a declared length beyond this is refused before reserving.
+    fn check_len(&self, len: u64) -> Result<(), DecodeError> {
+        if len > self.limits.max_elements.saturating_sub(self.nodes) {
+            return Err(DecodeError::TooManyElements {
+                limit: self.limits.max_elements,
+            });
+        }
+        Ok(())
+    }
+
+    /// Capacity to reserve for `len` items: never more than the bytes left could hold.
+    fn capacity(&self, len: u64) -> usize {
+        let left = (self.rd.buf.len() - self.rd.pos) as u64;
+        len.min(left / 2) as usize
+    }
+
+    fn skip_limit(&self) -> u32 {
+        self.limits.max_depth.saturating_mul(2).saturating_add(8)
+    }
+
+    /// One value node; with a non-empty `path`, only the part on the path is built.
+    fn node(&mut self, depth: u32, path: &[PathSeg<'_>]) -> Result<Option<Value>, DecodeError> {
+        let node = self.nodes;
+        if depth > self.limits.max_depth {
+            return Err(DecodeError::TooDeep {
+                limit: self.limits.max_depth,
+            });
+        }
+        if path.is_empty() {
+            self.count(1)?;
+        }
+        let items = self.rd.array()?;
+        if items == 0 {
+            return Err(self.rd.malformed("value node without a tag"));
+        }
+        let t = self.rd.uint()?;
+        let arity = match ARITY.get(t as usize) {
+            Some(&a) if t < ARITY.len() as u64 => a,
+            _ => return Err(DecodeError::UnknownTag { tag: t, node }),
+        };
+        if items != arity {
+            return Err(self.rd.malformed(format!(
+                "node with tag {t} has {items} items, {arity} expected"
+            )));
+        }
+        let t = t as u8;
+        match (t, path.split_first()) {
+            (_, None) => self.content(node, depth, t).map(Some),
+            (tag::LIST, Some((PathSeg::Index(i), rest))) => {
+                let len = self.rd.array()?;
+                let mut found = None;
+                for j in 0..len {
+                    if j == *i {
+                        found = self.node(depth + 1, rest)?;
+                    } else {
+                        self.rd.skip(0, self.skip_limit())?;
+                    }
+                }
+                Ok(found)
+            }
+            (tag::MAP, Some((PathSeg::Key(k), rest))) => {
+                let len = self.rd.map()?;
+                let mut found = None;
+                let mut done = false;
+                for _ in 0..len {
+                    let key = self.rd.str()?;
+                    if !done && key == *k {
+                        done = true;
+                        found = self.node(depth + 1, rest)?;
+                    } else {
+                        self.rd.skip(0, self.skip_limit())?;
+                    }
+                }
+                Ok(found)
+            }
+            (tag::TENSOR, Some((PathSeg::Index(_), _))) => {
+                self.count(1)?;
+                match self.content(node, depth, t)? {
+                    Value::Tensor(tensor) => Ok(tensor_pointer(&tensor, path)),
+                    _ => Ok(None),
+                }
+            }
+            _ => {
+                for _ in 1..arity {
+                    self.rd.skip(0, self.skip_limit())?;
+                }
+                Ok(None)
+            }
+        }
+    }
+
+    /// The items of a node after its tag, decoded in full.
+    fn content(&mut self, node: u64, depth: u32, t: u8) -> Result<Value, DecodeError> {
+        Ok(match t {
+            tag::NULL => Value::Null,
+            tag::BOOL => Value::Bool(self.rd.bool()?),
+            tag::I64 => Value::I64(self.rd.int()?),
+            tag::U64 => Value::U64(self.rd.uint()?),
+            tag::F64 => Value::F64(self.rd.float()?),
+            tag::STR => Value::Str(self.rd.str()?.to_owned()),
+            tag::BYTES => {
+                let r = self.reference()?;
+                Value::Bytes(self.payload(node, r, 1)?)
+            }
+            tag::LIST => {
+                let len = self.rd.array()?;
+                self.check_len(len)?;
+                let mut items = Vec::with_capacity(self.capacity(len));
+                for _ in 0..len {
+                    items.push(self.node(depth + 1, &[])?.unwrap_or(Value::Null));
+                }
+                Value::List(items)
+            }
+            tag::MAP => {
+                let len = self.rd.map()?;
+                self.check_len(len)?;
+                let mut entries = Vec::with_capacity(self.capacity(len));
+                for _ in 0..len {
+                    let key = self.rd.str()?.to_owned();
+                    let value = self.node(depth + 1, &[])?.unwrap_or(Value::Null);
+                    entries.push((key, value));
+                }
+                Value::Map(entries)
+            }
+            _ => Value::Tensor(self.tensor(node)?),
+        })
+    }
+
+    fn tensor(&mut self, node: u64) -> Result<Tensor, DecodeError> {
+        let code = self.rd.uint()?;
+        let Some(dtype) = u8::try_from(code).ok().and_then(DType::from_code) else {
+            return Err(DecodeError::UnknownDType { code, node });
+        };
+        let shape = self.dims(node)?;
+        let strides = if self.rd.nil() {
+            None
+        } else {
+            Some(self.dims(node)?)
+        };
+        let r = self.reference()?;
+        let data = self.payload(node, r, dtype.align() as u64)?;
+        Tensor::from_parts(dtype, shape, strides, data)
+            .map_err(|source| DecodeError::Tensor { node, source })
+    }
+
+    /// Shape or strides: at most `max_rank` integers, refused before reserving beyond that.
+    fn dims(&mut self, node: u64) -> Result<Dims, DecodeError> {
+        let len = self.rd.array()?;
+        let limit = self.limits.max_rank.min(Tensor::MAX_RANK as u32);
+        if len > u64::from(limit) {
+            return Err(DecodeError::RankTooHigh { node, limit });
+        }
+        let mut dims = Dims::with_capacity(len as usize);
+        for _ in 0..len {
+            dims.push(self.rd.uint()?);
+        }
+        Ok(dims)
+    }
+
+    /// `nil` or `[frame, offset, len]`.
+    fn reference(&mut self) -> Result<Option<(u64, u64, u64)>, DecodeError> {
+        if self.rd.nil() {
+            return Ok(None);
+        }
+        let n = self.rd.array()?;
+        if n != 3 {
+            return Err(self
+                .rd
+                .malformed(format!("payload reference has {n} items, 3 expected")));
+        }
+        Ok(Some((self.rd.uint()?, self.rd.uint()?, self.rd.uint()?)))
     }
 
     /// The payload a reference points at, as a slice of its frame.
@@ -213,9 +544,10 @@ impl State<'_> {
             return Ok(Bytes::new());
         };
         let frames = self.frames.len() as u64;
+        let index = usize::try_from(frame).ok();
         let (Some(data), Some(spec)) = (
-            usize::try_from(frame).ok().and_then(|f| self.frames.get(f)),
-            usize::try_from(frame).ok().and_then(|f| self.specs.get(f)),
+            index.and_then(|f| self.frames.get(f)),
+            index.and_then(|f| self.specs.get(f)),
         ) else {
             return Err(DecodeError::FrameIndex {
                 node,
@@ -246,379 +578,6 @@ impl State<'_> {
             });
         }
         Ok(data.slice(offset as usize..(offset + len) as usize))
-    }
-}
-
-fn missing<E: de::Error>(what: &str) -> E {
-    E::custom(format_args!("node is missing its {what}"))
-}
-
-/// One value node; with a non-empty `path`, only the part on the path is built.
-struct NodeSeed<'s, 'f, 'p> {
-    st: &'s mut State<'f>,
-    depth: u32,
-    path: &'s [PathSeg<'p>],
-}
-
-impl<'de> DeserializeSeed<'de> for NodeSeed<'_, '_, '_> {
-    type Value = Option<Value>;
-
-    fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_seq(self)
-    }
-}
-
-impl<'de> Visitor<'de> for NodeSeed<'_, '_, '_> {
-    type Value = Option<Value>;
-
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a value node: an array that starts with a tag")
-    }
-
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-        let st = self.st;
-        let node = st.nodes;
-        if self.depth > st.limits.max_depth {
-            let limit = st.limits.max_depth;
-            return Err(st.fail(DecodeError::TooDeep { limit }));
-        }
-        if self.path.is_empty() {
-            st.count(1).map_err(|e| st.fail(e))?;
-        }
-        let t: u64 = seq.next_element()?.ok_or_else(|| missing("tag"))?;
-        let t = match u8::try_from(t) {
-            Ok(t) if t <= tag::TENSOR => t,
-            _ => return Err(st.fail(DecodeError::UnknownTag { tag: t, node })),
-        };
-        let depth = self.depth;
-        let out = match (t, self.path.split_first()) {
-            (_, None) => Some(content(st, node, depth, t, &mut seq)?),
-            (tag::LIST, Some((PathSeg::Index(i), rest))) => seq
-                .next_element_seed(ListSeed {
-                    st,
-                    depth,
-                    pick: Some((*i, rest)),
-                })?
-                .ok_or_else(|| missing("items"))?,
-            (tag::MAP, Some((PathSeg::Key(k), rest))) => seq
-                .next_element_seed(MapSeed {
-                    st,
-                    depth,
-                    pick: Some((k, rest)),
-                })?
-                .ok_or_else(|| missing("entries"))?,
-            (tag::TENSOR, Some((PathSeg::Index(_), _))) => {
-                st.count(1).map_err(|e| st.fail(e))?;
-                match content(st, node, depth, t, &mut seq)? {
-                    Value::Tensor(tensor) => tensor_pointer(&tensor, self.path),
-                    _ => None,
-                }
-            }
-            _ => {
-                while seq.next_element::<IgnoredAny>()?.is_some() {}
-                None
-            }
-        };
-        if seq.next_element::<IgnoredAny>()?.is_some() {
-            return Err(de::Error::custom("value node has extra items"));
-        }
-        Ok(out)
-    }
-}
-
-/// The rest of a node after its tag, decoded in full.
-fn content<'de, A: SeqAccess<'de>>(
-    st: &mut State<'_>,
-    node: u64,
-    depth: u32,
-    t: u8,
-    seq: &mut A,
-) -> Result<Value, A::Error> {
-    Ok(match t {
-        tag::NULL => Value::Null,
-        tag::BOOL => Value::Bool(seq.next_element()?.ok_or_else(|| missing("bool"))?),
-        tag::I64 => Value::I64(seq.next_element()?.ok_or_else(|| missing("i64"))?),
-        tag::U64 => Value::U64(seq.next_element()?.ok_or_else(|| missing("u64"))?),
-        tag::F64 => Value::F64(seq.next_element()?.ok_or_else(|| missing("f64"))?),
-        tag::STR => Value::Str(seq.next_element()?.ok_or_else(|| missing("string"))?),
-        tag::BYTES => {
-            let r = seq.next_element()?.ok_or_else(|| missing("payload"))?;
-            Value::Bytes(st.payload(node, r, 1).map_err(|e| st.fail(e))?)
-        }
-        tag::LIST => seq
-            .next_element_seed(ListSeed {
-                st,
-                depth,
-                pick: None,
-            })?
-            .flatten()
-            .ok_or_else(|| missing("items"))?,
-        tag::MAP => seq
-            .next_element_seed(MapSeed {
-                st,
-                depth,
-                pick: None,
-            })?
-            .flatten()
-            .ok_or_else(|| missing("entries"))?,
-        _ => Value::Tensor(tensor(st, node, seq)?),
-    })
-}
-
-fn tensor<'de, A: SeqAccess<'de>>(
-    st: &mut State<'_>,
-    node: u64,
-    seq: &mut A,
-) -> Result<Tensor, A::Error> {
-    let code: u64 = seq.next_element()?.ok_or_else(|| missing("dtype"))?;
-    let Some(dtype) = u8::try_from(code).ok().and_then(DType::from_code) else {
-        return Err(st.fail(DecodeError::UnknownDType { code, node }));
-    };
-    let shape = seq
-        .next_element_seed(DimsSeed { st, node })?
-        .ok_or_else(|| missing("shape"))?;
-    let strides = seq
-        .next_element_seed(OptDimsSeed { st, node })?
-        .ok_or_else(|| missing("strides"))?;
-    let r = seq.next_element()?.ok_or_else(|| missing("payload"))?;
-    let data = st
-        .payload(node, r, dtype.align() as u64)
-        .map_err(|e| st.fail(e))?;
-    Tensor::from_parts(dtype, shape, strides, data)
-        .map_err(|source| st.fail(DecodeError::Tensor { node, source }))
-}
-
-/// Shape or strides: at most `max_rank` integers, refused before allocating beyond that.
-struct DimsSeed<'s, 'f> {
-    st: &'s mut State<'f>,
-    node: u64,
-}
-
-impl<'de> DeserializeSeed<'de> for DimsSeed<'_, '_> {
-    type Value = Dims;
-
-    fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<Dims, D::Error> {
-        d.deserialize_seq(self)
-    }
-}
-
-impl<'de> Visitor<'de> for DimsSeed<'_, '_> {
-    type Value = Dims;
-
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("an array of dimensions")
-    }
-
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Dims, A::Error> {
-        let limit = self.st.limits.max_rank.min(Tensor::MAX_RANK as u32);
-        let too_high = DecodeError::RankTooHigh {
-            node: self.node,
-            limit,
-        };
-        if seq.size_hint().is_some_and(|n| n > limit as usize) {
-            return Err(self.st.fail(too_high));
-        }
-        let mut dims = Dims::new();
-        while let Some(d) = seq.next_element::<u64>()? {
-            if dims.len() >= limit as usize {
-                return Err(self.st.fail(too_high));
-            }
-            dims.push(d);
-        }
-        Ok(dims)
-    }
-}
-
-struct OptDimsSeed<'s, 'f> {
-    st: &'s mut State<'f>,
-    node: u64,
-}
-
-impl<'de> DeserializeSeed<'de> for OptDimsSeed<'_, '_> {
-    type Value = Option<Dims>;
-
-    fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<Option<Dims>, D::Error> {
-        d.deserialize_option(self)
-    }
-}
-
-impl<'de> Visitor<'de> for OptDimsSeed<'_, '_> {
-    type Value = Option<Dims>;
-
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("nil or an array of strides")
-    }
-
-    fn visit_none<E: de::Error>(self) -> Result<Option<Dims>, E> {
-        Ok(None)
-    }
-
-    fn visit_unit<E: de::Error>(self) -> Result<Option<Dims>, E> {
-        Ok(None)
-    }
-
-    fn visit_some<D: de::Deserializer<'de>>(self, d: D) -> Result<Option<Dims>, D::Error> {
-        DimsSeed {
-            st: self.st,
-            node: self.node,
-        }
-        .deserialize(d)
-        .map(Some)
-    }
-}
-
-/// The items of a list: all of them, or only the one at the picked index.
-struct ListSeed<'s, 'f, 'p> {
-    st: &'s mut State<'f>,
-    depth: u32,
-    pick: Option<(u64, &'s [PathSeg<'p>])>,
-}
-
-impl<'de> DeserializeSeed<'de> for ListSeed<'_, '_, '_> {
-    type Value = Option<Value>;
-
-    fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_seq(self)
-    }
-}
-
-impl<'de> Visitor<'de> for ListSeed<'_, '_, '_> {
-    type Value = Option<Value>;
-
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("an array of value nodes")
-    }
-
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-        let st = self.st;
-        let depth = self.depth + 1;
-        if let Some((index, rest)) = self.pick {
-            let mut found = None;
-            let mut i = 0u64;
-            loop {
-                if i == index {
-                    let seed = NodeSeed {
-                        st: &mut *st,
-                        depth,
-                        path: rest,
-                    };
-                    match seq.next_element_seed(seed)? {
-                        Some(v) => found = v,
-                        None => break,
-                    }
-                } else if seq.next_element::<IgnoredAny>()?.is_none() {
-                    break;
-                }
-                i += 1;
-            }
-            return Ok(found);
-        }
-        // Refuse a declared length beyond the element budget before reserving anything.
-        let budget = st.limits.max_elements.saturating_sub(st.nodes);
-        if let Some(n) = seq.size_hint() {
-            if n as u64 > budget {
-                let limit = st.limits.max_elements;
-                return Err(st.fail(DecodeError::TooManyElements { limit }));
-            }
-        }
-        let mut items = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(1024));
-        loop {
-            let seed = NodeSeed {
-                st: &mut *st,
-                depth,
-                path: &[],
-            };
-            match seq.next_element_seed(seed)? {
-                Some(v) => items.push(v.unwrap_or(Value::Null)),
-                None => break,
-            }
-        }
-        Ok(Some(Value::List(items)))
-    }
-}
-
-/// The entries of a map: all of them, or only the first with the picked key.
-struct MapSeed<'s, 'f, 'p> {
-    st: &'s mut State<'f>,
-    depth: u32,
-    pick: Option<(&'s str, &'s [PathSeg<'p>])>,
-}
-
-impl<'de> DeserializeSeed<'de> for MapSeed<'_, '_, '_> {
-    type Value = Option<Value>;
-
-    fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_map(self)
-    }
-}
-
-impl<'de> Visitor<'de> for MapSeed<'_, '_, '_> {
-    type Value = Option<Value>;
-
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a map from strings to value nodes")
-    }
-
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-        let st = self.st;
-        let depth = self.depth + 1;
-        if let Some((key, rest)) = self.pick {
-            let mut found = None;
-            let mut done = false;
-            while let Some(hit) = map.next_key_seed(KeyIs(key))? {
-                if hit && !done {
-                    done = true;
-                    found = map.next_value_seed(NodeSeed {
-                        st: &mut *st,
-                        depth,
-                        path: rest,
-                    })?;
-                } else {
-                    map.next_value::<IgnoredAny>()?;
-                }
-            }
-            return Ok(found);
-        }
-        let budget = st.limits.max_elements.saturating_sub(st.nodes);
-        if let Some(n) = map.size_hint() {
-            if n as u64 > budget {
-                let limit = st.limits.max_elements;
-                return Err(st.fail(DecodeError::TooManyElements { limit }));
-            }
-        }
-        let mut entries = Vec::with_capacity(map.size_hint().unwrap_or(0).min(1024));
-        while let Some(k) = map.next_key::<String>()? {
-            let v = map.next_value_seed(NodeSeed {
-                st: &mut *st,
-                depth,
-                path: &[],
-            })?;
-            entries.push((k, v.unwrap_or(Value::Null)));
-        }
-        Ok(Some(Value::Map(entries)))
-    }
-}
-
-/// A map key, compared with the wanted one without allocating.
-struct KeyIs<'a>(&'a str);
-
-impl<'de> DeserializeSeed<'de> for KeyIs<'_> {
-    type Value = bool;
-
-    fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<bool, D::Error> {
-        d.deserialize_str(self)
-    }
-}
-
-impl<'de> Visitor<'de> for KeyIs<'_> {
-    type Value = bool;
-
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a string key")
-    }
-
-    fn visit_str<E: de::Error>(self, v: &str) -> Result<bool, E> {
-        Ok(v == self.0)
     }
 }
 
