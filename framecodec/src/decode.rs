@@ -501,6 +501,16 @@ impl State<'_, '_> {
         };
         let r = self.reference()?;
         let data = self.payload(node, r, dtype.align() as u64)?;
+        // A broadcast tensor's logical size may exceed its payload: bound it like the payloads,
+        // so that a later explicit copy stays within what the limits allow.
+        if let Some(bytes) = crate::tensor::contiguous_bytes(dtype, &shape) {
+            if bytes > self.limits.max_total_bytes {
+                return Err(DecodeError::TooLarge {
+                    bytes,
+                    limit: self.limits.max_total_bytes,
+                });
+            }
+        }
         Tensor::from_parts(dtype, shape, strides, data)
             .map_err(|source| DecodeError::Tensor { node, source })
     }

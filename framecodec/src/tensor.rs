@@ -65,9 +65,10 @@ impl Tensor {
         }
         let overflow = TensorError::SizeOverflow { dtype, rank };
         let actual = data.len() as u64;
+        // Also bounds the element count of broadcast (zero-stride) tensors.
+        let expected = contiguous_bytes(dtype, &shape).ok_or(overflow.clone())?;
         match &strides {
             None => {
-                let expected = contiguous_bytes(dtype, &shape).ok_or(overflow)?;
                 if expected != actual {
                     return Err(TensorError::DataLength {
                         dtype,
@@ -240,10 +241,13 @@ impl Tensor {
         };
         let size = self.dtype.size();
         let total = self.numel().checked_mul(size as u64);
+        let bytes = total.unwrap_or(u64::MAX);
+        let too_large = ViewError::TooLarge { bytes };
         let total = total
             .and_then(|t| usize::try_from(t).ok())
-            .ok_or(ViewError::TooLarge { bytes: u64::MAX })?;
-        let mut out = Vec::with_capacity(total);
+            .ok_or(too_large.clone())?;
+        let mut out = Vec::new();
+        out.try_reserve_exact(total).map_err(|_| too_large)?;
         if total > 0 {
             let rank = self.shape.len();
             let mut index = vec![0u64; rank];
@@ -506,6 +510,19 @@ mod tests {
             })
         );
         assert!(Tensor::with_strides(DType::U16, &[2, 0], &[u64::MAX, 9], Bytes::new()).is_ok());
+        // A broadcast tensor may span one element, but its element count must still fit.
+        assert_eq!(
+            Tensor::with_strides(
+                DType::U8,
+                &[1 << 40, 1 << 40],
+                &[0, 0],
+                Bytes::from_static(&[1])
+            ),
+            Err(TensorError::SizeOverflow {
+                dtype: DType::U8,
+                rank: 2
+            })
+        );
         assert!(Tensor::new(DType::U8, &[0; 65], Bytes::new()).is_err());
     }
 

@@ -5,7 +5,7 @@ mod common;
 
 use bytes::Bytes;
 use proptest::prelude::*;
-use tessera_framecodec::{Decoder, Encoder, FrameTable, Limits, PathSeg};
+use tessera_framecodec::{Decoder, Encoder, FrameTable, Limits, PathSeg, Value};
 
 /// Runs every decoding entry point on one input.
 fn decode_all(meta: &[u8], frames: &[Bytes], buf: &Bytes) {
@@ -13,8 +13,15 @@ fn decode_all(meta: &[u8], frames: &[Bytes], buf: &Bytes) {
     small.max_depth = 8;
     small.max_elements = 200;
     small.max_total_bytes = 1 << 20;
-    for d in [Decoder::new(), Decoder::with_limits(small)] {
-        let _ = d.decode(meta, frames);
+    for (i, d) in [Decoder::new(), Decoder::with_limits(small)]
+        .iter()
+        .enumerate()
+    {
+        if let Ok(v) = d.decode(meta, frames) {
+            if i == 1 {
+                poke(&v);
+            }
+        }
         let _ = d.decode_contiguous(meta, buf, 64);
         let _ = d.decode_contiguous(meta, buf, 1);
         let _ = d.select(meta, frames, &[PathSeg::Index(0), PathSeg::Key("a")]);
@@ -23,6 +30,26 @@ fn decode_all(meta: &[u8], frames: &[Bytes], buf: &Bytes) {
             let _ = t.layout(64);
             let _ = t.split(buf, 64);
         }
+    }
+}
+
+/// Calls every tensor method on an accepted value (its sizes are bounded by the small limits).
+fn poke(v: &Value) {
+    match v {
+        Value::Tensor(t) => {
+            let _ = t.contiguous();
+            let _ = t.as_bits::<u8>();
+            let _ = t.as_slice::<f32>();
+            let _ = t.to_vec::<bool>();
+            let _ = t.to_vec::<[f64; 2]>();
+            let _ = t.is_contiguous();
+            if let Ok(rows) = t.unbind() {
+                rows.iter().for_each(|r| poke(&Value::Tensor(r.clone())));
+            }
+        }
+        Value::List(items) => items.iter().for_each(poke),
+        Value::Map(entries) => entries.iter().for_each(|(_, v)| poke(v)),
+        _ => {}
     }
 }
 
