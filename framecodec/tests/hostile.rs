@@ -119,8 +119,35 @@ fn apply(meta: &mut Vec<u8>, frames: &mut [Bytes], m: &Mutation) {
     }
 }
 
+/// Msgpack fragments from the node schema's vocabulary, so random bodies get past the first byte.
+fn token() -> impl Strategy<Value = Vec<u8>> {
+    prop_oneof![
+        (0x90u8..0x96).prop_map(|b| vec![b]),
+        (0u8..12).prop_map(|b| vec![b]),
+        Just(vec![0xc0]),
+        Just(vec![0x81, 0xa1, b'a']),
+        Just(vec![0x93, 0, 0, 4]),
+        Just(vec![0xdd, 0xff, 0xff, 0xff, 0xff]),
+        Just(vec![0xcf, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff]),
+        Just(vec![0xcb, 0x3f, 0xe0, 0, 0, 0, 0, 0, 0]),
+        any::<u8>().prop_map(|b| vec![b]),
+    ]
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(512))]
+
+    #[test]
+    fn schema_shaped_bodies_never_panic(
+        tokens in proptest::collection::vec(token(), 0..40),
+        frame_len in 0u64..64,
+    ) {
+        let mut meta = header(&[(frame_len, 16)]);
+        meta.extend(tokens.concat());
+        let frames = [Bytes::from(vec![1u8; frame_len as usize])];
+        let buf = Bytes::from(vec![0u8; 128]);
+        decode_all(&meta, &frames, &buf);
+    }
 
     #[test]
     fn arbitrary_bytes_never_panic(
