@@ -266,10 +266,11 @@ pub enum DecodeError {
         /// Largest count allowed.
         limit: u32,
     },
-    /// The payload frames add up to more bytes than allowed.
-    #[error("payload frames add up to {bytes} bytes (saturating), limit {limit}")]
+    /// The payload frames add up to more bytes than allowed, or a (broadcast) tensor's logical
+    /// size exceeds the same limit.
+    #[error("{bytes} payload bytes (saturating) exceed the limit of {limit}")]
     TooLarge {
-        /// Total in the table, saturating at `u64::MAX`.
+        /// Total in the table or logical tensor size, saturating at `u64::MAX`.
         bytes: u64,
         /// Largest total allowed.
         limit: u64,
