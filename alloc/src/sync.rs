@@ -8,8 +8,10 @@ pub(crate) use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Allocator ids only need to be unique; they are not part of any model-checked protocol, so a
 /// std atomic serves under loom too.
-pub(crate) fn next_allocator_id() -> u64 {
-    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+/// After 2^32 allocators the ids wrap; a block would then be misattributed only if it outlived
+/// 2^32 allocator creations and was handed to exactly the one that reused its owner's id.
+pub(crate) fn next_allocator_id() -> u32 {
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(1);
     NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 

@@ -13,8 +13,17 @@ const SL_COUNT: usize = 1 << SL_BITS;
 /// Sizes below 64 get one class each (first level 0); each power of two from 2^6 to 2^63 gets
 /// one first-level class, 1 to 58.
 const FL_COUNT: usize = 64 - SL_BITS as usize + 1;
-const NIL: u32 = u32::MAX;
+/// The end of a free list. Node 0 is a sink that is never a range: list updates write to it
+/// instead of branching on a missing neighbour.
+const NIL: u32 = 0;
+/// The sentinel of the circular physical order (node 1): the node before the first range and
+/// after the last. It is never free, so ranges at either end have a non-free neighbour.
+const EDGE: u32 = 1;
+/// `next_free` of a node that is a live block (free nodes hold a node index or `NIL` there).
+const USED: u32 = u32::MAX;
 
+/// One range, free or used, in the side table: 32 bytes, linked to its physical neighbours
+/// and, when free, to the other ranges of its size class.
 #[derive(Debug, Clone, Copy)]
 struct Node {
     offset: u64,
@@ -23,7 +32,6 @@ struct Node {
     next_phys: u32,
     prev_free: u32,
     next_free: u32,
-    free: bool,
 }
 
 /// A granted range `[offset, offset + size)`. It is neither `Copy` nor `Clone`: the only way to
@@ -36,7 +44,7 @@ pub struct Block {
     offset: u64,
     size: u64,
     node: u32,
-    owner: u64,
+    owner: u32,
 }
 
 impl Block {
@@ -106,11 +114,11 @@ pub struct Report {
 /// neighbours at once.
 #[derive(Debug)]
 pub struct Allocator {
-    id: u64,
+    id: u32,
     capacity: u64,
     nodes: Vec<Node>,
-    spare: Vec<u32>,
-    phys_head: u32,
+    /// Recycled nodes, chained through `next_free`.
+    spare: u32,
     fl_bitmap: u64,
     sl_bitmap: [u64; FL_COUNT],
     heads: Box<[u32]>,
@@ -119,39 +127,38 @@ pub struct Allocator {
     free_ranges: u64,
 }
 
+/// The class `size` falls in. Sizes below 64 map linearly (first level 0, and first level 1
+/// continues the same step of one byte), which the saturating shifts give without a branch.
 #[inline]
 fn class_of(size: u64) -> (usize, usize) {
-    if size < SL_COUNT as u64 {
-        (0, size as usize)
-    } else {
-        let msb = 63 - size.leading_zeros();
-        let fl = msb - SL_BITS + 1;
-        let sl = (size >> (msb - SL_BITS)) as usize & (SL_COUNT - 1);
-        (fl as usize, sl)
-    }
+    let msb = 63 - (size | 1).leading_zeros();
+    let fl = msb.saturating_sub(SL_BITS - 1);
+    let sl = (size >> msb.saturating_sub(SL_BITS)) as usize & (SL_COUNT - 1);
+    (fl as usize, sl)
 }
 
 /// The smallest class whose every range is at least `size` bytes.
 #[inline]
 fn class_at_least(size: u64) -> Option<(usize, usize)> {
-    if size < SL_COUNT as u64 {
-        Some((0, size as usize))
-    } else {
-        let msb = 63 - size.leading_zeros();
-        let round = (1u64 << (msb - SL_BITS)) - 1;
-        size.checked_add(round).map(class_of)
-    }
+    let msb = 63 - (size | 1).leading_zeros();
+    let round = (1u64 << msb.saturating_sub(SL_BITS)) - 1;
+    size.checked_add(round).map(class_of)
 }
 
 impl Allocator {
     /// An allocator over `[0, capacity)`, all free. Any `u64` capacity works.
     pub fn new(capacity: u64) -> Self {
+        Self::with_range_hint(capacity, 64)
+    }
+
+    /// Like [`Self::new`], with side-table room for `ranges` ranges (free or used) reserved up
+    /// front, so that no allocation up to that many pays for growing it.
+    pub fn with_range_hint(capacity: u64, ranges: usize) -> Self {
         let mut a = Self {
             id: crate::sync::next_allocator_id(),
             capacity,
-            nodes: Vec::with_capacity(64),
-            spare: Vec::new(),
-            phys_head: NIL,
+            nodes: Vec::with_capacity(ranges.saturating_add(1)),
+            spare: NIL,
             fl_bitmap: 0,
             sl_bitmap: [0; FL_COUNT],
             heads: vec![NIL; FL_COUNT * SL_COUNT].into_boxed_slice(),
@@ -159,9 +166,18 @@ impl Allocator {
             live_blocks: 0,
             free_ranges: 0,
         };
+        let sentinel = Node {
+            offset: 0,
+            size: 0,
+            prev_phys: EDGE,
+            next_phys: EDGE,
+            prev_free: NIL,
+            next_free: USED,
+        };
+        a.nodes.extend([sentinel, sentinel]);
         if capacity > 0 {
-            let n = a.new_node(0, capacity);
-            a.phys_head = n;
+            let n = a.new_node(0, capacity, true);
+            a.insert_phys_after(EDGE, n);
             a.insert_free(n);
             a.free_ranges = 1;
         }
@@ -183,6 +199,7 @@ impl Allocator {
     /// The block is exactly `size` bytes: nothing is rounded up, so requests whose sizes add up
     /// to the capacity fill it whenever their alignments allow. A zero-size request succeeds and
     /// takes nothing.
+    #[inline]
     pub fn allocate(&mut self, size: u64, align: u64) -> Result<Block, AllocError> {
         if !align.is_power_of_two() {
             return Err(AllocError::InvalidAlignment { align });
@@ -199,6 +216,7 @@ impl Allocator {
     /// Gives a block back; its range merges with free neighbours at once.
     ///
     /// A block granted by another allocator is refused and handed back inside the error.
+    #[inline]
     pub fn free(&mut self, block: Block) -> Result<(), WrongAllocator> {
         if block.owner != self.id {
             return Err(WrongAllocator::new(block));
@@ -206,27 +224,52 @@ impl Allocator {
         if block.size == 0 {
             return Ok(());
         }
-        let mut cur = block.node;
+        let node = block.node;
+        let Node {
+            prev_phys: prev,
+            next_phys: next,
+            ..
+        } = self.nodes[node as usize];
         debug_assert!({
-            let n = &self.nodes[cur as usize];
-            !n.free && n.offset == block.offset && n.size == block.size
+            let n = &self.nodes[node as usize];
+            !self.is_free(node) && n.offset == block.offset && n.size == block.size
         });
-        self.nodes[cur as usize].free = true;
         self.free_bytes += block.size;
         self.live_blocks -= 1;
-        self.free_ranges += 1;
-        let prev = self.nodes[cur as usize].prev_phys;
-        if prev != NIL && self.nodes[prev as usize].free {
-            self.remove_free(prev);
-            self.absorb_next(prev);
-            cur = prev;
+        let prev_free = self.is_free(prev);
+        let next_free = self.is_free(next);
+        match (prev_free, next_free) {
+            (false, false) => {
+                self.insert_free(node);
+                self.free_ranges += 1;
+            }
+            (true, false) => {
+                // The free neighbour grows over the block and keeps its list entry when its
+                // class does not change.
+                let old = self.nodes[prev as usize].size;
+                self.nodes[prev as usize].size += block.size;
+                self.unlink_phys(node);
+                self.reclass(prev, old);
+            }
+            (false, true) => {
+                let old = self.nodes[next as usize].size;
+                let n = &mut self.nodes[next as usize];
+                n.offset = block.offset;
+                n.size += block.size;
+                self.unlink_phys(node);
+                self.reclass(next, old);
+            }
+            (true, true) => {
+                let old = self.nodes[prev as usize].size;
+                let next_size = self.nodes[next as usize].size;
+                self.remove_free(next);
+                self.nodes[prev as usize].size += block.size + next_size;
+                self.unlink_phys(node);
+                self.unlink_phys(next);
+                self.reclass(prev, old);
+                self.free_ranges -= 1;
+            }
         }
-        let next = self.nodes[cur as usize].next_phys;
-        if next != NIL && self.nodes[next as usize].free {
-            self.remove_free(next);
-            self.absorb_next(cur);
-        }
-        self.insert_free(cur);
         Ok(())
     }
 
@@ -380,12 +423,13 @@ impl Allocator {
     /// The free ranges in address order. It walks every range, free or used: for diagnostics
     /// and tests, not for hot paths.
     pub fn free_ranges(&self) -> impl Iterator<Item = Range<u64>> + '_ {
-        let mut cur = self.phys_head;
+        let mut cur = self.nodes[EDGE as usize].next_phys;
         std::iter::from_fn(move || {
-            while cur != NIL {
-                let n = &self.nodes[cur as usize];
+            while cur != EDGE {
+                let node = cur;
+                let n = &self.nodes[node as usize];
                 cur = n.next_phys;
-                if n.free {
+                if self.is_free(node) {
                     return Some(n.offset..n.offset + n.size);
                 }
             }
@@ -511,10 +555,11 @@ impl Allocator {
             .map(|(fl, sl)| self.heads[fl * SL_COUNT + sl])
     }
 
-    /// Turns `[start, start + size)` of free node `node` into a block, returning what is left
-    /// on either side to the free lists.
+    /// Turns `[start, start + size)` of free node `node` into a block. The larger leftover
+    /// keeps `node`, and with it its free-list entry when its size class does not change (the
+    /// common case of carving from a large range); the other leftover, if any, gets a new node.
+    #[inline]
     fn carve(&mut self, node: u32, start: u64, size: u64) -> Block {
-        self.remove_free(node);
         let Node {
             offset,
             size: node_size,
@@ -522,86 +567,116 @@ impl Allocator {
         } = self.nodes[node as usize];
         let end = start + size;
         let node_end = offset + node_size;
-        debug_assert!(offset <= start && end <= node_end);
-        self.free_ranges -= 1;
-        if start > offset {
-            let lead = self.new_node(offset, start - offset);
-            let prev = self.nodes[node as usize].prev_phys;
-            self.link_phys(prev, lead);
-            self.link_phys(lead, node);
-            if prev == NIL {
-                self.phys_head = lead;
-            }
-            self.insert_free(lead);
-            self.free_ranges += 1;
-        }
-        if end < node_end {
-            let tail = self.new_node(end, node_end - end);
-            let next = self.nodes[node as usize].next_phys;
-            self.link_phys(tail, next);
-            self.link_phys(node, tail);
-            self.insert_free(tail);
-            self.free_ranges += 1;
-        }
-        let n = &mut self.nodes[node as usize];
-        n.offset = start;
-        n.size = size;
-        n.free = false;
+        debug_assert!(offset <= start && end <= node_end && size > 0);
+        let lead = start - offset;
+        let tail = node_end - end;
         self.free_bytes -= size;
         self.live_blocks += 1;
-        Block {
+        let owner = self.id;
+        let block = |node| Block {
             offset: start,
             size,
             node,
-            owner: self.id,
-        }
-    }
-
-    /// Merges the physical successor of `node` into it and recycles the successor's node.
-    fn absorb_next(&mut self, node: u32) {
-        let next = self.nodes[node as usize].next_phys;
-        let (next_size, after) = {
-            let n = &self.nodes[next as usize];
-            (n.size, n.next_phys)
+            owner,
         };
-        self.nodes[node as usize].size += next_size;
-        self.link_phys(node, after);
-        self.free_ranges -= 1;
-        self.spare.push(next);
+        if lead == 0 && tail == 0 {
+            self.remove_free(node);
+            self.nodes[node as usize].next_free = USED;
+            self.free_ranges -= 1;
+            return block(node);
+        }
+        let used = self.new_node(start, size, false);
+        if tail >= lead {
+            // [lead?][used][node = tail]
+            self.insert_phys_before(node, used);
+            if lead > 0 {
+                let l = self.new_node(offset, lead, true);
+                self.insert_phys_before(used, l);
+                self.insert_free(l);
+                self.free_ranges += 1;
+            }
+            let n = &mut self.nodes[node as usize];
+            n.offset = end;
+            n.size = tail;
+        } else {
+            // [node = lead][used][tail?]
+            self.insert_phys_after(node, used);
+            if tail > 0 {
+                let t = self.new_node(end, tail, true);
+                self.insert_phys_after(used, t);
+                self.insert_free(t);
+                self.free_ranges += 1;
+            }
+            self.nodes[node as usize].size = lead;
+        }
+        self.reclass(node, node_size);
+        block(used)
     }
 
-    #[inline]
-    fn link_phys(&mut self, a: u32, b: u32) {
-        if a != NIL {
-            self.nodes[a as usize].next_phys = b;
-        }
-        if b != NIL {
-            self.nodes[b as usize].prev_phys = a;
+    /// Moves free node `node`, whose size was `old_size`, to its new class if it changed.
+    #[inline(always)]
+    fn reclass(&mut self, node: u32, old_size: u64) {
+        let new_size = self.nodes[node as usize].size;
+        if class_of(new_size) != class_of(old_size) {
+            self.nodes[node as usize].size = old_size;
+            self.remove_free(node);
+            self.nodes[node as usize].size = new_size;
+            self.insert_free(node);
         }
     }
 
-    fn new_node(&mut self, offset: u64, size: u64) -> u32 {
+    fn insert_phys_before(&mut self, at: u32, node: u32) {
+        let prev = self.nodes[at as usize].prev_phys;
+        self.insert_phys_after(prev, node);
+    }
+
+    fn insert_phys_after(&mut self, at: u32, node: u32) {
+        let next = self.nodes[at as usize].next_phys;
+        self.nodes[node as usize].prev_phys = at;
+        self.nodes[node as usize].next_phys = next;
+        self.nodes[at as usize].next_phys = node;
+        self.nodes[next as usize].prev_phys = node;
+    }
+
+    /// Takes `node` out of the physical order and recycles it.
+    fn unlink_phys(&mut self, node: u32) {
+        let Node {
+            prev_phys,
+            next_phys,
+            ..
+        } = self.nodes[node as usize];
+        self.nodes[prev_phys as usize].next_phys = next_phys;
+        self.nodes[next_phys as usize].prev_phys = prev_phys;
+        self.nodes[node as usize].next_free = self.spare;
+        self.spare = node;
+    }
+
+    fn new_node(&mut self, offset: u64, size: u64, free: bool) -> u32 {
         let node = Node {
             offset,
             size,
             prev_phys: NIL,
             next_phys: NIL,
             prev_free: NIL,
-            next_free: NIL,
-            free: true,
+            next_free: if free { NIL } else { USED },
         };
-        match self.spare.pop() {
-            Some(i) => {
-                self.nodes[i as usize] = node;
-                i
-            }
-            None => {
-                let i = self.nodes.len() as u32;
-                debug_assert!(i != NIL, "more than 2^32 - 1 ranges");
-                self.nodes.push(node);
-                i
-            }
+        if self.spare != NIL {
+            let i = self.spare;
+            self.spare = self.nodes[i as usize].next_free;
+            self.nodes[i as usize] = node;
+            i
+        } else {
+            let i = self.nodes.len() as u32;
+            debug_assert!(i < USED, "more than 2^32 - 2 ranges");
+            debug_assert!(i > EDGE);
+            self.nodes.push(node);
+            i
         }
+    }
+
+    #[inline]
+    fn is_free(&self, node: u32) -> bool {
+        self.nodes[node as usize].next_free != USED
     }
 
     #[inline]
@@ -611,13 +686,10 @@ impl Allocator {
         let head = self.heads[slot];
         {
             let n = &mut self.nodes[node as usize];
-            n.free = true;
             n.prev_free = NIL;
             n.next_free = head;
         }
-        if head != NIL {
-            self.nodes[head as usize].prev_free = node;
-        }
+        self.nodes[head as usize].prev_free = node;
         self.heads[slot] = node;
         self.fl_bitmap |= 1 << fl;
         self.sl_bitmap[fl] |= 1 << sl;
@@ -631,21 +703,67 @@ impl Allocator {
             next_free,
             ..
         } = self.nodes[node as usize];
-        if next_free != NIL {
-            self.nodes[next_free as usize].prev_free = prev_free;
-        }
-        if prev_free != NIL {
-            self.nodes[prev_free as usize].next_free = next_free;
+        // Without branches, which random neighbours would mispredict: the sink takes the
+        // writes for a missing neighbour, and the head and bitmaps are updated by selects.
+        self.nodes[next_free as usize].prev_free = prev_free;
+        self.nodes[prev_free as usize].next_free = next_free;
+        let (fl, sl) = class_of(size);
+        let slot = fl * SL_COUNT + sl;
+        let head = self.heads[slot];
+        let head = if head == node { next_free } else { head };
+        self.heads[slot] = head;
+        self.sl_bitmap[fl] &= !(u64::from(head == NIL) << sl);
+        self.fl_bitmap &= !(u64::from(self.sl_bitmap[fl] == 0) << fl);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The smallest size of class `(fl, sl)`.
+    fn floor((fl, sl): (usize, usize)) -> u128 {
+        if fl == 0 {
+            sl as u128
         } else {
-            let (fl, sl) = class_of(size);
-            let slot = fl * SL_COUNT + sl;
-            self.heads[slot] = next_free;
-            if next_free == NIL {
-                self.sl_bitmap[fl] &= !(1 << sl);
-                if self.sl_bitmap[fl] == 0 {
-                    self.fl_bitmap &= !(1 << fl);
-                }
+            ((SL_COUNT + sl) as u128) << (fl - 1)
+        }
+    }
+
+    #[test]
+    fn classes_are_monotonic_and_bounded() {
+        let mut sizes: Vec<u64> = (0..4096).collect();
+        sizes.extend((12..64).flat_map(|s| {
+            [
+                (1u64 << s) - 1,
+                1 << s,
+                (1 << s) + 1,
+                (1 << s) + (1 << (s - 1)),
+            ]
+        }));
+        sizes.push(u64::MAX);
+        let mut last = (0, 0);
+        for &size in &sizes {
+            let c = class_of(size);
+            assert!(c >= last, "class of {size} went down");
+            assert!(c.0 < FL_COUNT && c.1 < SL_COUNT);
+            assert!(floor(c) <= u128::from(size), "{size} below its class {c:?}");
+            last = c;
+            if let Some(up) = class_at_least(size) {
+                assert!(
+                    floor(up) >= u128::from(size),
+                    "{size}: class {up:?} holds smaller"
+                );
+                assert!(floor(up) <= u128::from(size) + (u128::from(size) >> SL_BITS));
             }
         }
+        assert_eq!(class_of(0), (0, 0));
+        assert_eq!(class_of(63), (0, 63));
+        assert_eq!(class_of(64), (1, 0));
+        assert_eq!(class_of(127), (1, 63));
+        assert_eq!(class_of(128), (2, 0));
+        assert_eq!(class_of(129), (2, 0));
+        assert_eq!(class_at_least(129), Some((2, 1)));
+        assert_eq!(class_at_least(u64::MAX), None);
     }
 }

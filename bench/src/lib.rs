@@ -2,6 +2,7 @@
 //! references (memcpy, peer crates, raw sockets) and reports ratios between them.
 
 pub mod alloc;
+pub mod codec;
 pub mod report;
 pub mod timing;
 pub mod transport;
@@ -12,4 +13,8 @@ pub use report::Report;
 pub type Suite = (&'static str, fn(&mut Report) -> anyhow::Result<()>);
 
 /// Every suite, in the order `cargo xtask bench` runs them.
-pub const SUITES: &[Suite] = &[("alloc", alloc::run), ("transport", transport::run)];
+pub const SUITES: &[Suite] = &[
+    ("alloc", alloc::run),
+    ("codec", codec::run),
+    ("transport", transport::run),
+];

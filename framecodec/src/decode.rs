@@ -1,0 +1,838 @@
+//! Meta frame + payload frames -> value, with every payload a slice of its frame.
+
+use bytes::Bytes;
+
+use crate::encode::tag;
+use crate::tensor::Dims;
+use crate::value::tensor_pointer;
+use crate::wire::FrameSpec;
+use crate::{DType, DecodeError, FrameTable, PathSeg, Tensor, Value};
+
+/// Bounds on what a decoder accepts, all checked before the memory they guard is allocated.
+///
+/// The defaults suit values of up to millions of tensors; lower them for untrusted peers.
+/// `max_depth` also bounds the decoder's recursion, so keep it to a few hundred at most.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Limits {
+    /// Deepest nesting of lists and maps; the root is at depth 1 (default 64).
+    pub max_depth: u32,
+    /// Most payload frames (default 1,048,576).
+    pub max_frames: u32,
+    /// Most values in the tree, counting every list item, map value and the root (default 2^24).
+    pub max_elements: u64,
+    /// Most dimensions of one tensor (default 32).
+    pub max_rank: u32,
+    /// Most payload bytes, summed over the frame table (default 1 TiB).
+    pub max_total_bytes: u64,
+    /// Largest meta frame (default 256 MiB).
+    pub max_meta_bytes: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_depth: 64,
+            max_frames: 1 << 20,
+            max_elements: 1 << 24,
+            max_rank: 32,
+            max_total_bytes: 1 << 40,
+            max_meta_bytes: 256 << 20,
+        }
+    }
+}
+
+impl Limits {
+    /// No limits beyond what the format itself bounds (depth stays at 64 to bound recursion).
+    pub fn unlimited() -> Self {
+        Self {
+            max_depth: 64,
+            max_frames: u32::MAX,
+            max_elements: u64::MAX,
+            max_rank: Tensor::MAX_RANK as u32,
+            max_total_bytes: u64::MAX,
+            max_meta_bytes: u64::MAX,
+        }
+    }
+}
+
+/// Decodes with a set of [`Limits`].
+#[derive(Debug, Clone, Default)]
+pub struct Decoder {
+    limits: Limits,
+}
+
+impl Decoder {
+    /// A decoder with [`Limits::default`].
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A decoder with `limits`.
+    pub fn with_limits(limits: Limits) -> Self {
+        Self { limits }
+    }
+
+    /// The limits in force.
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    /// Reads the frame table of `meta` (header checks and limits included), without decoding
+    /// the body: enough to size and lay out a receive buffer.
+    pub fn frame_table(&self, meta: &[u8]) -> Result<FrameTable, DecodeError> {
+        FrameTable::parse(meta, &self.limits)
+    }
+
+    /// Decodes `meta` with its payload `frames`, each received as its own `Bytes`. Every
+    /// tensor and byte string of the result is a slice of one of the frames.
+    pub fn decode(&self, meta: &[u8], frames: &[Bytes]) -> Result<Value, DecodeError> {
+        let table = self.frame_table(meta)?;
+        table.check_frames(frames)?;
+        let out = self.body(meta, &table, frames, &[])?;
+        Ok(out.unwrap_or(Value::Null))
+    }
+
+    /// Decodes `meta` with one contiguous buffer into which the frames were written at the
+    /// offsets of [`FrameTable::layout`] with `align`. Every tensor of the result is a slice of
+    /// `buf`, so it keeps `buf`'s owner (for example a pool lease) alive.
+    pub fn decode_contiguous(
+        &self,
+        meta: &[u8],
+        buf: &Bytes,
+        align: u64,
+    ) -> Result<Value, DecodeError> {
+        let table = self.frame_table(meta)?;
+        let frames = table.split(buf, align)?;
+        let out = self.body(meta, &table, &frames, &[])?;
+        Ok(out.unwrap_or(Value::Null))
+    }
+
+    /// Decodes only the value at `path` (map keys, list indexes, tensor rows), skipping the
+    /// rest of the meta body without building it. `Ok(None)` when the path leads nowhere.
+    /// Use [`FrameTable::split`] first to select from a contiguous buffer.
+    pub fn select(
+        &self,
+        meta: &[u8],
+        frames: &[Bytes],
+        path: &[PathSeg<'_>],
+    ) -> Result<Option<Value>, DecodeError> {
+        let table = self.frame_table(meta)?;
+        table.check_frames(frames)?;
+        self.body(meta, &table, frames, path)
+    }
+
+    fn body(
+        &self,
+        meta: &[u8],
+        table: &FrameTable,
+        frames: &[Bytes],
+        path: &[PathSeg<'_>],
+    ) -> Result<Option<Value>, DecodeError> {
+        let mut st = State {
+            rd: Reader {
+                buf: &meta[table.body_start..],
+                pos: 0,
+                base: table.body_start as u64,
+            },
+            frames,
+            specs: table.frames(),
+            limits: &self.limits,
+            nodes: 0,
+        };
+        let out = st.node(1, path)?;
+        if st.rd.pos != st.rd.buf.len() {
+            return Err(st.rd.malformed("trailing bytes after the root value"));
+        }
+        Ok(out)
+    }
+}
+
+/// Decodes with [`Decoder::new`]; see [`Decoder::decode`].
+pub fn decode(meta: &[u8], frames: &[Bytes]) -> Result<Value, DecodeError> {
+    Decoder::new().decode(meta, frames)
+}
+
+/// Decodes with [`Decoder::new`]; see [`Decoder::decode_contiguous`].
+pub fn decode_contiguous(meta: &[u8], buf: &Bytes, align: u64) -> Result<Value, DecodeError> {
+    Decoder::new().decode_contiguous(meta, buf, align)
+}
+
+/// A strict msgpack reader over the meta body: every length is checked against the bytes left.
+struct Reader<'a> {
+    buf: &'a [u8],
+    pos: usize,
+    /// Offset of `buf` inside the meta frame, for error messages.
+    base: u64,
+}
+
+impl<'a> Reader<'a> {
+    fn malformed(&self, reason: impl Into<String>) -> DecodeError {
+        DecodeError::Malformed {
+            offset: self.base + self.pos as u64,
+            reason: reason.into(),
+        }
+    }
+
+    fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
+        match self.buf.get(self.pos..).and_then(|rest| rest.get(..n)) {
+            Some(bytes) => {
+                self.pos += n;
+                Ok(bytes)
+            }
+            None => Err(self.malformed(format!(
+                "{n} bytes expected, {} left",
+                self.buf.len() - self.pos
+            ))),
+        }
+    }
+
+    fn byte(&mut self) -> Result<u8, DecodeError> {
+        Ok(self.take(1)?[0])
+    }
+
+    fn be(&mut self, n: usize) -> Result<u64, DecodeError> {
+        Ok(self
+            .take(n)?
+            .iter()
+            .fold(0u64, |acc, &b| (acc << 8) | u64::from(b)))
+    }
+
+    fn peek(&self) -> Option<u8> {
+        self.buf.get(self.pos).copied()
+    }
+
+    /// Any msgpack integer, widened.
+    fn integer(&mut self) -> Result<i128, DecodeError> {
+        let m = self.byte()?;
+        Ok(match m {
+            0x00..=0x7f => i128::from(m),
+            0xe0..=0xff => i128::from(m as i8),
+            0xcc => i128::from(self.be(1)?),
+            0xcd => i128::from(self.be(2)?),
+            0xce => i128::from(self.be(4)?),
+            0xcf => i128::from(self.be(8)?),
+            0xd0 => i128::from(self.be(1)? as u8 as i8),
+            0xd1 => i128::from(self.be(2)? as u16 as i16),
+            0xd2 => i128::from(self.be(4)? as u32 as i32),
+            0xd3 => i128::from(self.be(8)? as i64),
+            _ => {
+                self.pos -= 1;
+                return Err(self.malformed(format!("integer expected, found marker {m:#04x}")));
+            }
+        })
+    }
+
+    fn uint(&mut self) -> Result<u64, DecodeError> {
+        let v = self.integer()?;
+        u64::try_from(v)
+            .map_err(|_| self.malformed(format!("unsigned integer expected, found {v}")))
+    }
+
+    fn int(&mut self) -> Result<i64, DecodeError> {
+        let v = self.integer()?;
+        i64::try_from(v).map_err(|_| self.malformed(format!("{v} does not fit in an i64")))
+    }
+
+    fn float(&mut self) -> Result<f64, DecodeError> {
+        match self.byte()? {
+            0xca => Ok(f64::from(f32::from_bits(self.be(4)? as u32))),
+            0xcb => Ok(f64::from_bits(self.be(8)?)),
+            m => Err(self.malformed(format!("float expected, found marker {m:#04x}"))),
+        }
+    }
+
+    fn bool(&mut self) -> Result<bool, DecodeError> {
+        match self.byte()? {
+            0xc2 => Ok(false),
+            0xc3 => Ok(true),
+            m => Err(self.malformed(format!("bool expected, found marker {m:#04x}"))),
+        }
+    }
+
+    /// Consumes a nil if one is next.
+    fn nil(&mut self) -> bool {
+        if self.peek() == Some(0xc0) {
+            self.pos += 1;
+            true
+        } else {
+            false
+        }
+    }
+
+    fn array(&mut self) -> Result<u64, DecodeError> {
+        match self.byte()? {
+            m @ 0x90..=0x9f => Ok(u64::from(m & 0x0f)),
+            0xdc => self.be(2),
+            0xdd => self.be(4),
+            m => Err(self.malformed(format!("array expected, found marker {m:#04x}"))),
+        }
+    }
+
+    fn map(&mut self) -> Result<u64, DecodeError> {
+        match self.byte()? {
+            m @ 0x80..=0x8f => Ok(u64::from(m & 0x0f)),
+            0xde => self.be(2),
+            0xdf => self.be(4),
+            m => Err(self.malformed(format!("map expected, found marker {m:#04x}"))),
+        }
+    }
+
+    fn str(&mut self) -> Result<&'a str, DecodeError> {
+        let len = match self.byte()? {
+            m @ 0xa0..=0xbf => u64::from(m & 0x1f),
+            0xd9 => self.be(1)?,
+            0xda => self.be(2)?,
+            0xdb => self.be(4)?,
+            m => return Err(self.malformed(format!("string expected, found marker {m:#04x}"))),
+        };
+        let start = self.pos;
+        let bytes = self.take(len as usize)?;
+        std::str::from_utf8(bytes).map_err(|e| DecodeError::Malformed {
+            offset: self.base + (start + e.valid_up_to()) as u64,
+            reason: "string is not UTF-8".into(),
+        })
+    }
+
+    /// Skips one msgpack value of any kind, nesting at most `depth` levels.
+    fn skip(&mut self, depth: u32, limit: u32) -> Result<(), DecodeError> {
+        if depth > limit {
+            return Err(DecodeError::TooDeep { limit });
+        }
+        let m = self.byte()?;
+        let (items, bytes) = match m {
+            0x00..=0x7f | 0xe0..=0xff | 0xc0 | 0xc2 | 0xc3 => (0, 0),
+            0x80..=0x8f => (2 * u64::from(m & 0x0f), 0),
+            0x90..=0x9f => (u64::from(m & 0x0f), 0),
+            0xa0..=0xbf => (0, u64::from(m & 0x1f)),
+            0xc4 | 0xd9 => (0, self.be(1)?),
+            0xc5 | 0xda => (0, self.be(2)?),
+            0xc6 | 0xdb => (0, self.be(4)?),
+            0xc7 => (0, self.be(1)? + 1),
+            0xc8 => (0, self.be(2)? + 1),
+            0xc9 => (0, self.be(4)? + 1),
+            0xca => (0, 4),
+            0xcb => (0, 8),
+            0xcc | 0xd0 => (0, 1),
+            0xcd | 0xd1 => (0, 2),
+            0xce | 0xd2 => (0, 4),
+            0xcf | 0xd3 => (0, 8),
+            0xd4 => (0, 2),
+            0xd5 => (0, 3),
+            0xd6 => (0, 5),
+            0xd7 => (0, 9),
+            0xd8 => (0, 17),
+            0xdc => (self.be(2)?, 0),
+            0xdd => (self.be(4)?, 0),
+            0xde => (2 * self.be(2)?, 0),
+            0xdf => (2 * self.be(4)?, 0),
+            0xc1 => return Err(self.malformed("reserved marker 0xc1")),
+        };
+        self.take(bytes as usize)?;
+        // Each item takes at least one byte, so a lying count ends at the end of the input.
+        for _ in 0..items {
+            self.skip(depth + 1, limit)?;
+        }
+        Ok(())
+    }
+}
+
+/// Decoding state: the reader, the frames payloads are cut from, and the budgets.
+struct State<'a, 'f> {
+    rd: Reader<'a>,
+    frames: &'f [Bytes],
+    specs: &'f [FrameSpec],
+    limits: &'f Limits,
+    nodes: u64,
+}
+
+/// How many items a node array of each tag has, the tag included.
+const ARITY: [u64; 10] = [1, 2, 2, 2, 2, 2, 2, 2, 2, 5];
+
+impl State<'_, '_> {
+    fn count(&mut self, extra: u64) -> Result<(), DecodeError> {
+        self.nodes = self.nodes.saturating_add(extra);
+        if self.nodes > self.limits.max_elements {
+            return Err(DecodeError::TooManyElements {
+                limit: self.limits.max_elements,
+            });
+        }
+        Ok(())
+    }
+
+    /// Elements still allowed: a declared length beyond this is refused before reserving.
+    fn check_len(&self, len: u64) -> Result<(), DecodeError> {
+        if len > self.limits.max_elements.saturating_sub(self.nodes) {
+            return Err(DecodeError::TooManyElements {
+                limit: self.limits.max_elements,
+            });
+        }
+        Ok(())
+    }
+
+    /// Capacity to reserve for `len` items: never more than the bytes left could hold.
+    fn capacity(&self, len: u64) -> usize {
+        let left = (self.rd.buf.len() - self.rd.pos) as u64;
+        len.min(left / 2) as usize
+    }
+
+    fn skip_limit(&self) -> u32 {
+        self.limits.max_depth.saturating_mul(2).saturating_add(8)
+    }
+
+    /// One value node; with a non-empty `path`, only the part on the path is built.
+    fn node(&mut self, depth: u32, path: &[PathSeg<'_>]) -> Result<Option<Value>, DecodeError> {
+        let node = self.nodes;
+        if depth > self.limits.max_depth {
+            return Err(DecodeError::TooDeep {
+                limit: self.limits.max_depth,
+            });
+        }
+        if path.is_empty() {
+            self.count(1)?;
+        }
+        let items = self.rd.array()?;
+        if items == 0 {
+            return Err(self.rd.malformed("value node without a tag"));
+        }
+        let t = self.rd.uint()?;
+        let arity = match ARITY.get(t as usize) {
+            Some(&a) if t < ARITY.len() as u64 => a,
+            _ => return Err(DecodeError::UnknownTag { tag: t, node }),
+        };
+        if items != arity {
+            return Err(self.rd.malformed(format!(
+                "node with tag {t} has {items} items, {arity} expected"
+            )));
+        }
+        let t = t as u8;
+        match (t, path.split_first()) {
+            (_, None) => self.content(node, depth, t).map(Some),
+            (tag::LIST, Some((PathSeg::Index(i), rest))) => {
+                let len = self.rd.array()?;
+                let mut found = None;
+                for j in 0..len {
+                    if j == *i {
+                        found = self.node(depth + 1, rest)?;
+                    } else {
+                        self.rd.skip(0, self.skip_limit())?;
+                    }
+                }
+                Ok(found)
+            }
+            (tag::MAP, Some((PathSeg::Key(k), rest))) => {
+                let len = self.rd.map()?;
+                let mut found = None;
+                let mut done = false;
+                for _ in 0..len {
+                    let key = self.rd.str()?;
+                    if !done && key == *k {
+                        done = true;
+                        found = self.node(depth + 1, rest)?;
+                    } else {
+                        self.rd.skip(0, self.skip_limit())?;
+                    }
+                }
+                Ok(found)
+            }
+            (tag::TENSOR, Some((PathSeg::Index(_), _))) => {
+                self.count(1)?;
+                match self.content(node, depth, t)? {
+                    Value::Tensor(tensor) => Ok(tensor_pointer(&tensor, path)),
+                    _ => Ok(None),
+                }
+            }
+            _ => {
+                for _ in 1..arity {
+                    self.rd.skip(0, self.skip_limit())?;
+                }
+                Ok(None)
+            }
+        }
+    }
+
+    /// The items of a node after its tag, decoded in full.
+    fn content(&mut self, node: u64, depth: u32, t: u8) -> Result<Value, DecodeError> {
+        Ok(match t {
+            tag::NULL => Value::Null,
+            tag::BOOL => Value::Bool(self.rd.bool()?),
+            tag::I64 => Value::I64(self.rd.int()?),
+            tag::U64 => Value::U64(self.rd.uint()?),
+            tag::F64 => Value::F64(self.rd.float()?),
+            tag::STR => Value::Str(self.rd.str()?.to_owned()),
+            tag::BYTES => {
+                let r = self.reference()?;
+                Value::Bytes(self.payload(node, r, 1)?)
+            }
+            tag::LIST => {
+                let len = self.rd.array()?;
+                self.check_len(len)?;
+                let mut items = Vec::with_capacity(self.capacity(len));
+                for _ in 0..len {
+                    items.push(self.node(depth + 1, &[])?.unwrap_or(Value::Null));
+                }
+                Value::List(items)
+            }
+            tag::MAP => {
+                let len = self.rd.map()?;
+                self.check_len(len)?;
+                let mut entries = Vec::with_capacity(self.capacity(len));
+                for _ in 0..len {
+                    let key = self.rd.str()?.to_owned();
+                    let value = self.node(depth + 1, &[])?.unwrap_or(Value::Null);
+                    entries.push((key, value));
+                }
+                Value::Map(entries)
+            }
+            _ => Value::Tensor(self.tensor(node)?),
+        })
+    }
+
+    fn tensor(&mut self, node: u64) -> Result<Tensor, DecodeError> {
+        let code = self.rd.uint()?;
+        let Some(dtype) = u8::try_from(code).ok().and_then(DType::from_code) else {
+            return Err(DecodeError::UnknownDType { code, node });
+        };
+        let shape = self.dims(node)?;
+        let strides = if self.rd.nil() {
+            None
+        } else {
+            Some(self.dims(node)?)
+        };
+        let r = self.reference()?;
+        let data = self.payload(node, r, dtype.align() as u64)?;
+        // A broadcast tensor's logical size may exceed its payload: bound it like the payloads,
+        // so that a later explicit copy stays within what the limits allow.
+        if let Some(bytes) = crate::tensor::contiguous_bytes(dtype, &shape) {
+            if bytes > self.limits.max_total_bytes {
+                return Err(DecodeError::TooLarge {
+                    bytes,
+                    limit: self.limits.max_total_bytes,
+                });
+            }
+        }
+        Tensor::from_parts(dtype, shape, strides, data)
+            .map_err(|source| DecodeError::Tensor { node, source })
+    }
+
+    /// Shape or strides: at most `max_rank` integers, refused before reserving beyond that.
+    fn dims(&mut self, node: u64) -> Result<Dims, DecodeError> {
+        let len = self.rd.array()?;
+        let limit = self.limits.max_rank.min(Tensor::MAX_RANK as u32);
+        if len > u64::from(limit) {
+            return Err(DecodeError::RankTooHigh { node, limit });
+        }
+        let mut dims = Dims::with_capacity(len as usize);
+        for _ in 0..len {
+            dims.push(self.rd.uint()?);
+        }
+        Ok(dims)
+    }
+
+    /// `nil` or `[frame, offset, len]`.
+    fn reference(&mut self) -> Result<Option<(u64, u64, u64)>, DecodeError> {
+        if self.rd.nil() {
+            return Ok(None);
+        }
+        let n = self.rd.array()?;
+        if n != 3 {
+            return Err(self
+                .rd
+                .malformed(format!("payload reference has {n} items, 3 expected")));
+        }
+        Ok(Some((self.rd.uint()?, self.rd.uint()?, self.rd.uint()?)))
+    }
+
+    /// The payload a reference points at, as a slice of its frame.
+    fn payload(
+        &self,
+        node: u64,
+        r: Option<(u64, u64, u64)>,
+        align: u64,
+    ) -> Result<Bytes, DecodeError> {
+        let Some((frame, offset, len)) = r else {
+            return Ok(Bytes::new());
+        };
+        let frames = self.frames.len() as u64;
+        let index = usize::try_from(frame).ok();
+        let (Some(data), Some(spec)) = (
+            index.and_then(|f| self.frames.get(f)),
+            index.and_then(|f| self.specs.get(f)),
+        ) else {
+            return Err(DecodeError::FrameIndex {
+                node,
+                frame,
+                frames,
+            });
+        };
+        let frame_len = data.len() as u64;
+        match offset.checked_add(len) {
+            Some(end) if end <= frame_len => {}
+            _ => {
+                return Err(DecodeError::OutOfBounds {
+                    node,
+                    frame,
+                    offset,
+                    len,
+                    frame_len,
+                })
+            }
+        }
+        if len > 0 && (offset % align != 0 || spec.align < align) {
+            return Err(DecodeError::Misaligned {
+                node,
+                frame,
+                offset,
+                frame_align: spec.align,
+                align,
+            });
+        }
+        Ok(data.slice(offset as usize..(offset + len) as usize))
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::field_reassign_with_default)]
+mod tests {
+    use super::*;
+    use crate::{encode, Encoder, TensorError};
+
+    fn sample() -> Value {
+        let ids = Tensor::from_slice(&[2, 3], &[1i64, 2, 3, 4, 5, 6]).unwrap();
+        let big = Tensor::new(DType::U8, &[5000], Bytes::from(vec![9u8; 5000])).unwrap();
+        Value::map([
+            ("ids", ids.into()),
+            ("big", big.into()),
+            ("name", "x".into()),
+            ("n", Value::U64(u64::MAX)),
+            ("neg", Value::I64(-3)),
+            ("pi", Value::F64(3.5)),
+            ("ok", Value::Bool(true)),
+            ("none", Value::Null),
+            ("raw", Value::Bytes(Bytes::from_static(b"abc"))),
+            (
+                "list",
+                Value::List(vec![Value::I64(1), Value::List(vec![])]),
+            ),
+        ])
+    }
+
+    #[test]
+    fn round_trip_through_frames_and_a_contiguous_buffer() {
+        let v = sample();
+        let f = encode(&v).unwrap();
+        assert_eq!(f.payloads.len(), 2);
+        assert_eq!(decode(&f.meta, &f.payloads).unwrap(), v);
+        let l = f.layout(64).unwrap();
+        let mut buf = vec![0u8; l.size as usize];
+        for (i, p) in f.payloads.iter().enumerate() {
+            buf[l.range(i)].copy_from_slice(p);
+        }
+        let buf = Bytes::from(buf);
+        let back = decode_contiguous(&f.meta, &buf, 64).unwrap();
+        assert_eq!(back, v);
+        let ids = back.get("ids").unwrap().as_tensor().unwrap();
+        let at = ids.data().as_ptr() as usize - buf.as_ptr() as usize;
+        assert!(at < buf.len());
+    }
+
+    #[test]
+    fn select_builds_only_the_path() {
+        let v = sample();
+        let f = encode(&v).unwrap();
+        let d = Decoder::new();
+        let got = d.select(&f.meta, &f.payloads, &["ids".into(), 1u64.into()]);
+        let row = got.unwrap().unwrap();
+        assert_eq!(
+            row.as_tensor().unwrap().as_slice::<i64>().unwrap(),
+            &[4, 5, 6]
+        );
+        let got = d.select(&f.meta, &f.payloads, &["list".into(), 1u64.into()]);
+        assert_eq!(got.unwrap(), Some(Value::List(vec![])));
+        assert_eq!(
+            d.select(&f.meta, &f.payloads, &["zz".into()]).unwrap(),
+            None
+        );
+        assert_eq!(
+            d.select(&f.meta, &f.payloads, &[7u64.into()]).unwrap(),
+            None
+        );
+        assert_eq!(d.select(&f.meta, &f.payloads, &[]).unwrap(), Some(v));
+    }
+
+    #[test]
+    fn limits_are_enforced_on_decode() {
+        let mut deep = Value::Null;
+        for _ in 0..10 {
+            deep = Value::List(vec![deep]);
+        }
+        let f = encode(&deep).unwrap();
+        let mut lim = Limits::default();
+        lim.max_depth = 5;
+        assert_eq!(
+            Decoder::with_limits(lim).decode(&f.meta, &[]),
+            Err(DecodeError::TooDeep { limit: 5 })
+        );
+        let mut lim = Limits::default();
+        lim.max_elements = 4;
+        assert_eq!(
+            Decoder::with_limits(lim).decode(&f.meta, &[]),
+            Err(DecodeError::TooManyElements { limit: 4 })
+        );
+        let wide = Value::List(vec![Value::Null; 100]);
+        let f = encode(&wide).unwrap();
+        let mut lim = Limits::default();
+        lim.max_elements = 50;
+        assert_eq!(
+            Decoder::with_limits(lim).decode(&f.meta, &[]),
+            Err(DecodeError::TooManyElements { limit: 50 })
+        );
+        let t = Tensor::new(DType::U8, &[1; 8], Bytes::from_static(&[1])).unwrap();
+        let f = encode(&t.into()).unwrap();
+        let mut lim = Limits::default();
+        lim.max_rank = 4;
+        assert_eq!(
+            Decoder::with_limits(lim).decode(&f.meta, &f.payloads),
+            Err(DecodeError::RankTooHigh { node: 0, limit: 4 })
+        );
+    }
+
+    #[test]
+    fn frames_must_match_the_table() {
+        let f = encode(&sample()).unwrap();
+        assert_eq!(
+            decode(&f.meta, &f.payloads[..1]),
+            Err(DecodeError::FrameCount {
+                expected: 2,
+                actual: 1
+            })
+        );
+        let mut short = f.payloads.clone();
+        short[0] = short[0].slice(1..);
+        assert!(matches!(
+            decode(&f.meta, &short),
+            Err(DecodeError::FrameLength { frame: 0, .. })
+        ));
+    }
+
+    /// Hand-written meta frames, to reach errors the encoder never produces.
+    fn meta_with(frames: &[FrameSpec], body: &[u8]) -> Vec<u8> {
+        let mut out = Vec::new();
+        crate::wire::write_header(&mut out, frames);
+        out.extend_from_slice(body);
+        out
+    }
+
+    #[test]
+    fn hostile_bodies_give_typed_errors() {
+        // [9, 11, [2], nil, [0, 2, 8]]: an f32 tensor at offset 2 of a 4-aligned frame.
+        let spec = [FrameSpec { len: 16, align: 4 }];
+        let frame = [Bytes::from(vec![0u8; 16])];
+        let m = meta_with(&spec, &[0x95, 9, 11, 0x91, 2, 0xc0, 0x93, 0, 2, 8]);
+        assert!(matches!(
+            decode(&m, &frame),
+            Err(DecodeError::Misaligned {
+                offset: 2,
+                align: 4,
+                ..
+            })
+        ));
+        // Runs past the frame.
+        let m = meta_with(&spec, &[0x95, 9, 11, 0x91, 2, 0xc0, 0x93, 0, 12, 8]);
+        assert!(matches!(
+            decode(&m, &frame),
+            Err(DecodeError::OutOfBounds {
+                offset: 12,
+                len: 8,
+                frame_len: 16,
+                ..
+            })
+        ));
+        // Wrong frame index.
+        let m = meta_with(&spec, &[0x95, 9, 11, 0x91, 2, 0xc0, 0x93, 3, 0, 8]);
+        assert!(matches!(
+            decode(&m, &frame),
+            Err(DecodeError::FrameIndex { frame: 3, .. })
+        ));
+        // Shape disagrees with the payload length.
+        let m = meta_with(&spec, &[0x95, 9, 11, 0x91, 3, 0xc0, 0x93, 0, 0, 8]);
+        assert!(matches!(
+            decode(&m, &frame),
+            Err(DecodeError::Tensor {
+                source: TensorError::DataLength { .. },
+                ..
+            })
+        ));
+        // Shape whose byte size overflows.
+        let mut body = vec![0x95, 9, 12, 0x92];
+        body.extend_from_slice(&[0xcf, 0x10, 0, 0, 0, 0, 0, 0, 0]);
+        body.extend_from_slice(&[0xcf, 0x10, 0, 0, 0, 0, 0, 0, 0]);
+        body.extend_from_slice(&[0xc0, 0xc0]);
+        assert!(matches!(
+            decode(&meta_with(&[], &body), &[]),
+            Err(DecodeError::Tensor {
+                source: TensorError::SizeOverflow { .. },
+                ..
+            })
+        ));
+        // Unknown dtype and tag, a list that claims 2^32-1 items, trailing bytes.
+        let m = meta_with(&[], &[0x95, 9, 99, 0x90, 0xc0, 0xc0]);
+        assert!(matches!(
+            decode(&m, &[]),
+            Err(DecodeError::UnknownDType { code: 99, .. })
+        ));
+        let m = meta_with(&[], &[0x91, 42]);
+        assert!(matches!(
+            decode(&m, &[]),
+            Err(DecodeError::UnknownTag { tag: 42, .. })
+        ));
+        let m = meta_with(&[], &[0x92, 7, 0xdd, 0xff, 0xff, 0xff, 0xff]);
+        assert!(matches!(
+            decode(&m, &[]),
+            Err(DecodeError::TooManyElements { .. })
+        ));
+        let m = meta_with(&[], &[0x91, 0, 0x91]);
+        assert!(matches!(
+            decode(&m, &[]),
+            Err(DecodeError::Malformed { offset: 18, .. })
+        ));
+        let m = meta_with(&[], &[]);
+        assert!(matches!(
+            decode(&m, &[]),
+            Err(DecodeError::Malformed { .. })
+        ));
+    }
+
+    #[test]
+    fn typed_views_of_decoded_tensors_are_aligned_in_a_laid_out_buffer() {
+        let items: Vec<Value> = (0..50)
+            .map(|i| {
+                let n = i % 7;
+                let data: Vec<f64> = (0..n).map(|x| x as f64).collect();
+                Tensor::from_slice(&[n as u64], &data).unwrap().into()
+            })
+            .chain([Value::Bytes(Bytes::from_static(b"xyz"))])
+            .collect();
+        let v = Value::List(items);
+        let f = Encoder::new().encode(&v).unwrap();
+        assert_eq!(f.payloads.len(), 1);
+        let l = f.layout(64).unwrap();
+        // Start at a 64-byte boundary, as a pool block would.
+        let mut buf = bytes::BytesMut::with_capacity(l.size as usize + 64);
+        buf.resize(buf.as_ptr().align_offset(64), 0);
+        let start = buf.len();
+        buf.resize(start + l.size as usize, 0);
+        for (i, p) in f.payloads.iter().enumerate() {
+            let r = l.range(i);
+            buf[start + r.start..start + r.end].copy_from_slice(p);
+        }
+        let buf = buf.freeze().slice(start..);
+        assert_eq!(buf.as_ptr() as usize % 64, 0);
+        let back = decode_contiguous(&f.meta, &buf, 64).unwrap();
+        for (i, item) in back.clone().into_list().into_iter().take(50).enumerate() {
+            let t = item.as_tensor().unwrap();
+            assert_eq!(t.as_slice::<f64>().unwrap().len(), i % 7);
+        }
+        assert_eq!(back, v);
+    }
+}
