@@ -25,6 +25,7 @@ use crate::Region;
 
 /// Direction of a transfer, seen from the initiator.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub enum Op {
     /// Local memory to remote memory.
     Write,

@@ -17,6 +17,7 @@ use crate::sync::Arc;
 /// receiving agent checks it against the owner's metadata before a byte moves, and the owner
 /// checks it again against its live registrations when the request arrives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct RemoteDesc {
     /// The registration's id in the owner's metadata.
     pub reg: u64,
