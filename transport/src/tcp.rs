@@ -1,22 +1,30 @@
 //! `tcp`: agents on different hosts, one-sided WRITE and READ carried over TCP.
 //!
 //! Each agent owns a small tokio runtime (one worker thread) that accepts peers and drives its
-//! connections; nothing needs the caller's runtime, and the public calls never block on it.
-//! One persistent connection carries every transfer an initiator sends to a target, pipelined.
+//! links; nothing needs the caller's runtime, and the public calls never block on it.
 //!
-//! Request (initiator → target): a 24-byte header (kind, op, notification flag, descriptor
-//! count, notification length, transfer id), the descriptors (24 bytes each: registration,
-//! offset, length), the notification, and for a WRITE the payload. The payload is sent with
-//! vectored writes straight from the registered ranges. The target validates and pins every
-//! descriptor against its live registrations *before* reading the payload, then reads it
-//! straight into the pinned ranges; a refused WRITE's payload is drained into a scratch buffer
-//! and never lands. Response (target → initiator): a 16-byte header (status, reason, transfer
-//! id), followed for a READ by the payload, read straight into the local ranges.
+//! **One link per pair of agents.** The first agent to add the other dials it and introduces
+//! itself (`HELLO`, answered by `HELLO_ACK` once the target has filed the link under the
+//! dialer's name); from then on both agents use that one persistent connection, in both
+//! directions, pipelined. Only two agents adding each other at the very same moment can end
+//! up with a second link (each then uses its own; both work).
+//!
+//! Each link has a reader task and a writer task. The reader never writes: it queues answers
+//! for the writer, so two agents writing large payloads to each other cannot deadlock.
+//!
+//! Messages all start with a 24-byte header. A request (kind, op, notification flag, descriptor
+//! count, notification length) is followed by its descriptors (24 bytes each: registration,
+//! offset, length), the notification, and for a WRITE the payload, written with vectored
+//! writes straight from the registered ranges. The target validates and pins every descriptor
+//! against its live registrations *before* reading the payload, then reads it straight into
+//! the pinned ranges; a refused WRITE's payload is drained into a scratch buffer and never
+//! lands. A response (status, reason) is followed, for a granted READ, by the payload, read
+//! straight into the local ranges. Responses come back in request order.
 //!
 //! Header, descriptor and grant buffers are reused, so a steady stream of transfers allocates
 //! nothing in the engine; the only per-transfer allocation is the transfer handle's state.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::io::{self, IoSlice, IoSliceMut};
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::os::fd::AsRawFd;
@@ -31,14 +39,15 @@ use tokio::sync::{mpsc, watch};
 use crate::agent::MAX_NOTIFICATION;
 use crate::backend::{Connection, Grant, Host, Op, PeerInfo, RegInfo, Transport, Xfer};
 use crate::error::{BackendError, RegisterError, RejectReason, TransferError};
-use crate::sync::{lock, Arc, AtomicBool, Mutex, Ordering, Weak};
+use crate::sync::{lock, Arc, AtomicBool, Mutex, Ordering};
 
 const KIND: &str = "tcp";
-const REQ_HEADER: usize = 24;
-const RESP_HEADER: usize = 16;
+const HEADER: usize = 24;
 const KIND_XFER: u8 = 1;
 const KIND_NOTIFY: u8 = 2;
 const KIND_HELLO: u8 = 3;
+const KIND_RESP: u8 = 4;
+const KIND_HELLO_ACK: u8 = 5;
 /// Most descriptors in one request.
 const MAX_DESCS: usize = 1 << 22;
 /// Slices per vectored system call.
@@ -98,11 +107,47 @@ struct Inner {
     advertise: OnceLock<SocketAddr>,
     local: OnceLock<SocketAddr>,
     name: OnceLock<String>,
+    host: Mutex<Option<Host>>,
     runtime: Mutex<Option<tokio::runtime::Runtime>>,
     handle: OnceLock<tokio::runtime::Handle>,
     stop: watch::Sender<bool>,
     closed: AtomicBool,
-    conns: Mutex<Vec<Weak<Shared>>>,
+    links: Arc<Links>,
+}
+
+/// Live links by peer name.
+#[derive(Default)]
+struct Links {
+    by_name: Mutex<HashMap<String, Arc<Link>>>,
+}
+
+impl Links {
+    fn live(&self, name: &str) -> Option<Arc<Link>> {
+        let mut map = lock(&self.by_name);
+        match map.get(name) {
+            Some(l) if l.dead().is_none() => Some(l.clone()),
+            Some(_) => {
+                map.remove(name);
+                None
+            }
+            None => None,
+        }
+    }
+
+    fn file(&self, name: &str, link: &Arc<Link>) {
+        let mut map = lock(&self.by_name);
+        let keep_old = map.get(name).is_some_and(|l| l.dead().is_none());
+        if !keep_old {
+            map.insert(name.to_owned(), link.clone());
+        }
+    }
+
+    fn kill_all(&self, why: &str) {
+        let links: Vec<Arc<Link>> = lock(&self.by_name).drain().map(|(_, l)| l).collect();
+        for l in links {
+            l.die(why);
+        }
+    }
 }
 
 impl Tcp {
@@ -120,11 +165,12 @@ impl Tcp {
                 advertise: OnceLock::new(),
                 local: OnceLock::new(),
                 name: OnceLock::new(),
+                host: Mutex::new(None),
                 runtime: Mutex::new(None),
                 handle: OnceLock::new(),
                 stop: watch::channel(false).0,
                 closed: AtomicBool::new(false),
-                conns: Mutex::new(Vec::new()),
+                links: Arc::new(Links::default()),
             }),
         }
     }
@@ -183,7 +229,13 @@ impl Transport for Tcp {
         };
         let _ = self.inner.handle.set(rt.handle().clone());
         let _ = self.inner.name.set(host.name().to_owned());
-        rt.spawn(accept_loop(listener, host, self.inner.stop.subscribe()));
+        *lock(&self.inner.host) = Some(host.clone());
+        rt.spawn(accept_loop(
+            listener,
+            host,
+            self.inner.links.clone(),
+            self.inner.stop.subscribe(),
+        ));
         *lock(&self.inner.runtime) = Some(rt);
         Ok(())
     }
@@ -211,6 +263,12 @@ impl Transport for Tcp {
     }
 
     fn connect(&self, peer: &PeerInfo) -> Result<Arc<dyn Connection>, BackendError> {
+        if self.inner.closed.load(Ordering::Acquire) {
+            return Err(backend("shut down"));
+        }
+        if let Some(link) = self.inner.links.live(&peer.name) {
+            return Ok(Arc::new(TcpConnection { link }));
+        }
         let text = std::str::from_utf8(&peer.address).map_err(|_| backend("malformed address"))?;
         let addr = text
             .to_socket_addrs()
@@ -223,52 +281,47 @@ impl Transport for Tcp {
             .get()
             .cloned()
             .ok_or_else(|| backend("not started"))?;
-        if self.inner.closed.load(Ordering::Acquire) {
-            return Err(backend("shut down"));
-        }
-        let std_stream = std::net::TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT)
-            .map_err(|e| backend(format!("connecting to {} at {addr}: {e}", peer.name)))?;
-        std_stream.set_nodelay(true).map_err(backend)?;
-        harden(std_stream.as_raw_fd());
         let me = self
             .inner
             .name
             .get()
             .ok_or_else(|| backend("not started"))?;
-        let mut hello = [0u8; REQ_HEADER].to_vec();
+        let host = self.inner.host().ok_or_else(|| backend("not started"))?;
+        let std_stream = std::net::TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT)
+            .map_err(|e| backend(format!("connecting to {} at {addr}: {e}", peer.name)))?;
+        std_stream.set_nodelay(true).map_err(backend)?;
+        harden(std_stream.as_raw_fd());
+        // Introduce ourselves and wait until the target has filed the link under our name, so
+        // that its own `connect` to us, if it comes next, finds and shares this link.
+        let mut hello = vec![0u8; HEADER];
         hello[0] = KIND_HELLO;
-        hello[1] = Op::Write.code();
         hello[8..12].copy_from_slice(&(me.len() as u32).to_le_bytes());
         hello.extend_from_slice(me.as_bytes());
-        io::Write::write_all(&mut &std_stream, &hello).map_err(backend)?;
-        std_stream.set_nonblocking(true).map_err(backend)?;
+        let handshake = (|| {
+            io::Write::write_all(&mut &std_stream, &hello)?;
+            std_stream.set_read_timeout(Some(CONNECT_TIMEOUT))?;
+            let mut ack = [0u8; HEADER];
+            io::Read::read_exact(&mut &std_stream, &mut ack)?;
+            if ack[0] != KIND_HELLO_ACK {
+                return Err(io::Error::new(io::ErrorKind::InvalidData, "no HELLO_ACK"));
+            }
+            std_stream.set_read_timeout(None)?;
+            std_stream.set_nonblocking(true)
+        })();
+        handshake.map_err(|e| backend(format!("greeting {} at {addr}: {e}", peer.name)))?;
         let stream = {
             let _guard = handle.enter();
             TcpStream::from_std(std_stream).map_err(backend)?
         };
-        let (rd, wr) = stream.into_split();
-        let (tx, rx) = mpsc::unbounded_channel();
-        let shared = Arc::new(Shared {
-            peer: peer.name.clone(),
-            pending: Mutex::new(VecDeque::new()),
-            dead: Mutex::new(None),
-        });
-        {
-            let mut conns = lock(&self.inner.conns);
-            conns.retain(|w| w.strong_count() > 0);
-            conns.push(Arc::downgrade(&shared));
-        }
-        handle.spawn(send_loop(
-            wr,
-            rx,
-            shared.clone(),
+        let link = spawn_link(
+            &handle,
+            stream,
+            peer.name.clone(),
+            host,
             self.inner.stop.subscribe(),
-        ));
-        handle.spawn(recv_loop(rd, shared.clone(), self.inner.stop.subscribe()));
-        Ok(Arc::new(TcpConnection {
-            tx: Mutex::new(Some(tx)),
-            shared,
-        }))
+        );
+        self.inner.links.file(&peer.name, &link);
+        Ok(Arc::new(TcpConnection { link }))
     }
 
     fn shutdown(&self) {
@@ -279,10 +332,13 @@ impl Transport for Tcp {
         if let Some(rt) = lock(&self.inner.runtime).take() {
             rt.shutdown_background();
         }
-        let conns = std::mem::take(&mut *lock(&self.inner.conns));
-        for c in conns.iter().filter_map(Weak::upgrade) {
-            c.die("the agent shut down");
-        }
+        self.inner.links.kill_all("the agent shut down");
+    }
+}
+
+impl Inner {
+    fn host(&self) -> Option<Host> {
+        lock(&self.host).clone()
     }
 }
 
@@ -294,15 +350,35 @@ impl Drop for Inner {
     }
 }
 
-/// State an initiator connection shares between its tasks and its handle.
-struct Shared {
+/// One connection to a peer, used in both directions.
+struct Link {
     peer: String,
-    /// Requests written (or being written), oldest first; responses come back in this order.
+    jobs: mpsc::UnboundedSender<Job>,
+    /// Requests this agent wrote (or is writing), oldest first; responses come back in order.
     pending: Mutex<VecDeque<Xfer>>,
     dead: Mutex<Option<String>>,
+    /// Grants returned by the writer, for the reader to reuse.
+    spare: Mutex<Vec<Grant>>,
 }
 
-impl Shared {
+/// Work for a link's writer.
+enum Job {
+    /// This agent's request, as initiator.
+    Request(Xfer),
+    /// An answer to the peer's request, with the READ payload's pinned spans and the
+    /// notification to deliver once it is sent.
+    Respond {
+        status: u8,
+        reason: u8,
+        grant: Option<Grant>,
+        note: Option<Vec<u8>>,
+    },
+    HelloAck,
+    /// The reader ended: stop.
+    Close,
+}
+
+impl Link {
     fn gone(&self, detail: &str) -> TransferError {
         TransferError::PeerGone {
             peer: self.peer.clone(),
@@ -310,12 +386,14 @@ impl Shared {
         }
     }
 
+    /// Marks the link dead (first), then fails every pending request.
     fn die(&self, why: &str) {
         lock(&self.dead).get_or_insert_with(|| why.to_owned());
         let pending: Vec<Xfer> = lock(&self.pending).drain(..).collect();
         for x in pending {
             x.done.complete(Err(self.gone(why)));
         }
+        let _ = self.jobs.send(Job::Close);
     }
 
     fn dead(&self) -> Option<String> {
@@ -324,35 +402,46 @@ impl Shared {
 }
 
 struct TcpConnection {
-    tx: Mutex<Option<mpsc::UnboundedSender<Xfer>>>,
-    shared: Arc<Shared>,
+    link: Arc<Link>,
 }
 
 impl Connection for TcpConnection {
     fn post(&self, xfer: Xfer) {
-        if let Some(why) = self.shared.dead() {
-            xfer.done.complete(Err(self.shared.gone(&why)));
+        if let Some(why) = self.link.dead() {
+            xfer.done.complete(Err(self.link.gone(&why)));
             return;
         }
-        let tx = lock(&self.tx).clone();
-        let refused = match tx {
-            Some(tx) => tx.send(xfer).err().map(|e| e.0),
-            None => Some(xfer),
-        };
-        if let Some(xfer) = refused {
-            let why = self
-                .shared
-                .dead()
-                .unwrap_or_else(|| "connection closed".into());
-            xfer.done.complete(Err(self.shared.gone(&why)));
+        if let Err(e) = self.link.jobs.send(Job::Request(xfer)) {
+            if let Job::Request(xfer) = e.0 {
+                let why = self.link.dead().unwrap_or_else(|| "link closed".into());
+                xfer.done.complete(Err(self.link.gone(&why)));
+            }
         }
     }
 
-    fn close(&self) {
-        // Dropping the sender ends the send loop, which closes the write half; the target
-        // then closes its side and the receive loop ends.
-        lock(&self.tx).take();
-    }
+    // The link is shared with the peer's own transfers to us: it stays up until either agent
+    // shuts down or the connection fails.
+}
+
+fn spawn_link(
+    handle: &tokio::runtime::Handle,
+    stream: TcpStream,
+    peer: String,
+    host: Host,
+    stop: watch::Receiver<bool>,
+) -> Arc<Link> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let link = Arc::new(Link {
+        peer,
+        jobs: tx,
+        pending: Mutex::new(VecDeque::new()),
+        dead: Mutex::new(None),
+        spare: Mutex::new(Vec::new()),
+    });
+    let (rd, wr) = stream.into_split();
+    handle.spawn(write_loop(wr, rx, link.clone(), host.clone(), stop.clone()));
+    handle.spawn(read_loop(rd, link.clone(), host, stop));
+    link
 }
 
 // ----- vectored I/O straight from and into registered ranges -------------------------------
@@ -467,183 +556,195 @@ async unsafe fn read_spans(r: &OwnedReadHalf, spans: &[(usize, u64)]) -> io::Res
     Ok(())
 }
 
-// ----- initiator ---------------------------------------------------------------------------
+// ----- the writer ------------------------------------------------------------------------
 
-async fn send_loop(
+async fn write_loop(
     mut w: OwnedWriteHalf,
-    mut rx: mpsc::UnboundedReceiver<Xfer>,
-    shared: Arc<Shared>,
+    mut rx: mpsc::UnboundedReceiver<Job>,
+    link: Arc<Link>,
+    host: Host,
     mut stop: watch::Receiver<bool>,
 ) {
     let mut head = Vec::with_capacity(4096);
     let mut spans: Vec<(usize, u64)> = Vec::new();
     loop {
-        let xfer = tokio::select! {
-            x = rx.recv() => match x {
-                Some(x) => x,
+        let job = tokio::select! {
+            j = rx.recv() => match j {
+                Some(j) => j,
                 None => break,
             },
             _ = stop.changed() => break,
         };
-        let plan = xfer.plan();
-        let segs = plan.segments();
-        let notify = xfer.notify.as_deref();
-        head.clear();
-        head.push(if segs.is_empty() {
-            KIND_NOTIFY
-        } else {
-            KIND_XFER
-        });
-        head.push(plan.op().code());
-        head.push(u8::from(notify.is_some()));
-        head.push(0);
-        head.extend_from_slice(&(segs.len() as u32).to_le_bytes());
-        head.extend_from_slice(&(notify.map_or(0, <[u8]>::len) as u32).to_le_bytes());
-        head.extend_from_slice(&0u32.to_le_bytes());
-        head.extend_from_slice(&0u64.to_le_bytes());
-        for s in segs {
-            head.extend_from_slice(&s.remote_reg.to_le_bytes());
-            head.extend_from_slice(&s.remote_offset.to_le_bytes());
-            head.extend_from_slice(&s.len.to_le_bytes());
-        }
-        head.extend_from_slice(notify.unwrap_or_default());
-        spans.clear();
-        let is_write = plan.op() == Op::Write;
-        if is_write {
-            spans.extend(segs.iter().map(|s| (s.local_ptr() as usize, s.len)));
-        }
-        // Hold the plan while its payload is written: if the connection fails meanwhile, the
-        // receive loop completes the transfer, and the memory must stay pinned until the
-        // write call has returned.
-        let keep = is_write.then(|| xfer.done.plan_handle());
-        // Queue before writing: the response may come back before the write call returns.
-        lock(&shared.pending).push_back(xfer);
-        // If the receive loop already failed, nobody will answer: fail what is queued. (`die`
-        // marks the connection dead before draining, so either it drained this transfer or
-        // this check sees the mark.)
-        if let Some(why) = shared.dead() {
-            shared.die(&why);
-            break;
-        }
-        let mut sent = w.write_all(&head).await;
-        if sent.is_ok() && is_write {
-            // SAFETY: the spans lie in local registrations pinned by the plan that `keep`
-            // holds until the write has returned.
-            sent = unsafe { write_spans(&w, &spans) }.await;
-        }
-        drop(keep);
+        let sent = match job {
+            Job::Close => break,
+            Job::HelloAck => {
+                head.clear();
+                head.resize(HEADER, 0);
+                head[0] = KIND_HELLO_ACK;
+                w.write_all(&head).await
+            }
+            Job::Respond {
+                status,
+                reason,
+                grant,
+                note,
+            } => {
+                head.clear();
+                head.resize(HEADER, 0);
+                head[0] = KIND_RESP;
+                head[1] = status;
+                head[2] = reason;
+                let mut sent = w.write_all(&head).await;
+                if let Some(mut grant) = grant {
+                    spans.clear();
+                    spans.extend((0..grant.len()).map(|i| {
+                        let (p, l) = grant.span(i);
+                        (p as usize, l)
+                    }));
+                    if sent.is_ok() {
+                        // SAFETY: every span was validated against, and is pinned in, a live
+                        // registration of this agent by `grant`, held until the write returns.
+                        sent = unsafe { write_spans(&w, &spans) }.await;
+                    }
+                    grant.clear();
+                    lock(&link.spare).push(grant);
+                }
+                if sent.is_ok() {
+                    if let Some(note) = note {
+                        host.notify(&link.peer, note);
+                    }
+                }
+                sent
+            }
+            Job::Request(xfer) => {
+                if let Some(why) = link.dead() {
+                    xfer.done.complete(Err(link.gone(&why)));
+                    continue;
+                }
+                let plan = xfer.plan();
+                let segs = plan.segments();
+                let notify = xfer.notify.as_deref();
+                head.clear();
+                head.push(if segs.is_empty() {
+                    KIND_NOTIFY
+                } else {
+                    KIND_XFER
+                });
+                head.push(plan.op().code());
+                head.push(u8::from(notify.is_some()));
+                head.push(0);
+                head.extend_from_slice(&(segs.len() as u32).to_le_bytes());
+                head.extend_from_slice(&(notify.map_or(0, <[u8]>::len) as u32).to_le_bytes());
+                head.resize(HEADER, 0);
+                for s in segs {
+                    head.extend_from_slice(&s.remote_reg.to_le_bytes());
+                    head.extend_from_slice(&s.remote_offset.to_le_bytes());
+                    head.extend_from_slice(&s.len.to_le_bytes());
+                }
+                head.extend_from_slice(notify.unwrap_or_default());
+                spans.clear();
+                let is_write = plan.op() == Op::Write;
+                if is_write {
+                    spans.extend(segs.iter().map(|s| (s.local_ptr() as usize, s.len)));
+                }
+                // Hold the plan while its payload is written: if the link fails meanwhile, the
+                // reader completes the transfer, and the memory must stay pinned until the
+                // write call has returned.
+                let keep = is_write.then(|| xfer.done.plan_handle());
+                // Queue before writing: the response may come back before the write returns.
+                lock(&link.pending).push_back(xfer);
+                // If the reader already failed, nobody will answer: fail what is queued.
+                // (`die` marks the link dead before draining, so either it drained this
+                // transfer or this check sees the mark.)
+                if let Some(why) = link.dead() {
+                    link.die(&why);
+                    break;
+                }
+                let mut sent = w.write_all(&head).await;
+                if sent.is_ok() && is_write {
+                    // SAFETY: the spans lie in local registrations pinned by the plan that
+                    // `keep` holds until the write has returned.
+                    sent = unsafe { write_spans(&w, &spans) }.await;
+                }
+                drop(keep);
+                sent
+            }
+        };
         if let Err(e) = sent {
-            shared.die(&format!("sending a request: {e}"));
+            link.die(&format!("writing: {e}"));
             break;
         }
     }
     rx.close();
-    let why = shared.dead().unwrap_or_else(|| "connection closed".into());
-    while let Ok(x) = rx.try_recv() {
-        x.done.complete(Err(shared.gone(&why)));
+    let why = link.dead().unwrap_or_else(|| "link closed".into());
+    link.die(&why);
+    while let Ok(job) = rx.try_recv() {
+        if let Job::Request(x) = job {
+            x.done.complete(Err(link.gone(&why)));
+        }
     }
     let _ = w.shutdown().await;
 }
 
-async fn recv_loop(mut r: OwnedReadHalf, shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
-    let mut head = [0u8; RESP_HEADER];
-    let mut spans: Vec<(usize, u64)> = Vec::new();
-    let why = loop {
-        let got = tokio::select! {
-            g = r.read_exact(&mut head) => g,
-            _ = stop.changed() => break "the agent shut down".to_owned(),
-        };
-        if let Err(e) = got {
-            break if e.kind() == io::ErrorKind::UnexpectedEof {
-                "connection closed".to_owned()
-            } else {
-                format!("connection failed: {e}")
-            };
-        }
-        let Some(xfer) = lock(&shared.pending).pop_front() else {
-            break "a response without a request".to_owned();
-        };
-        let (status, reason) = (head[0], head[1]);
-        if status != 0 {
-            xfer.done.complete(Err(TransferError::Rejected {
-                peer: shared.peer.clone(),
-                reason: RejectReason::from_code(reason),
-            }));
-            continue;
-        }
-        if xfer.plan().op() == Op::Read {
-            spans.clear();
-            spans.extend(
-                xfer.plan()
-                    .segments()
-                    .iter()
-                    .map(|s| (s.local_ptr() as usize, s.len)),
-            );
-            // SAFETY: the spans lie in local registrations pinned by this transfer's plan,
-            // which `xfer` owns until it is completed below.
-            let read = unsafe { read_spans(&r, &spans) }.await;
-            if let Err(e) = read {
-                let why = format!("receiving a payload: {e}");
-                xfer.done.complete(Err(shared.gone(&why)));
-                break why;
-            }
-        }
-        xfer.done.complete(Ok(()));
+// ----- the reader ------------------------------------------------------------------------
+
+/// Reads whatever the peer sends: its requests (this agent as target) and the responses to
+/// this agent's requests. Never writes.
+async fn read_loop(
+    mut r: OwnedReadHalf,
+    link: Arc<Link>,
+    host: Host,
+    mut stop: watch::Receiver<bool>,
+) {
+    let why = match serve(&mut r, &link, &host, &mut stop).await {
+        Ok(()) => "the agent shut down".to_owned(),
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => "connection closed".to_owned(),
+        Err(e) => format!("reading: {e}"),
     };
-    shared.die(&why);
+    link.die(&why);
 }
 
-// ----- target ------------------------------------------------------------------------------
-
-async fn accept_loop(listener: TcpListener, host: Host, mut stop: watch::Receiver<bool>) {
-    loop {
-        let accepted = tokio::select! {
-            a = listener.accept() => a,
-            _ = stop.changed() => return,
-        };
-        let Ok((stream, _)) = accepted else {
-            continue;
-        };
-        let _ = stream.set_nodelay(true);
-        harden(stream.as_raw_fd());
-        tokio::spawn(serve(stream, host.clone(), stop.clone()));
-    }
+fn malformed(what: &str) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, what.to_owned())
 }
 
-async fn serve(stream: TcpStream, host: Host, mut stop: watch::Receiver<bool>) {
-    let (mut r, mut w) = stream.into_split();
-    let mut head = [0u8; REQ_HEADER];
+async fn serve(
+    r: &mut OwnedReadHalf,
+    link: &Link,
+    host: &Host,
+    stop: &mut watch::Receiver<bool>,
+) -> io::Result<()> {
+    let mut head = [0u8; HEADER];
     let mut descs: Vec<u8> = Vec::new();
     let mut note: Vec<u8> = Vec::new();
-    let mut grant = Grant::new();
     let mut spans: Vec<(usize, u64)> = Vec::new();
     let mut scratch: Vec<u8> = Vec::new();
-    let mut peer = String::new();
     loop {
-        let got = tokio::select! {
-            g = r.read_exact(&mut head) => g,
-            _ = stop.changed() => break,
-        };
-        if got.is_err() {
-            break;
+        tokio::select! {
+            g = r.read_exact(&mut head) => { g?; }
+            _ = stop.changed() => return Ok(()),
         }
-        let (kind, op, has_note) = (head[0], head[1], head[2] != 0);
-        let n = u32::from_le_bytes([head[4], head[5], head[6], head[7]]) as usize;
-        let note_len = u32::from_le_bytes([head[8], head[9], head[10], head[11]]) as usize;
-        let Some(op) = Op::from_code(op) else { break };
-        if n > MAX_DESCS || note_len > MAX_NOTIFICATION || !(KIND_XFER..=KIND_HELLO).contains(&kind)
-        {
-            break;
-        }
-        descs.resize(n * 24, 0);
-        note.resize(note_len, 0);
-        if r.read_exact(&mut descs).await.is_err() || r.read_exact(&mut note).await.is_err() {
-            break;
-        }
-        if kind == KIND_HELLO {
-            peer = String::from_utf8_lossy(&note).into_owned();
+        let kind = head[0];
+        if kind == KIND_RESP {
+            receive_response(r, link, head[1], head[2], &mut spans).await?;
             continue;
         }
+        let (has_note, n, note_len) = (
+            head[2] != 0,
+            u32::from_le_bytes([head[4], head[5], head[6], head[7]]) as usize,
+            u32::from_le_bytes([head[8], head[9], head[10], head[11]]) as usize,
+        );
+        if !(kind == KIND_XFER || kind == KIND_NOTIFY)
+            || n > MAX_DESCS
+            || note_len > MAX_NOTIFICATION
+        {
+            return Err(malformed("bad request header"));
+        }
+        let op = Op::from_code(head[1]).ok_or_else(|| malformed("bad op"))?;
+        descs.resize(n * 24, 0);
+        note.resize(note_len, 0);
+        r.read_exact(&mut descs).await?;
+        r.read_exact(&mut note).await?;
         let desc = |i: usize| {
             let at = i * 24;
             let u = |o: usize| {
@@ -654,67 +755,154 @@ async fn serve(stream: TcpStream, host: Host, mut stop: watch::Receiver<bool>) {
             (u(0), u(8), u(16))
         };
         let mut total = 0u64;
-        let mut overflow = false;
         for i in 0..n {
-            match total.checked_add(desc(i).2) {
-                Some(t) => total = t,
-                None => overflow = true,
-            }
+            total = total
+                .checked_add(desc(i).2)
+                .ok_or_else(|| malformed("payload length overflows"))?;
         }
-        if overflow {
-            break;
-        }
-        let verdict = host.grant_into(&mut grant, (0..n).map(desc));
-        let mut resp = [0u8; RESP_HEADER];
-        match verdict {
+        let mut grant = lock(&link.spare).pop().unwrap_or_default();
+        match host.grant_into(&mut grant, (0..n).map(desc)) {
             Ok(()) => {
-                spans.clear();
-                spans.extend((0..grant.len()).map(|i| {
-                    let (p, l) = grant.span(i);
-                    (p as usize, l)
-                }));
-                if op == Op::Write && total > 0 {
+                let note = has_note.then(|| note.clone());
+                if op == Op::Write {
+                    spans.clear();
+                    spans.extend((0..grant.len()).map(|i| {
+                        let (p, l) = grant.span(i);
+                        (p as usize, l)
+                    }));
                     // SAFETY: every span was validated against, and is pinned in, a live
                     // registration of this agent by `grant`, which outlives the read. By the
-                    // registration contract, registered memory may be written by transfers at
-                    // any time and its owner reaches it only through raw-pointer copies.
-                    if unsafe { read_spans(&r, &spans) }.await.is_err() {
-                        break;
+                    // registration contract, registered memory may be written by transfers
+                    // at any time and its owner reaches it only through raw-pointer copies.
+                    unsafe { read_spans(r, &spans) }.await?;
+                    grant.clear();
+                    lock(&link.spare).push(grant);
+                    if let Some(note) = note {
+                        host.notify(&link.peer, note);
                     }
-                }
-                if w.write_all(&resp).await.is_err() {
-                    break;
-                }
-                if op == Op::Read && total > 0 {
-                    // SAFETY: as above: the spans are pinned by `grant` until it is cleared.
-                    if unsafe { write_spans(&w, &spans) }.await.is_err() {
-                        break;
-                    }
-                }
-                grant.clear();
-                if has_note {
-                    host.notify(&peer, note.clone());
+                    respond(link, 0, 0, None, None)?;
+                } else {
+                    respond(link, 0, 0, Some(grant), note)?;
                 }
             }
             Err(reason) => {
-                if op == Op::Write && total > 0 {
+                lock(&link.spare).push(grant);
+                if op == Op::Write {
                     let mut left = total;
                     scratch.resize(64 * 1024, 0);
                     while left > 0 {
                         let chunk = left.min(scratch.len() as u64) as usize;
-                        if r.read_exact(&mut scratch[..chunk]).await.is_err() {
-                            return;
-                        }
+                        r.read_exact(&mut scratch[..chunk]).await?;
                         left -= chunk as u64;
                     }
                 }
-                resp[0] = 1;
-                resp[1] = reason.code();
-                if w.write_all(&resp).await.is_err() {
-                    break;
-                }
+                respond(link, 1, reason.code(), None, None)?;
             }
         }
     }
-    let _ = w.shutdown().await;
+}
+
+fn respond(
+    link: &Link,
+    status: u8,
+    reason: u8,
+    grant: Option<Grant>,
+    note: Option<Vec<u8>>,
+) -> io::Result<()> {
+    link.jobs
+        .send(Job::Respond {
+            status,
+            reason,
+            grant,
+            note,
+        })
+        .map_err(|_| io::Error::new(io::ErrorKind::BrokenPipe, "the writer stopped"))
+}
+
+/// A response to this agent's oldest pending request.
+async fn receive_response(
+    r: &mut OwnedReadHalf,
+    link: &Link,
+    status: u8,
+    reason: u8,
+    spans: &mut Vec<(usize, u64)>,
+) -> io::Result<()> {
+    let xfer = lock(&link.pending)
+        .pop_front()
+        .ok_or_else(|| malformed("a response without a request"))?;
+    if status != 0 {
+        xfer.done.complete(Err(TransferError::Rejected {
+            peer: link.peer.clone(),
+            reason: RejectReason::from_code(reason),
+        }));
+        return Ok(());
+    }
+    if xfer.plan().op() == Op::Read {
+        spans.clear();
+        spans.extend(
+            xfer.plan()
+                .segments()
+                .iter()
+                .map(|s| (s.local_ptr() as usize, s.len)),
+        );
+        // SAFETY: the spans lie in local registrations pinned by this transfer's plan, which
+        // `xfer` owns until it is completed below.
+        if let Err(e) = unsafe { read_spans(r, spans) }.await {
+            xfer.done
+                .complete(Err(link.gone(&format!("receiving a payload: {e}"))));
+            return Err(e);
+        }
+    }
+    xfer.done.complete(Ok(()));
+    Ok(())
+}
+
+// ----- accepting ---------------------------------------------------------------------------
+
+async fn accept_loop(
+    listener: TcpListener,
+    host: Host,
+    links: Arc<Links>,
+    mut stop: watch::Receiver<bool>,
+) {
+    loop {
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            _ = stop.changed() => return,
+        };
+        let Ok((stream, _)) = accepted else {
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        harden(stream.as_raw_fd());
+        tokio::spawn(greet(stream, host.clone(), links.clone(), stop.clone()));
+    }
+}
+
+/// Reads the dialer's `HELLO`, files the link under its name, acknowledges, and runs it.
+async fn greet(mut stream: TcpStream, host: Host, links: Arc<Links>, stop: watch::Receiver<bool>) {
+    let mut head = [0u8; HEADER];
+    let hello = tokio::time::timeout(CONNECT_TIMEOUT, async {
+        stream.read_exact(&mut head).await?;
+        let len = u32::from_le_bytes([head[8], head[9], head[10], head[11]]) as usize;
+        if head[0] != KIND_HELLO || len == 0 || len > 255 {
+            return Err(malformed("expected HELLO"));
+        }
+        let mut name = vec![0u8; len];
+        stream.read_exact(&mut name).await?;
+        String::from_utf8(name).map_err(|_| malformed("name is not UTF-8"))
+    })
+    .await;
+    let Ok(Ok(peer)) = hello else {
+        return;
+    };
+    let link = spawn_link(
+        &tokio::runtime::Handle::current(),
+        stream,
+        peer.clone(),
+        host,
+        stop,
+    );
+    links.file(&peer, &link);
+    let _ = link.jobs.send(Job::HelloAck);
 }
