@@ -92,6 +92,10 @@ macro_rules! conformance_suite {
                 $crate::testing::sub_range_registrations(&make);
             }
             #[test]
+            fn crossing_transfers() {
+                $crate::testing::crossing_transfers(&make);
+            }
+            #[test]
             fn restarted_peer() {
                 $crate::testing::restarted_peer(&make);
             }
@@ -678,6 +682,70 @@ pub fn sub_range_registrations(make: Factory<'_>) {
         ),
         Err(TransferError::OutOfRange { .. })
     ));
+}
+
+/// Both agents write and read large payloads to and from each other at the same time, so
+/// payloads cross on whatever connections the engine uses; nothing deadlocks and every byte
+/// arrives.
+pub fn crossing_transfers(make: Factory<'_>) {
+    const LEN: u64 = 8 << 20;
+    let (a, b, a_to_b, b_to_a) = pair(make);
+    let ra = Region::new(3 * LEN).unwrap();
+    let rb = Region::new(3 * LEN).unwrap();
+    let ga = a.register(&ra).unwrap();
+    let gb = b.register(&rb).unwrap();
+    let a_to_b = a.add_remote(&b.metadata()).unwrap_or(a_to_b);
+    let b_to_a = b.add_remote(&a.metadata()).unwrap_or(b_to_a);
+    ra.write_at(0, &pattern(51, LEN as usize)).unwrap();
+    rb.write_at(0, &pattern(52, LEN as usize)).unwrap();
+    let mut transfers = Vec::new();
+    for _ in 0..4 {
+        // a's [0, LEN) -> b's [LEN, 2 LEN) and b's [0, LEN) -> a's [LEN, 2 LEN), while each
+        // also reads the other's [0, LEN) into its [2 LEN, 3 LEN).
+        transfers.push(
+            a_to_b
+                .write(
+                    &[ga.desc(0, LEN).unwrap()],
+                    &[gb.remote(LEN, LEN).unwrap()],
+                    None,
+                )
+                .unwrap(),
+        );
+        transfers.push(
+            b_to_a
+                .write(
+                    &[gb.desc(0, LEN).unwrap()],
+                    &[ga.remote(LEN, LEN).unwrap()],
+                    None,
+                )
+                .unwrap(),
+        );
+        transfers.push(
+            a_to_b
+                .read(
+                    &[ga.desc(2 * LEN, LEN).unwrap()],
+                    &[gb.remote(0, LEN).unwrap()],
+                    None,
+                )
+                .unwrap(),
+        );
+        transfers.push(
+            b_to_a
+                .read(
+                    &[gb.desc(2 * LEN, LEN).unwrap()],
+                    &[ga.remote(0, LEN).unwrap()],
+                    None,
+                )
+                .unwrap(),
+        );
+    }
+    for t in transfers {
+        finish(t).unwrap();
+    }
+    assert!(read(&rb, LEN, LEN as usize) == pattern(51, LEN as usize));
+    assert!(read(&ra, LEN, LEN as usize) == pattern(52, LEN as usize));
+    assert!(read(&ra, 2 * LEN, LEN as usize) == pattern(52, LEN as usize));
+    assert!(read(&rb, 2 * LEN, LEN as usize) == pattern(51, LEN as usize));
 }
 
 /// A peer that died and came back under the same name is reached again through the same
