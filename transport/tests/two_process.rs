@@ -176,6 +176,66 @@ fn killed_mid_transfer(kind: &str) {
     assert_eq!(parent.report().registrations, 0, "nothing leaked");
 }
 
+/// The initiator dies with transfers in flight: the target releases every pin it granted, so
+/// its registrations can still be dropped and nothing leaks.
+fn initiator_killed_mid_transfer(kind: &str) {
+    const SIZE: u64 = 16 << 20;
+    let parent = agent(kind);
+    let region = Region::new(SIZE).unwrap();
+    let reg = parent.register(&region).unwrap();
+    let mut child = Child::spawn(kind, SIZE);
+    let _peer = parent.add_remote(&child.meta).unwrap();
+    assert_eq!(
+        child.cmd(&format!("ADD {}", hex(&parent.metadata()))),
+        "ADDED"
+    );
+    assert_eq!(
+        child.cmd(&format!("FLOOD {} 0 {SIZE}", reg.id())),
+        "FLOODING"
+    );
+    child.proc.kill().unwrap();
+    child.proc.wait().unwrap();
+    drop(reg);
+    // The engine notices the dead connection on its own; pins it held go with it.
+    let mut released = false;
+    for _ in 0..1000 {
+        if parent.report().registrations == 0 {
+            released = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(
+        released,
+        "the target still pins a dead initiator's transfer"
+    );
+    // And it still serves others.
+    let mut other = Child::spawn(kind, 4096);
+    let peer = parent.add_remote(&other.meta).unwrap();
+    let r2 = Region::new(4096).unwrap();
+    let g2 = parent.register(&r2).unwrap();
+    r2.write_at(0, &pattern(8, 4096)).unwrap();
+    peer.write(
+        &[g2.desc(0, 4096).unwrap()],
+        &[RemoteDesc::new(other.reg, 0, 4096)],
+        None,
+    )
+    .unwrap()
+    .wait_timeout(HANG_GUARD)
+    .unwrap();
+    assert_eq!(other.cmd("CHECK 0 4096 8"), "OK");
+}
+
+#[test]
+fn shm_initiator_killed_mid_transfer() {
+    initiator_killed_mid_transfer("shm");
+}
+
+#[test]
+fn tcp_initiator_killed_mid_transfer() {
+    initiator_killed_mid_transfer("tcp");
+}
+
 #[test]
 fn shm_round_trip() {
     round_trip("shm");

@@ -9,6 +9,8 @@
 //! - `NOTE`: waits for a notification; answers `NOTE <from> <msg>`.
 //! - `PUSH <reg> <offset> <len>`: writes its region's first `len` bytes to the parent's
 //!   registration `reg` at `offset`, with notification `pushed`; answers `PUSHED` or `ERR ...`.
+//! - `FLOOD <reg> <offset> <len>`: posts 64 such writes without waiting, answers `FLOODING`
+//!   and leaves them in flight (for killing this process mid-transfer).
 //! - `EXIT`: exits.
 
 use std::io::{BufRead, Write};
@@ -56,6 +58,7 @@ fn main() {
     writeln!(out, "REG {}", reg.id()).unwrap();
     out.flush().unwrap();
     let mut parent: Option<Peer> = None;
+    let mut in_flight = Vec::new();
     for line in std::io::stdin().lock().lines() {
         let Ok(line) = line else { break };
         let words: Vec<&str> = line.split_whitespace().collect();
@@ -98,6 +101,26 @@ fn main() {
                                 Ok(()) => "PUSHED".to_owned(),
                                 Err(e) => format!("ERR {e}"),
                             },
+                            Err(e) => format!("ERR {e}"),
+                        }
+                    }
+                    (None, _) => "ERR no parent".to_owned(),
+                    (_, Err(e)) => format!("ERR {e}"),
+                }
+            }
+            Some("FLOOD") => {
+                let (r, off, len) = (num(1), num(2), num(3));
+                match (&parent, reg.desc(0, len)) {
+                    (Some(p), Ok(local)) => {
+                        let remote = [RemoteDesc::new(r, off, len)];
+                        let posted: Result<Vec<_>, _> = (0..64)
+                            .map(|_| p.write(std::slice::from_ref(&local), &remote, None))
+                            .collect();
+                        match posted {
+                            Ok(transfers) => {
+                                in_flight.extend(transfers);
+                                "FLOODING".to_owned()
+                            }
                             Err(e) => format!("ERR {e}"),
                         }
                     }
