@@ -47,9 +47,11 @@ pub enum RegionError {
     },
 }
 
-/// A failure inside a backend engine, with the backend's name.
+/// A failure inside a backend engine, with the backend's name. Engines make one with
+/// [`BackendError::new`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{backend} backend: {message}")]
+#[non_exhaustive]
 pub struct BackendError {
     /// The backend's name (`inproc`, `shm`, `tcp`, ...).
     pub backend: &'static str,
