@@ -25,13 +25,13 @@
 //! nothing in the engine; the only per-transfer allocation is the transfer handle's state.
 
 use std::collections::{HashMap, VecDeque};
-use std::io::{self, IoSlice, IoSliceMut};
+use std::io;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::os::fd::AsRawFd;
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
@@ -467,7 +467,12 @@ impl Cursor {
         }
     }
 
-    fn done(&self, spans: &[(usize, u64)]) -> bool {
+    /// Whether every span is done; steps over empty ones first, so no call is made for them.
+    fn done(&mut self, spans: &[(usize, u64)]) -> bool {
+        while self.span < spans.len() && spans[self.span].1 == self.offset {
+            self.span += 1;
+            self.offset = 0;
+        }
         self.span >= spans.len()
     }
 }
@@ -475,81 +480,111 @@ impl Cursor {
 /// Largest slice handed to one system call entry (the kernel caps a call near 2 GiB anyway).
 const MAX_IOV: u64 = 1 << 30;
 
-/// Writes every span, in order, with vectored writes.
+/// Fills `iov` with the spans from `cur` on; returns how many entries it used.
+fn fill_iov(spans: &[(usize, u64)], cur: &Cursor, iov: &mut [libc::iovec; IOV_BATCH]) -> usize {
+    let mut k = 0;
+    let (mut j, mut off) = (cur.span, cur.offset);
+    while k < IOV_BATCH && j < spans.len() {
+        let (addr, len) = spans[j];
+        let chunk = (len - off).min(MAX_IOV);
+        iov[k] = libc::iovec {
+            iov_base: (addr + off as usize) as *mut libc::c_void,
+            iov_len: chunk as usize,
+        };
+        k += 1;
+        if off + chunk < len {
+            break;
+        }
+        j += 1;
+        off = 0;
+    }
+    k
+}
+
+fn empty_iov() -> [libc::iovec; IOV_BATCH] {
+    [libc::iovec {
+        iov_base: std::ptr::null_mut(),
+        iov_len: 0,
+    }; IOV_BATCH]
+}
+
+/// Writes every span, in order, with vectored `sendmsg` calls (`MSG_NOSIGNAL`: a dead peer is
+/// an error, not a signal). The bytes go to the kernel straight from the spans; no Rust
+/// reference to them is ever made, since other threads or processes may touch the memory.
 ///
 /// # Safety
 /// Each span must be readable for its length until this returns (it lies in a pinned
 /// registration).
 async unsafe fn write_spans(w: &OwnedWriteHalf, spans: &[(usize, u64)]) -> io::Result<()> {
+    let stream: &TcpStream = w.as_ref();
+    let fd = stream.as_raw_fd();
     let mut cur = Cursor::default();
     while !cur.done(spans) {
         w.writable().await?;
-        let result = {
-            let mut bufs: [IoSlice<'_>; IOV_BATCH] = std::array::from_fn(|_| IoSlice::new(&[]));
-            let mut k = 0;
-            let (mut j, mut off) = (cur.span, cur.offset);
-            while k < IOV_BATCH && j < spans.len() {
-                let (addr, len) = spans[j];
-                let chunk = (len - off).min(MAX_IOV);
-                // SAFETY: the caller promises the span is readable; `off + chunk <= len`.
-                bufs[k] = IoSlice::new(unsafe {
-                    std::slice::from_raw_parts((addr + off as usize) as *const u8, chunk as usize)
-                });
-                k += 1;
-                if off + chunk < len {
-                    break;
-                }
-                j += 1;
-                off = 0;
+        let result = stream.try_io(Interest::WRITABLE, || {
+            let mut iov = empty_iov();
+            let k = fill_iov(spans, &cur, &mut iov);
+            // SAFETY: an all-zero msghdr is valid; it then points at `iov`, whose first `k`
+            // entries describe readable memory (the caller's promise), all alive across the
+            // call.
+            let n = unsafe {
+                let mut msg: libc::msghdr = std::mem::zeroed();
+                msg.msg_iov = iov.as_mut_ptr();
+                msg.msg_iovlen = k as _;
+                libc::sendmsg(fd, &msg, libc::MSG_NOSIGNAL)
+            };
+            if n < 0 {
+                Err(io::Error::last_os_error())
+            } else {
+                Ok(n as usize)
             }
-            w.try_write_vectored(&bufs[..k])
-        };
+        });
         match result {
             Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
             Ok(n) => cur.advance(spans, n),
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(e),
         }
     }
     Ok(())
 }
 
-/// Reads into every span, in order, with vectored reads.
+/// Writes `bytes` (a header) through the same `MSG_NOSIGNAL` path as payloads.
+async fn send_bytes(w: &OwnedWriteHalf, bytes: &[u8]) -> io::Result<()> {
+    // SAFETY: `bytes` is a live, readable slice borrowed for the whole call.
+    unsafe { write_spans(w, &[(bytes.as_ptr() as usize, bytes.len() as u64)]) }.await
+}
+
+/// Reads into every span, in order, with `readv`, straight from the kernel into the spans; no
+/// Rust reference to them is made (spans may even overlap).
 ///
 /// # Safety
-/// Each span must be writable for its length until this returns and not be accessed through
-/// references meanwhile (it lies in a pinned registration).
+/// Each span must be writable for its length until this returns (it lies in a pinned
+/// registration).
 async unsafe fn read_spans(r: &OwnedReadHalf, spans: &[(usize, u64)]) -> io::Result<()> {
+    let stream: &TcpStream = r.as_ref();
+    let fd = stream.as_raw_fd();
     let mut cur = Cursor::default();
     while !cur.done(spans) {
         r.readable().await?;
-        let result = {
-            let mut bufs: [IoSliceMut<'_>; IOV_BATCH] =
-                std::array::from_fn(|_| IoSliceMut::new(&mut []));
-            let mut k = 0;
-            let (mut j, mut off) = (cur.span, cur.offset);
-            while k < IOV_BATCH && j < spans.len() {
-                let (addr, len) = spans[j];
-                let chunk = (len - off).min(MAX_IOV);
-                // SAFETY: the caller promises the span is writable and unaliased;
-                // `off + chunk <= len`, and the spans of one transfer do not overlap the ones
-                // built in this batch more than the caller's descriptors do.
-                bufs[k] = IoSliceMut::new(unsafe {
-                    std::slice::from_raw_parts_mut((addr + off as usize) as *mut u8, chunk as usize)
-                });
-                k += 1;
-                if off + chunk < len {
-                    break;
-                }
-                j += 1;
-                off = 0;
+        let result = stream.try_io(Interest::READABLE, || {
+            let mut iov = empty_iov();
+            let k = fill_iov(spans, &cur, &mut iov);
+            // SAFETY: the first `k` entries of `iov` describe writable memory (the caller's
+            // promise), alive across the call.
+            let n = unsafe { libc::readv(fd, iov.as_ptr(), k as libc::c_int) };
+            if n < 0 {
+                Err(io::Error::last_os_error())
+            } else {
+                Ok(n as usize)
             }
-            r.try_read_vectored(&mut bufs[..k])
-        };
+        });
         match result {
             Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
             Ok(n) => cur.advance(spans, n),
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(e),
         }
     }
@@ -581,7 +616,7 @@ async fn write_loop(
                 head.clear();
                 head.resize(HEADER, 0);
                 head[0] = KIND_HELLO_ACK;
-                w.write_all(&head).await
+                send_bytes(&w, &head).await
             }
             Job::Respond {
                 status,
@@ -594,7 +629,7 @@ async fn write_loop(
                 head[0] = KIND_RESP;
                 head[1] = status;
                 head[2] = reason;
-                let mut sent = w.write_all(&head).await;
+                let mut sent = send_bytes(&w, &head).await;
                 if let Some(mut grant) = grant {
                     spans.clear();
                     spans.extend((0..grant.len()).map(|i| {
@@ -660,7 +695,7 @@ async fn write_loop(
                     link.die(&why);
                     break;
                 }
-                let mut sent = w.write_all(&head).await;
+                let mut sent = send_bytes(&w, &head).await;
                 if sent.is_ok() && is_write {
                     // SAFETY: the spans lie in local registrations pinned by the plan that
                     // `keep` holds until the write has returned.
@@ -905,4 +940,40 @@ async fn greet(mut stream: TcpStream, host: Host, links: Arc<Links>, stop: watch
     );
     links.file(&peer, &link);
     let _ = link.jobs.send(Job::HelloAck);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cursor_walks_spans_and_skips_empty_ones() {
+        // Addresses are never dereferenced here: only the bookkeeping is checked.
+        let spans = [
+            (0x1000usize, 10u64),
+            (0x2000, 0),
+            (0x3000, 5),
+            (0x4000, 3 << 30),
+        ];
+        let mut cur = Cursor::default();
+        assert!(!cur.done(&spans));
+        let mut iov = empty_iov();
+        let k = fill_iov(&spans, &cur, &mut iov);
+        // 10 bytes, an empty entry, 5 bytes, then the 3 GiB span capped at MAX_IOV.
+        assert_eq!(k, 4);
+        assert_eq!(iov[3].iov_len as u64, MAX_IOV);
+        cur.advance(&spans, 12);
+        assert_eq!((cur.span, cur.offset), (2, 2));
+        cur.advance(&spans, 3);
+        assert!(!cur.done(&spans));
+        assert_eq!((cur.span, cur.offset), (3, 0));
+        cur.advance(&spans, MAX_IOV as usize);
+        let k = fill_iov(&spans, &cur, &mut iov);
+        assert_eq!(
+            (k, iov[0].iov_base as usize),
+            (1, 0x4000 + MAX_IOV as usize)
+        );
+        cur.advance(&spans, (2 * MAX_IOV) as usize);
+        assert!(cur.done(&spans));
+    }
 }
