@@ -1,4 +1,7 @@
 //! Registered memory, descriptors and one-sided READ/WRITE over several backends.
 //!
 //! Not implemented yet: this crate reserves its place in the workspace layout.
-#![forbid(unsafe_code)]
+#![cfg_attr(not(any(feature = "ucx", feature = "nixl")), forbid(unsafe_code))]
+
+#[cfg(feature = "ucx")]
+pub mod ucx;
