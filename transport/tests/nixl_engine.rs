@@ -15,7 +15,7 @@ use tessera_transport::nixl::{
 /// Hang guard only: every wait that could hang in a broken engine fails the test instead.
 const GUARD: Duration = Duration::from_secs(120);
 const MIB: usize = 1 << 20;
-/// Set in the helper process that `peer_death_across_processes` spawns.
+/// Set in the helper process that `peer_death_mid_transfer_across_processes` spawns.
 const CHILD: &str = "TESSERA_NIXL_TEST_CHILD";
 
 /// Heap memory registered with an engine; the registration is dropped before the memory.
@@ -364,15 +364,15 @@ fn unhex(s: &str) -> Vec<u8> {
         .collect()
 }
 
-/// The target side of `peer_death_across_processes`; does nothing unless spawned by it.
+/// The target side of `peer_death_mid_transfer_across_processes`; does nothing unless spawned by it.
 #[test]
-#[ignore = "helper process of peer_death_across_processes"]
+#[ignore = "helper process of peer_death_mid_transfer_across_processes"]
 fn helper_target_process() {
     if std::env::var_os(CHILD).is_none() {
         return;
     }
     let b = engine("death-target");
-    let dst = Reg::new(&b, MIB, |_| 0);
+    let dst = Reg::new(&b, 64 * MIB, |_| 0);
     let mut out = std::io::stdout().lock();
     writeln!(out, "MD:{}", hex(&b.metadata().unwrap())).unwrap();
     writeln!(out, "KEY:{}", hex(&dst.region().remote_key())).unwrap();
@@ -384,7 +384,7 @@ fn helper_target_process() {
 }
 
 #[test]
-fn peer_death_across_processes() {
+fn peer_death_mid_transfer_across_processes() {
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args([
             "--ignored",
@@ -420,34 +420,35 @@ fn peer_death_across_processes() {
     };
 
     let a = engine("death-initiator");
-    let src = Reg::new(&a, MIB, pattern(9));
-    let back = Reg::new(&a, MIB, |_| 0);
+    let all = 64 * MIB as u64;
+    let src = Reg::new(&a, 64 * MIB, pattern(9));
+    let back = Reg::new(&a, 64 * MIB, |_| 0);
     let peer = a.load_remote(&md).unwrap();
     peer.add_remote(1, &key).unwrap();
-    done(peer.write(&[op(&src, 0, 1, 0, MIB as u64)], None).unwrap()).unwrap();
-    done(peer.read(&[op(&back, 0, 1, 0, MIB as u64)], None).unwrap()).unwrap();
+    done(peer.write(&[op(&src, 0, 1, 0, all)], None).unwrap()).unwrap();
+    done(peer.read(&[op(&back, 0, 1, 0, all)], None).unwrap()).unwrap();
     assert!(back.bytes() == src.bytes(), "bytes differ across processes");
 
+    // Kill the target with a 64 MiB write in flight: it must fail, not hang, and never
+    // report success after the target is gone.
+    let inflight = peer.write(&[op(&src, 0, 1, 0, all)], None).unwrap();
     child.kill().unwrap();
     child.wait().unwrap();
     drop(lines);
-
-    // Either the post is refused or the transfer fails; never a hang, never a false success.
-    let mut saw = None;
+    let mut saw = done(inflight).err();
+    let mid_transfer = saw.is_some();
     for _ in 0..1000 {
-        match peer
-            .write(&[op(&src, 0, 1, 0, MIB as u64)], None)
-            .and_then(done)
-        {
-            Ok(()) => continue,
-            Err(e) => {
-                saw = Some(e);
-                break;
-            }
+        if saw.is_some() {
+            break;
         }
+        // The first write may have landed before the kill; keep going until the death shows.
+        saw = peer
+            .write(&[op(&src, 0, 1, 0, all)], None)
+            .and_then(done)
+            .err();
     }
     let err = saw.expect("the peer's death was never reported");
-    eprintln!("peer death reported as: {err}");
+    eprintln!("peer death reported as: {err} (by the transfer in flight: {mid_transfer})");
     assert!(
         matches!(
             err,

@@ -3,11 +3,16 @@
 //! before posting, peer death and teardown.
 #![cfg(feature = "ucx")]
 
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use tessera_transport::ucx::{
     MemRegion, RmaKind, RmaOp, Side, UcxConfig, UcxEndpoint, UcxEngine, UcxError,
 };
+
+/// Set in the helper process that `two_processes_and_peer_death_mid_transfer` spawns.
+const CHILD: &str = "TESSERA_UCX_TEST_CHILD";
 
 /// Hang guard only: every wait that could hang in a broken engine fails the test instead.
 const GUARD: Duration = Duration::from_secs(120);
@@ -399,4 +404,103 @@ fn engine_outlived_by_handles_tears_down_in_order() {
     assert!(pa.is_alive());
     drop(src);
     assert!(!pa.is_alive());
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len() / 2)
+        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).expect("hex"))
+        .collect()
+}
+
+/// The target side of `two_processes_and_peer_death_mid_transfer`; does nothing unless
+/// spawned by it.
+#[test]
+#[ignore = "helper process of two_processes_and_peer_death_mid_transfer"]
+fn helper_target_process() {
+    if std::env::var_os(CHILD).is_none() {
+        return;
+    }
+    let b = engine("ucx-target");
+    let dst = Reg::new(&b, 64 * MIB, |_| 0);
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "ADDR:{}", hex(b.address())).unwrap();
+    writeln!(out, "KEY:{}", hex(dst.region().remote_key())).unwrap();
+    out.flush().unwrap();
+    drop(out);
+    // Serve (the progress thread does) until the parent kills us or closes stdin.
+    let mut line = String::new();
+    let _ = std::io::stdin().read_line(&mut line);
+}
+
+#[test]
+fn two_processes_and_peer_death_mid_transfer() {
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--ignored",
+            "--exact",
+            "helper_target_process",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD, "1")
+        // tcp only in the target, so the endpoint runs over a socket that dies with it.
+        .env("UCX_TLS", "tcp")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn the helper process");
+    // Kept open until the helper is killed, so that it never writes into a closed pipe.
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let (mut addr, mut key) = (None, None);
+    let mut seen = Vec::new();
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        seen.push(line.chars().take(80).collect::<String>());
+        // The test harness may print its own words before ours on the same line.
+        if let Some(i) = line.find("ADDR:") {
+            addr = Some(unhex(&line[i + 5..]));
+        } else if let Some(i) = line.find("KEY:") {
+            key = Some(unhex(&line[i + 4..]));
+            break;
+        }
+    }
+    let (Some(addr), Some(key)) = (addr, key) else {
+        panic!("the helper printed no address: {seen:?}");
+    };
+
+    let a = engine("ucx-initiator");
+    let src = Reg::new(&a, 64 * MIB, pattern(12));
+    let back = Reg::new(&a, 64 * MIB, |_| 0);
+    let ep = a.connect("ucx-target", &addr).unwrap();
+    ep.add_remote(1, &key).unwrap();
+    let all = 64 * MIB as u64;
+    done(ep.put(&[op(&src, 0, 1, 0, all)], None).unwrap()).unwrap();
+    done(ep.get(&[op(&back, 0, 1, 0, all)], None).unwrap()).unwrap();
+    assert!(back.bytes() == src.bytes(), "bytes differ across processes");
+
+    // Kill the target with a 64 MiB put in flight: the transfer must fail, not hang, and
+    // never report success after the target is gone.
+    let inflight = ep.put(&[op(&src, 0, 1, 0, all)], None).unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    drop(lines);
+    let mut saw = done(inflight).err();
+    let mid_transfer = saw.is_some();
+    for _ in 0..1000 {
+        if saw.is_some() {
+            break;
+        }
+        // The first put may have landed before the kill; keep going until the death shows.
+        saw = ep.put(&[op(&src, 0, 1, 0, all)], None).and_then(done).err();
+    }
+    let err = saw.expect("the peer's death was never reported");
+    eprintln!("peer death reported as: {err} (by the transfer in flight: {mid_transfer})");
+    assert!(err.is_peer_gone(), "{err}");
+    let err = ep.put(&[op(&src, 0, 1, 0, 16)], None).unwrap_err();
+    assert!(err.is_peer_gone(), "{err}");
+    assert_eq!(a.report().pending_transfers, 0);
 }

@@ -1282,8 +1282,9 @@ impl UcxEndpoint {
     /// Posts a transfer: every op is validated first (nothing is posted if one is out of
     /// range), then each is posted as `ucp_put_nbx`/`ucp_get_nbx` pieces split at chunk
     /// boundaries, then one endpoint flush, then the notification. `done` runs exactly once,
-    /// on the progress thread, after the flush (and the notification) completed or failed.
-    /// On `Err`, nothing was posted and `done` is dropped without running.
+    /// after the flush (and the notification) completed or failed: on the progress thread,
+    /// or before this returns when UCX completed everything in place. On `Err`, nothing was
+    /// posted and `done` is dropped without running.
     pub fn post(
         &self,
         kind: RmaKind,
