@@ -8,7 +8,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use tessera_transport::ucx::{
-    MemRegion, RmaKind, RmaOp, Side, UcxConfig, UcxEndpoint, UcxEngine, UcxError,
+    ErrorHandling, MemRegion, RmaKind, RmaOp, Side, UcxConfig, UcxEndpoint, UcxEngine, UcxError,
 };
 
 /// Set in the helper process that `two_processes_and_peer_death_mid_transfer` spawns.
@@ -105,6 +105,31 @@ fn put_and_get_of_a_few_mib_verified_byte_for_byte() {
 
     done(ep.get(&[op(&back, 0, 1, 0, 4 * MIB as u64)], None).unwrap()).unwrap();
     assert!(back.bytes() == src.bytes(), "get bytes differ");
+}
+
+#[test]
+fn without_peer_error_handling_bytes_move_too() {
+    let none = |name: &str| {
+        let mut c = UcxConfig::new(name);
+        c.error_handling = ErrorHandling::None;
+        c.busy_poll = Duration::from_micros(50);
+        UcxEngine::new(c).unwrap()
+    };
+    let a = none("none-a");
+    let b = none("none-b");
+    let src = Reg::new(&a, 2 * MIB, pattern(13));
+    let dst = Reg::new(&b, 2 * MIB, |_| 0);
+    let ep = connect(&a, &b, &[(1, &dst)]);
+    done(
+        ep.put(&[op(&src, 0, 1, 0, 2 * MIB as u64)], Some(b"n".to_vec()))
+            .unwrap(),
+    )
+    .unwrap();
+    assert!(dst.bytes() == src.bytes());
+    assert_eq!(
+        b.recv_notification(Some(GUARD)).map(|n| n.1),
+        Some(b"n".to_vec())
+    );
 }
 
 #[test]

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use super::key::{self, KeyChunk};
 use super::sys;
-use super::{NotifyFn, RmaKind, Side, UcxConfig, UcxError};
+use super::{ErrorHandling, NotifyFn, RmaKind, Side, UcxConfig, UcxError};
 
 /// Active-message id of notifications; both sides use the same.
 const AM_NOTIFY: u32 = 0x7e55;
@@ -173,6 +173,8 @@ struct Inner {
     max_chunk: u64,
     max_notification: usize,
     address: Vec<u8>,
+    error_handling: ErrorHandling,
+    busy_poll: Duration,
     /// Live `MemInner`s of this engine.
     live_mem: AtomicUsize,
 }
@@ -211,12 +213,16 @@ impl Inner {
         self.drain_wake();
     }
 
-    /// Progresses the worker until idle and advances every transfer and endpoint.
-    fn pass(&self, st: &mut State, after: &mut After) {
+    /// Progresses the worker until idle and advances every transfer and endpoint. Returns
+    /// whether anything happened.
+    fn pass(&self, st: &mut State, after: &mut After) -> bool {
+        let mut worked = false;
         loop {
             // SAFETY: the worker is alive (destroyed only in Inner::drop) and the state lock
             // is held, serializing this call with every other UCP call.
-            while unsafe { sys::ucp_worker_progress(st.worker) } != 0 {}
+            while unsafe { sys::ucp_worker_progress(st.worker) } != 0 {
+                worked = true;
+            }
             let events = std::mem::take(&mut *lock(&self.events));
             let had_events = !events.is_empty();
             for e in events {
@@ -234,8 +240,9 @@ impl Inner {
             let moved = self.step_ops(st, after);
             step_eps(st, after);
             if !moved && !had_events {
-                break;
+                return worked;
             }
+            worked = true;
         }
     }
 
@@ -504,17 +511,25 @@ unsafe extern "C" fn on_notify_am(
 }
 
 fn progress_thread(inner: Arc<Inner>) {
+    let mut last_work: Option<Instant> = None;
     loop {
         let mut after = After::default();
         let (stop, armed) = {
             let mut st = lock(&inner.state);
-            inner.pass(&mut st, &mut after);
+            let now = Instant::now();
+            if inner.pass(&mut st, &mut after) {
+                last_work = Some(now);
+            }
+            let hot = last_work.is_some_and(|t| now.duration_since(t) < inner.busy_poll);
             if st.stopped {
-                (true, sys::UCS_OK)
+                (true, None)
+            } else if hot {
+                // Traffic just flowed: poll on for a moment instead of paying a wake-up per
+                // socket buffer. Idle for `busy_poll`, the thread arms and sleeps.
+                (false, None)
             } else {
                 // SAFETY: live worker, lock held, called right after progress returned 0.
-                let s = unsafe { sys::ucp_worker_arm(st.worker) };
-                (false, s)
+                (false, Some(unsafe { sys::ucp_worker_arm(st.worker) }))
             }
         };
         inner.run_after(after);
@@ -522,10 +537,11 @@ fn progress_thread(inner: Arc<Inner>) {
             break;
         }
         match armed {
-            s if s == sys::UCS_OK => inner.sleep(-1),
-            s if s == sys::UCS_ERR_BUSY => {}
+            None => std::hint::spin_loop(),
+            Some(s) if s == sys::UCS_OK => inner.sleep(-1),
+            Some(s) if s == sys::UCS_ERR_BUSY => {}
             // Arming is not supported by some transport: poll gently instead of spinning.
-            _ => inner.sleep(1),
+            Some(_) => inner.sleep(1),
         }
     }
 }
@@ -700,6 +716,8 @@ impl UcxEngine {
             max_chunk: config.max_chunk.div_ceil(4096).saturating_mul(4096),
             max_notification: config.max_notification,
             address,
+            error_handling: config.error_handling,
+            busy_poll: config.busy_poll,
             live_mem: AtomicUsize::new(0),
         });
 
@@ -856,7 +874,10 @@ impl UcxEngine {
                     | sys::UCP_EP_PARAM_FIELD_ERR_HANDLER,
             ),
             address: raw.as_ptr().cast(),
-            err_mode: sys::UCP_ERR_HANDLING_MODE_PEER,
+            err_mode: match self.inner.error_handling {
+                ErrorHandling::Peer => sys::UCP_ERR_HANDLING_MODE_PEER,
+                ErrorHandling::None => sys::UCP_ERR_HANDLING_MODE_NONE,
+            },
             err_handler: sys::ucp_err_handler_t {
                 cb: Some(on_ep_error),
                 arg: err_arg.cast(),

@@ -41,6 +41,7 @@ mod sys;
 
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
 pub use engine::{MemRegion, Pending, RmaOp, UcxEndpoint, UcxEngine, UcxProbe, UcxReport};
 
@@ -88,10 +89,31 @@ pub struct UcxConfig {
     pub max_notification: usize,
     /// Where notifications go; `None` queues them for [`UcxEngine::recv_notification`].
     pub on_notify: Option<NotifyFn>,
+    /// Endpoints' error handling. [`ErrorHandling::Peer`] (the default) is what turns a
+    /// peer's death into errors; UCX then avoids transports that cannot detect it (such as
+    /// cma), which costs bandwidth: `ucx_perftest -e` shows the same drop.
+    pub error_handling: ErrorHandling,
+    /// After the worker last made progress, the progress thread keeps polling this long
+    /// before it arms the event fd and sleeps. Zero (the default) sleeps at once; an idle
+    /// engine never polls longer than this. (No gain was measurable on a loaded 2-core
+    /// machine for 256 MiB puts; it is here for latency-bound workloads.)
+    pub busy_poll: Duration,
+}
+
+/// How endpoints handle a peer's failure (`ucp_err_handling_mode_t`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ErrorHandling {
+    /// `UCP_ERR_HANDLING_MODE_PEER`: a dead peer fails the pending transfers and later posts.
+    #[default]
+    Peer,
+    /// `UCP_ERR_HANDLING_MODE_NONE`: all transports, but a dead peer's effect is undefined
+    /// (transfers may hang). Only for peers whose death ends the job anyway.
+    None,
 }
 
 impl UcxConfig {
-    /// Defaults: environment transports, 64 GiB chunks, 64 KiB notifications, queued.
+    /// Defaults: environment transports, 64 GiB chunks, 64 KiB notifications, queued,
+    /// peer error handling, no busy polling.
     pub fn new(name: impl Into<String>) -> Self {
         Self {
             name: name.into(),
@@ -99,6 +121,8 @@ impl UcxConfig {
             max_chunk: 64 << 30,
             max_notification: 64 << 10,
             on_notify: None,
+            error_handling: ErrorHandling::Peer,
+            busy_poll: Duration::ZERO,
         }
     }
 }
@@ -111,6 +135,8 @@ impl fmt::Debug for UcxConfig {
             .field("max_chunk", &self.max_chunk)
             .field("max_notification", &self.max_notification)
             .field("on_notify", &self.on_notify.is_some())
+            .field("error_handling", &self.error_handling)
+            .field("busy_poll", &self.busy_poll)
             .finish()
     }
 }
