@@ -316,7 +316,13 @@ impl Inner {
                         "ucp_ep_flush_nbx"
                     };
                     let err = (status != sys::UCS_OK).then(|| ep_error(ep, call, status));
-                    (ep.ep, err)
+                    // A closing endpoint (force-closed at shutdown) takes no new sends.
+                    let usable = if ep.close == CloseState::Open {
+                        ep.ep
+                    } else {
+                        ptr::null_mut()
+                    };
+                    (usable, err)
                 }
                 None => (ptr::null_mut(), Some(UcxError::Shutdown(self.name.clone()))),
             };
@@ -327,7 +333,10 @@ impl Inner {
                     op.error = Some(fresh);
                 }
             }
-            if !notify_stage && op.error.is_none() && op.notify.is_some() && !ep_h.is_null() {
+            if !notify_stage && op.error.is_none() && op.notify.is_some() && ep_h.is_null() {
+                op.error = Some(UcxError::Shutdown(self.name.clone()));
+            }
+            if !notify_stage && op.error.is_none() && op.notify.is_some() {
                 match self.send_notify(ep_h, op.notify.as_deref().unwrap_or_default()) {
                     Ok(Some(r)) => {
                         op.stage = Stage::Notify(r);
