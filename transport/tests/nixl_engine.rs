@@ -460,3 +460,39 @@ fn peer_death_mid_transfer_across_processes() {
     drop(peer);
     assert_eq!(a.report().peers, 0);
 }
+
+#[test]
+fn concurrent_transfers_from_several_threads() {
+    const THREADS: usize = 4;
+    const ROUNDS: usize = 25;
+    const K: usize = 64 << 10;
+    let a = engine("conc-a");
+    let b = engine("conc-b");
+    let src = Reg::new(&a, THREADS * K, pattern(21));
+    let back = Reg::new(&a, THREADS * K, |_| 0);
+    let dst = Reg::new(&b, THREADS * K, |_| 0);
+    let peer = connect(&a, &b, &[(1, &dst)]);
+    std::thread::scope(|s| {
+        for t in 0..THREADS {
+            // The registrations (not the test's raw buffers) cross the threads.
+            let (peer, src, back) = (&peer, src.region(), back.region());
+            s.spawn(move || {
+                let at = (t * K) as u64;
+                let one = |local| XferOpDesc {
+                    local,
+                    local_offset: at,
+                    remote: 1,
+                    remote_offset: at,
+                    len: K as u64,
+                };
+                for _ in 0..ROUNDS {
+                    done(peer.write(&[one(src)], None).unwrap()).unwrap();
+                    done(peer.read(&[one(back)], None).unwrap()).unwrap();
+                }
+            });
+        }
+    });
+    assert!(dst.bytes() == src.bytes());
+    assert!(back.bytes() == src.bytes());
+    assert_eq!(a.report().pending_transfers, 0);
+}

@@ -529,3 +529,39 @@ fn two_processes_and_peer_death_mid_transfer() {
     assert!(err.is_peer_gone(), "{err}");
     assert_eq!(a.report().pending_transfers, 0);
 }
+
+#[test]
+fn concurrent_transfers_from_several_threads() {
+    const THREADS: usize = 4;
+    const ROUNDS: usize = 25;
+    const K: usize = 64 << 10;
+    let a = engine("conc-a");
+    let b = engine("conc-b");
+    let src = Reg::new(&a, THREADS * K, pattern(21));
+    let back = Reg::new(&a, THREADS * K, |_| 0);
+    let dst = Reg::new(&b, THREADS * K, |_| 0);
+    let ep = connect(&a, &b, &[(1, &dst)]);
+    std::thread::scope(|s| {
+        for t in 0..THREADS {
+            // The registrations (not the test's raw buffers) cross the threads.
+            let (ep, src, back) = (&ep, src.region(), back.region());
+            s.spawn(move || {
+                let at = (t * K) as u64;
+                let one = |local| RmaOp {
+                    local,
+                    local_offset: at,
+                    remote: 1,
+                    remote_offset: at,
+                    len: K as u64,
+                };
+                for _ in 0..ROUNDS {
+                    done(ep.put(&[one(src)], None).unwrap()).unwrap();
+                    done(ep.get(&[one(back)], None).unwrap()).unwrap();
+                }
+            });
+        }
+    });
+    assert!(dst.bytes() == src.bytes());
+    assert!(back.bytes() == src.bytes());
+    assert_eq!(a.report().pending_transfers, 0);
+}
