@@ -7,6 +7,8 @@ mod desc;
 mod error;
 pub mod inproc;
 mod metadata;
+#[cfg(feature = "nixl")]
+pub mod nixl;
 mod pool;
 mod region;
 pub mod shm;
@@ -14,6 +16,8 @@ mod sync;
 pub mod tcp;
 pub mod testing;
 mod transfer;
+#[cfg(feature = "ucx")]
+pub mod ucx;
 
 pub use agent::{
     Agent, AgentReport, NextNotification, Notification, Peer, Registration, MAX_NOTIFICATION,

@@ -1,6 +1,8 @@
 //! `cargo xtask`: the project's automation. CI runs `cargo xtask test` and nothing else, so what
 //! passes here passes there.
 
+mod deps;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -16,8 +18,11 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Install what the tests need (idempotent), then run fmt, clippy, the tests and loom.
+    /// Install what the tests need (idempotent), then run fmt, clippy, the tests and loom,
+    /// then the `ucx` and `nixl` backend tests.
     Test,
+    /// Install what the `ucx` and `nixl` backends need (idempotent) and print the shell env.
+    Deps,
     /// Run benchmark suites, print their tables and write target/tessera-bench/<suite>.json.
     Bench {
         /// Suites to run (default: all).
@@ -34,6 +39,11 @@ fn main() -> Result<()> {
     std::env::set_current_dir(&root)?;
     match cli.command {
         Cmd::Test => test(&root),
+        Cmd::Deps => {
+            let layout = deps::install(&root)?;
+            deps::print_env(&layout);
+            Ok(())
+        }
         Cmd::Bench { suites } => bench(&suites),
     }
 }
@@ -45,7 +55,12 @@ fn workspace_root() -> PathBuf {
         .to_path_buf()
 }
 
+/// The feature-gated engines, each tested in its own cargo invocation so that our UCX and
+/// NIXL's bundled UCX never load into one process.
+const BACKEND_FEATURES: &[&str] = &["ucx", "nixl"];
+
 fn test(root: &Path) -> Result<()> {
+    deps::install(root).context("installing the backends' dependencies (cargo xtask deps)")?;
     step("cargo fmt", cargo(&["fmt", "--all", "--check"]))?;
     step(
         "cargo clippy",
@@ -75,6 +90,31 @@ fn test(root: &Path) -> Result<()> {
             .env("LOOM_MAX_PREEMPTIONS", "2")
             .env("CARGO_TARGET_DIR", &loom_dir);
         step(&format!("loom tests of {krate}"), cmd)?;
+    }
+    for feature in BACKEND_FEATURES {
+        let clippy = cargo(&[
+            "clippy",
+            "--locked",
+            "-p",
+            "tessera-transport",
+            "--all-targets",
+            "--features",
+            feature,
+            "--",
+            "-D",
+            "warnings",
+        ]);
+        step(&format!("cargo clippy --features {feature}"), clippy)?;
+        let mut cmd = cargo(&[
+            "test",
+            "--locked",
+            "-p",
+            "tessera-transport",
+            "--features",
+            feature,
+        ]);
+        cmd.envs(deps::TEST_ENV.iter().copied());
+        step(&format!("{feature} backend tests"), cmd)?;
     }
     println!("xtask test: all steps passed");
     Ok(())

@@ -1,0 +1,114 @@
+//! PUT bandwidth of the UCX engine between two processes, pinned to different cores.
+//!
+//! `cargo run --release --features ucx --example ucx_put_bw [SIZE_MIB] [ITERS]` spawns itself
+//! as the target and reports GB/s of `ITERS` puts of `SIZE_MIB` (after one untimed put that
+//! pre-touches both buffers). Transports come from `UCX_TLS`, as for `ucx_perftest`;
+//! `TESSERA_UCX_ERR_MODE=none` drops peer error handling (compare with `ucx_perftest` without
+//! `-e`; the default compares with `ucx_perftest -e`).
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
+use std::time::Instant;
+
+use tessera_transport::ucx::{ErrorHandling, RmaOp, UcxConfig, UcxEngine};
+
+fn pin(cpu: usize) {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET writes inside it; the call
+    // only reads the set.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set);
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len() / 2)
+        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap_or(0))
+        .collect()
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let target = args.get(1).is_some_and(|a| a == "--target");
+    let rest = if target { &args[2..] } else { &args[1..] };
+    let mib: usize = rest.first().and_then(|s| s.parse().ok()).unwrap_or(256);
+    let iters: u32 = rest.get(1).and_then(|s| s.parse().ok()).unwrap_or(10);
+    let len = mib << 20;
+    // Before the engine exists, so that its progress thread inherits the core.
+    pin(usize::from(target));
+    let mut buf = vec![1u8; len];
+    let mut config = UcxConfig::new(if target { "bw-target" } else { "bw-init" });
+    if std::env::var("TESSERA_UCX_ERR_MODE").is_ok_and(|m| m == "none") {
+        config.error_handling = ErrorHandling::None;
+    }
+    if let Some(us) = std::env::var("TESSERA_UCX_BUSY_POLL_US")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        config.busy_poll = std::time::Duration::from_micros(us);
+    }
+    let engine = UcxEngine::new(config).expect("engine");
+    // SAFETY: `buf` outlives the registration (dropped at the end of main, after `region`).
+    let region = unsafe { engine.register(buf.as_mut_ptr(), len as u64) }.expect("register");
+    if target {
+        println!("ADDR:{}", hex(engine.address()));
+        println!("KEY:{}", hex(region.remote_key()));
+        std::io::stdout().flush().ok();
+        let mut line = String::new();
+        let _ = std::io::stdin().read_line(&mut line);
+        drop(region);
+        return;
+    }
+    let exe = std::env::current_exe().expect("exe");
+    let mut child = Command::new(exe)
+        .arg("--target")
+        .args(rest)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn target");
+    let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
+    let addr = unhex(
+        lines
+            .next()
+            .and_then(Result::ok)
+            .unwrap_or_default()
+            .trim_start_matches("ADDR:"),
+    );
+    let key = unhex(
+        lines
+            .next()
+            .and_then(Result::ok)
+            .unwrap_or_default()
+            .trim_start_matches("KEY:"),
+    );
+    let ep = engine.connect("bw-target", &addr).expect("connect");
+    ep.add_remote(1, &key).expect("key");
+    let op = [RmaOp {
+        local: &region,
+        local_offset: 0,
+        remote: 1,
+        remote_offset: 0,
+        len: len as u64,
+    }];
+    ep.put(&op, None)
+        .expect("post")
+        .wait()
+        .expect("warm-up put");
+    let start = Instant::now();
+    for _ in 0..iters {
+        ep.put(&op, None).expect("post").wait().expect("put");
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let gbps = (len as f64 * f64::from(iters)) / secs / 1e9;
+    println!("ucx engine put {mib} MiB x {iters}: {gbps:.2} GB/s");
+    drop(child.stdin.take());
+    let _ = child.wait();
+    drop(ep);
+    drop(region);
+}

@@ -1,0 +1,1223 @@
+//! The NIXL engine: one NIXL agent with its UCX backend, driven through `nixl-sys`.
+//!
+//! What a `Transport` backend calls:
+//!
+//! | step | here | NIXL |
+//! |---|---|---|
+//! | start | [`NixlEngine::new`] | agent (progress thread on, with a sleep between polls), UCX backend |
+//! | address | [`NixlEngine::metadata`] | `getLocalMD` |
+//! | register | [`NixlEngine::register`] → [`NixlRegion::remote_key`] | `registerMem` (DRAM), per chunk |
+//! | connect / update | [`NixlEngine::load_remote`] → [`NixlPeer`], [`NixlPeer::update`] | `loadRemoteMD` |
+//! | peer's registrations | [`NixlPeer::add_remote`] / [`NixlPeer::remove_remote`] | (checked by us before NIXL sees them) |
+//! | transfer | [`NixlPeer::post`] or [`NixlPeer::write`] / [`NixlPeer::read`] ([`Pending`]) | `createXferReq` with a notification, `postXferReq`, `getXferStatus` |
+//! | notifications | [`NixlConfig::on_notify`] or [`NixlEngine::recv_notification`] | `getNotifs` |
+//! | close | drop the [`NixlPeer`] | `invalidateRemoteMD` once its transfers are done |
+//!
+//! **Completion** runs on one waiter thread per engine. While transfers are pending it asks
+//! NIXL for their status, sleeping between rounds with a backoff from
+//! [`NixlConfig::poll_min`] to [`NixlConfig::poll_max`]; when nothing is pending it blocks on
+//! a condition variable (or, with [`NixlConfig::on_notify`] set, wakes every
+//! [`NixlConfig::notify_poll`] to fetch notifications). It never spins a core. NIXL's own
+//! progress thread is started with [`NixlConfig::progress_delay_us`]: with NIXL's default of 0
+//! it spins a core while idle.
+//!
+//! **Release.** A transfer handle is released only once NIXL reports it finished. A transfer
+//! that exceeds [`NixlConfig::timeout`] fails with [`NixlEngineError::Timeout`], but its
+//! request and memory stay quarantined until NIXL reports it finished or, at the latest, until
+//! teardown; one that never finishes is leaked rather than released while in flight. Every
+//! NIXL call is serialized by the engine's lock. Teardown order: transfer handles, remote
+//! metadata, registrations, then the agent (which outlives every handle holding it).
+//!
+//! **Statuses.** `nixl-sys` reports every NIXL failure status as `BackendError`; a failed
+//! transfer is therefore [`NixlEngineError::TransferFailed`] carrying that error, whether the
+//! peer died or the backend failed. A failed transfer never reports success.
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use nixl_sys::{
+    Agent, AgentConfig, Backend, MemType, MemoryRegion, NixlDescriptor, NixlError, NotificationMap,
+    OptArgs, RegistrationHandle, XferDescList, XferOp, XferRequest, XferStatus,
+};
+
+const KEY_MAGIC: &[u8; 4] = b"TNK1";
+const MAX_CHUNKS: u32 = 1 << 20;
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
+
+/// Direction of a transfer, seen from the initiator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum XferKind {
+    /// Local memory to remote memory.
+    Write,
+    /// Remote memory to local memory.
+    Read,
+}
+
+/// Which side of a transfer a descriptor is on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    /// This engine's memory.
+    Local,
+    /// The peer's memory.
+    Remote,
+}
+
+impl fmt::Display for Side {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Side::Local => "local",
+            Side::Remote => "remote",
+        })
+    }
+}
+
+/// Receives notifications: `(sender agent name, message)`, on the waiter thread.
+pub type NotifyFn = Arc<dyn Fn(&str, Vec<u8>) + Send + Sync>;
+
+/// Settings of one engine.
+#[derive(Clone)]
+pub struct NixlConfig {
+    /// The agent's name; peers see it in notifications and must not share it.
+    pub name: String,
+    /// Registrations larger than this are registered in chunks of this size.
+    pub max_chunk: u64,
+    /// Extra UCX backend parameters, e.g. `("ucx_error_handling_mode", "none")`.
+    pub backend_params: Vec<(String, String)>,
+    /// Sleep of NIXL's progress thread between polls, in µs (NIXL's default 0 spins).
+    pub progress_delay_us: u64,
+    /// Shortest sleep of the waiter between status rounds.
+    pub poll_min: Duration,
+    /// Longest sleep of the waiter between status rounds.
+    pub poll_max: Duration,
+    /// Transfers still pending after this fail with a timeout (their memory is quarantined).
+    pub timeout: Option<Duration>,
+    /// The largest notification accepted for sending.
+    pub max_notification: usize,
+    /// Where notifications go; `None` keeps them for [`NixlEngine::recv_notification`].
+    pub on_notify: Option<NotifyFn>,
+    /// With `on_notify`, how often an idle waiter fetches notifications.
+    pub notify_poll: Duration,
+}
+
+impl NixlConfig {
+    /// Defaults: 64 GiB chunks, 10 ms progress delay, 20 µs to 1 ms status backoff, no
+    /// timeout, 64 KiB notifications kept for `recv_notification`.
+    pub fn new(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            max_chunk: 64 << 30,
+            backend_params: Vec::new(),
+            progress_delay_us: 10_000,
+            poll_min: Duration::from_micros(20),
+            poll_max: Duration::from_millis(1),
+            timeout: None,
+            max_notification: 64 << 10,
+            on_notify: None,
+            notify_poll: Duration::from_millis(5),
+        }
+    }
+}
+
+impl fmt::Debug for NixlConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NixlConfig")
+            .field("name", &self.name)
+            .field("max_chunk", &self.max_chunk)
+            .field("backend_params", &self.backend_params)
+            .field("progress_delay_us", &self.progress_delay_us)
+            .field("timeout", &self.timeout)
+            .field("on_notify", &self.on_notify.is_some())
+            .finish()
+    }
+}
+
+/// What went wrong in the NIXL engine.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum NixlEngineError {
+    /// A NIXL call failed; carries `nixl-sys`'s error.
+    #[error("{call} failed: {source}")]
+    Nixl {
+        /// The NIXL operation.
+        call: &'static str,
+        /// The error `nixl-sys` reported.
+        source: NixlError,
+    },
+    /// `libnixl_capi.so` could not be loaded (run `cargo xtask deps`).
+    #[error("the NIXL library is not available: {0}")]
+    Unavailable(String),
+    /// NIXL reported the transfer failed (peer gone or backend failure).
+    #[error("transfer with {peer:?} failed: {source}")]
+    TransferFailed {
+        /// The peer agent.
+        peer: String,
+        /// The status `nixl-sys` reported.
+        source: NixlError,
+    },
+    /// The transfer did not finish in time; its request and memory are quarantined.
+    #[error("transfer with {peer:?} still pending after {after:?}")]
+    Timeout {
+        /// The peer agent.
+        peer: String,
+        /// The configured timeout.
+        after: Duration,
+    },
+    /// A descriptor falls outside its registration (caller misuse); nothing was posted.
+    #[error("descriptor {index}: {len} bytes at offset {offset} fall outside the {side} registration of {reg_len} bytes")]
+    OutOfRange {
+        /// Which side.
+        side: Side,
+        /// The descriptor's position.
+        index: usize,
+        /// Its offset.
+        offset: u64,
+        /// Its length.
+        len: u64,
+        /// The registration's length.
+        reg_len: u64,
+    },
+    /// A descriptor names a remote registration unknown to this peer handle.
+    #[error("descriptor {index}: remote registration {id} is unknown for peer {peer:?}")]
+    UnknownRemote {
+        /// The peer.
+        peer: String,
+        /// The descriptor's position.
+        index: usize,
+        /// The registration id.
+        id: u64,
+    },
+    /// A local registration of another engine was used (caller misuse).
+    #[error("descriptor {index}: the local registration belongs to another engine")]
+    ForeignRegistration {
+        /// The descriptor's position.
+        index: usize,
+    },
+    /// Caller misuse: empty registration, empty transfer, oversized notification.
+    #[error("invalid argument: {0}")]
+    Invalid(String),
+    /// A remote key from a peer is malformed.
+    #[error("malformed remote key: {0}")]
+    Malformed(&'static str),
+    /// The engine is shutting down.
+    #[error("the NIXL engine {0:?} is shut down")]
+    Shutdown(String),
+}
+
+fn nixl(call: &'static str) -> impl FnOnce(NixlError) -> NixlEngineError {
+    move |source| NixlEngineError::Nixl { call, source }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A range of this process's memory, as NIXL's registration API wants it.
+#[derive(Debug)]
+struct RawRange {
+    addr: usize,
+    len: usize,
+}
+
+impl MemoryRegion for RawRange {
+    unsafe fn as_ptr(&self) -> *const u8 {
+        self.addr as *const u8
+    }
+
+    fn size(&self) -> usize {
+        self.len
+    }
+}
+
+impl NixlDescriptor for RawRange {
+    fn mem_type(&self) -> MemType {
+        MemType::Dram
+    }
+
+    fn device_id(&self) -> u64 {
+        0
+    }
+}
+
+type Done = Box<dyn FnOnce(Result<(), NixlEngineError>) + Send>;
+
+struct InFlight {
+    req: XferRequest,
+    peer: String,
+    keep: Vec<Arc<RegInner>>,
+    /// `None` once reported (timed out): the request is quarantined.
+    done: Option<Done>,
+    deadline: Option<Instant>,
+}
+
+struct RemoteReg {
+    len: u64,
+    /// (start offset, address, length) of each chunk.
+    chunks: Vec<(u64, u64, u64)>,
+}
+
+#[derive(Default)]
+struct PeerState {
+    handles: usize,
+    pending: usize,
+    regs: HashMap<u64, RemoteReg>,
+}
+
+struct State {
+    inflight: Vec<InFlight>,
+    peers: HashMap<String, PeerState>,
+    notes: VecDeque<(String, Vec<u8>)>,
+    stopped: bool,
+}
+
+struct Inner {
+    name: String,
+    agent: Agent,
+    backend: Backend,
+    state: Mutex<State>,
+    cv: Condvar,
+    poll_min: Duration,
+    poll_max: Duration,
+    notify_poll: Duration,
+    timeout: Option<Duration>,
+    max_chunk: u64,
+    max_notification: usize,
+    on_notify: Option<NotifyFn>,
+    registrations: std::sync::atomic::AtomicUsize,
+}
+
+/// Work to finish after the state lock is released.
+#[derive(Default)]
+struct After {
+    finished: Vec<(Done, Result<(), NixlEngineError>)>,
+    release: Vec<Arc<RegInner>>,
+    notes: Vec<(String, Vec<u8>)>,
+}
+
+impl Inner {
+    /// Fetches NIXL's notifications into `out`. Lock held by the caller.
+    fn fetch_notes(&self, out: &mut Vec<(String, Vec<u8>)>) {
+        let Ok(mut map) = NotificationMap::new() else {
+            return;
+        };
+        if self.agent.get_notifications(&mut map, None).is_err() {
+            return;
+        }
+        let agents: Vec<String> = map
+            .agents()
+            .filter_map(|a| a.ok().map(str::to_owned))
+            .collect();
+        for agent in agents {
+            let n = map.get_notifications_size(&agent).unwrap_or(0);
+            for i in 0..n {
+                if let Ok(msg) = map.get_notification_bytes(&agent, i) {
+                    out.push((agent.clone(), msg));
+                }
+            }
+        }
+    }
+
+    /// One round over in-flight transfers. Returns whether any finished.
+    fn round(&self, st: &mut State, after: &mut After, now: Instant) -> bool {
+        let mut moved = false;
+        let mut i = 0;
+        while i < st.inflight.len() {
+            let x = &mut st.inflight[i];
+            let outcome = match self.agent.get_xfer_status(&x.req) {
+                Ok(XferStatus::InProgress) => None,
+                Ok(XferStatus::Success) => Some(Ok(())),
+                Err(source) => Some(Err(NixlEngineError::TransferFailed {
+                    peer: x.peer.clone(),
+                    source,
+                })),
+            };
+            match outcome {
+                None => {
+                    if let (Some(d), Some(after_t)) = (x.deadline, self.timeout) {
+                        if now >= d {
+                            if let Some(done) = x.done.take() {
+                                moved = true;
+                                after.finished.push((
+                                    done,
+                                    Err(NixlEngineError::Timeout {
+                                        peer: x.peer.clone(),
+                                        after: after_t,
+                                    }),
+                                ));
+                            }
+                        }
+                    }
+                    i += 1;
+                }
+                Some(result) => {
+                    moved = true;
+                    let x = st.inflight.swap_remove(i);
+                    // NIXL reported the request finished: now it may be released.
+                    drop(x.req);
+                    if let Some(p) = st.peers.get_mut(&x.peer) {
+                        p.pending -= 1;
+                    }
+                    after.release.extend(x.keep);
+                    if let Some(done) = x.done {
+                        after.finished.push((done, result));
+                    }
+                }
+            }
+        }
+        self.invalidate_idle_peers(st);
+        moved
+    }
+
+    /// Drops the remote metadata of peers with no handle and nothing pending.
+    fn invalidate_idle_peers(&self, st: &mut State) {
+        let idle: Vec<String> = st
+            .peers
+            .iter()
+            .filter(|(_, p)| p.handles == 0 && p.pending == 0)
+            .map(|(n, _)| n.clone())
+            .collect();
+        for name in idle {
+            st.peers.remove(&name);
+            let _ = self.agent.invalidate_remote_md(&name);
+        }
+    }
+
+    fn run_after(&self, after: After) {
+        drop(after.release);
+        for (done, result) in after.finished {
+            done(result);
+        }
+        for (from, msg) in after.notes {
+            match &self.on_notify {
+                Some(f) => {
+                    let f = f.clone();
+                    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+                        f(&from, msg)
+                    }));
+                }
+                None => lock(&self.state).notes.push_back((from, msg)),
+            }
+        }
+    }
+}
+
+fn waiter(inner: Arc<Inner>) {
+    let mut backoff = inner.poll_min;
+    let mut st = lock(&inner.state);
+    loop {
+        if st.stopped {
+            return;
+        }
+        let mut after = After::default();
+        let moved = inner.round(&mut st, &mut after, Instant::now());
+        if inner.on_notify.is_some() {
+            inner.fetch_notes(&mut after.notes);
+        }
+        let got = moved || !after.notes.is_empty();
+        let idle = st.inflight.is_empty();
+        drop(st);
+        inner.run_after(after);
+        st = lock(&inner.state);
+        if got {
+            backoff = inner.poll_min;
+            continue;
+        }
+        st = if idle && st.inflight.is_empty() {
+            backoff = inner.poll_min;
+            if inner.on_notify.is_some() {
+                inner
+                    .cv
+                    .wait_timeout(st, inner.notify_poll)
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0
+            } else {
+                inner.cv.wait(st).unwrap_or_else(|e| e.into_inner())
+            }
+        } else {
+            let g = inner
+                .cv
+                .wait_timeout(st, backoff)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+            backoff = (backoff * 2).min(inner.poll_max);
+            g
+        };
+    }
+}
+
+/// A NIXL agent with its UCX backend and its waiter thread.
+///
+/// Dropping it lets pending transfers finish for a grace period, then invalidates the peers
+/// (which fails what is left in NIXL), and leaks what NIXL still reports in flight rather
+/// than release it. The agent itself is destroyed once the last [`NixlRegion`] and
+/// [`NixlPeer`] are gone too.
+pub struct NixlEngine {
+    inner: Arc<Inner>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl fmt::Debug for NixlEngine {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NixlEngine")
+            .field("name", &self.inner.name)
+            .finish()
+    }
+}
+
+impl NixlEngine {
+    /// Creates the agent and its UCX backend and starts the waiter thread.
+    pub fn new(config: NixlConfig) -> Result<Self, NixlEngineError> {
+        if config.max_chunk == 0 || config.poll_min.is_zero() || config.poll_max < config.poll_min {
+            return Err(NixlEngineError::Invalid(
+                "max_chunk and poll_min must be positive, poll_max at least poll_min".into(),
+            ));
+        }
+        if nixl_sys::is_stub() {
+            return Err(NixlEngineError::Unavailable(
+                "libnixl_capi.so was not found; run `cargo xtask deps`".into(),
+            ));
+        }
+        let cfg = AgentConfig {
+            enable_prog_thread: true,
+            pthr_delay_us: config.progress_delay_us,
+            ..AgentConfig::default()
+        };
+        let agent = Agent::new_configured(&config.name, &cfg).map_err(nixl("createAgent"))?;
+        let (_mems, mut params) = agent
+            .get_plugin_params("UCX")
+            .map_err(nixl("getPluginParams(UCX)"))?;
+        for (k, v) in &config.backend_params {
+            params.set(k, v).map_err(nixl("backend parameter"))?;
+        }
+        let backend = agent
+            .create_backend("UCX", &params)
+            .map_err(nixl("createBackend(UCX)"))?;
+        let inner = Arc::new(Inner {
+            name: config.name,
+            agent,
+            backend,
+            state: Mutex::new(State {
+                inflight: Vec::new(),
+                peers: HashMap::new(),
+                notes: VecDeque::new(),
+                stopped: false,
+            }),
+            cv: Condvar::new(),
+            poll_min: config.poll_min,
+            poll_max: config.poll_max,
+            notify_poll: config.notify_poll,
+            timeout: config.timeout,
+            max_chunk: config.max_chunk,
+            max_notification: config.max_notification,
+            on_notify: config.on_notify,
+            registrations: std::sync::atomic::AtomicUsize::new(0),
+        });
+        let t = inner.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("nixl-waiter-{}", inner.name))
+            .spawn(move || waiter(t))
+            .map_err(|e| NixlEngineError::Invalid(format!("spawning the waiter thread: {e}")))?;
+        Ok(Self {
+            inner,
+            thread: Some(thread),
+        })
+    }
+
+    /// The agent's name.
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// This agent's metadata (`getLocalMD`): what a peer passes to
+    /// [`NixlEngine::load_remote`]. Fetch it again after registering memory.
+    pub fn metadata(&self) -> Result<Vec<u8>, NixlEngineError> {
+        let _st = lock(&self.inner.state);
+        self.inner.agent.get_local_md().map_err(nixl("getLocalMD"))
+    }
+
+    /// Registers `len` bytes at `ptr` as DRAM, in chunks of at most the configured size.
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` must be memory of this process that stays mapped, readable and
+    /// writable until the returned [`NixlRegion`] and every clone of it are dropped
+    /// (transfers in flight, including quarantined ones, hold clones). Peers may write it at
+    /// any time while it is registered and they hold its key.
+    pub unsafe fn register(&self, ptr: *mut u8, len: u64) -> Result<NixlRegion, NixlEngineError> {
+        if ptr.is_null() || len == 0 {
+            return Err(NixlEngineError::Invalid(
+                "cannot register an empty range".into(),
+            ));
+        }
+        if (ptr as u64).checked_add(len).is_none() || usize::try_from(len).is_err() {
+            return Err(NixlEngineError::Invalid(
+                "range wraps the address space".into(),
+            ));
+        }
+        let st = lock(&self.inner.state);
+        if st.stopped {
+            return Err(NixlEngineError::Shutdown(self.inner.name.clone()));
+        }
+        let mut handles = Vec::new();
+        let mut chunks = Vec::new();
+        let mut start = 0u64;
+        while start < len {
+            let clen = (len - start).min(self.inner.max_chunk);
+            let range = RawRange {
+                addr: ptr as usize + start as usize,
+                len: clen as usize,
+            };
+            match self.inner.agent.register_memory(&range, None) {
+                Ok(h) => handles.push(h),
+                Err(e) => {
+                    drop(handles); // deregisters what was registered, lock still held
+                    return Err(NixlEngineError::Nixl {
+                        call: "registerMem",
+                        source: e,
+                    });
+                }
+            }
+            chunks.push((start, clen));
+            start += clen;
+        }
+        drop(st);
+        self.inner
+            .registrations
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(NixlRegion {
+            inner: Arc::new(RegInner {
+                engine: self.inner.clone(),
+                handles,
+                base: ptr as usize,
+                len,
+                chunks,
+            }),
+        })
+    }
+
+    /// Loads a peer's metadata (`loadRemoteMD`) and returns a handle on it. The peer's
+    /// metadata is invalidated when its last handle is dropped and its transfers are done.
+    pub fn load_remote(&self, metadata: &[u8]) -> Result<NixlPeer, NixlEngineError> {
+        let mut st = lock(&self.inner.state);
+        if st.stopped {
+            return Err(NixlEngineError::Shutdown(self.inner.name.clone()));
+        }
+        let name = self
+            .inner
+            .agent
+            .load_remote_md(metadata)
+            .map_err(nixl("loadRemoteMD"))?;
+        st.peers.entry(name.clone()).or_default().handles += 1;
+        Ok(NixlPeer {
+            engine: self.inner.clone(),
+            name,
+        })
+    }
+
+    /// The next notification (when no [`NixlConfig::on_notify`] was set), waiting up to
+    /// `timeout` (forever with `None`), polling NIXL with the engine's backoff.
+    pub fn recv_notification(&self, timeout: Option<Duration>) -> Option<(String, Vec<u8>)> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut backoff = self.inner.poll_min;
+        loop {
+            {
+                let mut st = lock(&self.inner.state);
+                if st.notes.is_empty() && self.inner.on_notify.is_none() {
+                    let mut fresh = Vec::new();
+                    self.inner.fetch_notes(&mut fresh);
+                    st.notes.extend(fresh);
+                }
+                if let Some(n) = st.notes.pop_front() {
+                    return Some(n);
+                }
+            }
+            let now = Instant::now();
+            if deadline.is_some_and(|d| now >= d) {
+                return None;
+            }
+            let nap = deadline.map_or(backoff, |d| backoff.min(d - now));
+            std::thread::sleep(nap);
+            backoff = (backoff * 2).min(self.inner.poll_max);
+        }
+    }
+
+    /// What the engine holds, for leak checks.
+    pub fn report(&self) -> NixlReport {
+        let st = lock(&self.inner.state);
+        NixlReport {
+            pending_transfers: st.inflight.iter().filter(|x| x.done.is_some()).count(),
+            quarantined: st.inflight.iter().filter(|x| x.done.is_none()).count(),
+            peers: st.peers.len(),
+            registrations: self
+                .inner
+                .registrations
+                .load(std::sync::atomic::Ordering::Relaxed),
+        }
+    }
+
+    /// A weak probe on the agent, which outlives the engine handle while registrations or
+    /// peer handles exist.
+    pub fn probe(&self) -> NixlProbe {
+        NixlProbe {
+            inner: Arc::downgrade(&self.inner),
+        }
+    }
+
+    fn shutdown(&mut self) {
+        let Some(thread) = self.thread.take() else {
+            return;
+        };
+        lock(&self.inner.state).stopped = true;
+        self.inner.cv.notify_all();
+        let _ = thread.join();
+        let start = Instant::now();
+        let mut invalidated = false;
+        loop {
+            let mut after = After::default();
+            let busy = {
+                let mut st = lock(&self.inner.state);
+                self.inner.round(&mut st, &mut after, Instant::now());
+                if !invalidated && start.elapsed() >= SHUTDOWN_GRACE {
+                    // Disconnecting the peers makes NIXL fail what is still in flight.
+                    invalidated = true;
+                    let names: Vec<String> = st.peers.keys().cloned().collect();
+                    for n in names {
+                        let _ = self.inner.agent.invalidate_remote_md(&n);
+                    }
+                }
+                !st.inflight.is_empty()
+            };
+            self.inner.run_after(after);
+            if !busy || start.elapsed() >= 2 * SHUTDOWN_GRACE {
+                break;
+            }
+            std::thread::sleep(self.inner.poll_max);
+        }
+        let mut st = lock(&self.inner.state);
+        for x in std::mem::take(&mut st.inflight) {
+            // NIXL still reports it in flight: never release it or its memory.
+            std::mem::forget(x.req);
+            std::mem::forget(x.keep);
+            if let Some(done) = x.done {
+                done(Err(NixlEngineError::Shutdown(self.inner.name.clone())));
+            }
+        }
+    }
+}
+
+impl Drop for NixlEngine {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// What an engine holds (see [`NixlEngine::report`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NixlReport {
+    /// Transfers posted and not yet reported.
+    pub pending_transfers: usize,
+    /// Transfers reported as timed out whose requests NIXL still runs.
+    pub quarantined: usize,
+    /// Peers whose metadata is loaded.
+    pub peers: usize,
+    /// Live registrations (counting clones held by transfers as one).
+    pub registrations: usize,
+}
+
+/// Tells whether an engine's agent still exists (see [`NixlEngine::probe`]).
+#[derive(Clone)]
+pub struct NixlProbe {
+    inner: Weak<Inner>,
+}
+
+impl fmt::Debug for NixlProbe {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NixlProbe")
+            .field("alive", &self.is_alive())
+            .finish()
+    }
+}
+
+impl NixlProbe {
+    /// Whether the agent is still alive.
+    pub fn is_alive(&self) -> bool {
+        self.inner.strong_count() > 0
+    }
+}
+
+struct RegInner {
+    engine: Arc<Inner>,
+    handles: Vec<RegistrationHandle>,
+    base: usize,
+    len: u64,
+    /// (start offset, length) of each chunk.
+    chunks: Vec<(u64, u64)>,
+}
+
+impl Drop for RegInner {
+    fn drop(&mut self) {
+        let st = lock(&self.engine.state);
+        self.handles.clear(); // deregisters, serialized with every other NIXL call
+        drop(st);
+        self.engine
+            .registrations
+            .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// A registered range (one or more NIXL registrations). Cheap to clone; deregistered when
+/// the last clone, including those held by transfers, is dropped.
+#[derive(Clone)]
+pub struct NixlRegion {
+    inner: Arc<RegInner>,
+}
+
+impl fmt::Debug for NixlRegion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NixlRegion")
+            .field("base", &(self.inner.base as *const u8))
+            .field("len", &self.inner.len)
+            .field("chunks", &self.inner.chunks.len())
+            .finish()
+    }
+}
+
+impl NixlRegion {
+    /// What a peer passes to [`NixlPeer::add_remote`]: the chunks' addresses and lengths.
+    /// (NIXL's own keys travel in [`NixlEngine::metadata`].)
+    pub fn remote_key(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(8 + 16 * self.inner.chunks.len());
+        out.extend_from_slice(KEY_MAGIC);
+        out.extend_from_slice(&(self.inner.chunks.len() as u32).to_le_bytes());
+        for &(start, len) in &self.inner.chunks {
+            out.extend_from_slice(&(self.inner.base as u64 + start).to_le_bytes());
+            out.extend_from_slice(&len.to_le_bytes());
+        }
+        out
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> u64 {
+        self.inner.len
+    }
+
+    /// Never true: empty registrations are refused.
+    pub fn is_empty(&self) -> bool {
+        self.inner.len == 0
+    }
+
+    /// First byte.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.inner.base as *mut u8
+    }
+
+    /// Number of NIXL registrations.
+    pub fn chunks(&self) -> usize {
+        self.inner.chunks.len()
+    }
+}
+
+fn decode_key(bytes: &[u8]) -> Result<RemoteReg, NixlEngineError> {
+    let bad = NixlEngineError::Malformed;
+    if bytes.len() < 8 || &bytes[..4] != KEY_MAGIC {
+        return Err(bad("bad magic or truncated"));
+    }
+    let count = u32::from_le_bytes([bytes[4], bytes[5], bytes[6], bytes[7]]);
+    if count == 0 || count > MAX_CHUNKS {
+        return Err(bad("chunk count out of bounds"));
+    }
+    let body = &bytes[8..];
+    if body.len() != count as usize * 16 {
+        return Err(bad("length does not match the chunk count"));
+    }
+    let mut reg = RemoteReg {
+        len: 0,
+        chunks: Vec::with_capacity(count as usize),
+    };
+    let mut next: Option<u64> = None;
+    for c in body.chunks_exact(16) {
+        let mut a = [0u8; 8];
+        a.copy_from_slice(&c[..8]);
+        let addr = u64::from_le_bytes(a);
+        a.copy_from_slice(&c[8..]);
+        let len = u64::from_le_bytes(a);
+        if len == 0 || addr.checked_add(len).is_none() {
+            return Err(bad("empty or wrapping chunk"));
+        }
+        if next.is_some_and(|n| n != addr) {
+            return Err(bad("chunks are not contiguous"));
+        }
+        next = Some(addr + len);
+        reg.chunks.push((reg.len, addr, len));
+        reg.len += len;
+    }
+    Ok(reg)
+}
+
+/// One copy of a transfer: `len` bytes at `local_offset` in `local` and at `remote_offset`
+/// in the peer's registration `remote` (an id given to [`NixlPeer::add_remote`]).
+#[derive(Debug, Clone, Copy)]
+pub struct XferOpDesc<'a> {
+    /// The local registration.
+    pub local: &'a NixlRegion,
+    /// Offset in it.
+    pub local_offset: u64,
+    /// The remote registration's id.
+    pub remote: u64,
+    /// Offset in it.
+    pub remote_offset: u64,
+    /// Bytes to move.
+    pub len: u64,
+}
+
+/// A handle on a peer whose metadata is loaded.
+pub struct NixlPeer {
+    engine: Arc<Inner>,
+    name: String,
+}
+
+impl fmt::Debug for NixlPeer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NixlPeer")
+            .field("name", &self.name)
+            .finish()
+    }
+}
+
+fn range_ok(offset: u64, len: u64, reg_len: u64) -> bool {
+    len > 0 && offset.checked_add(len).is_some_and(|end| end <= reg_len)
+}
+
+impl NixlPeer {
+    /// The peer agent's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Loads newer metadata of the same peer (e.g. after it registered more memory).
+    pub fn update(&self, metadata: &[u8]) -> Result<(), NixlEngineError> {
+        let _st = lock(&self.engine.state);
+        let name = self
+            .engine
+            .agent
+            .load_remote_md(metadata)
+            .map_err(nixl("loadRemoteMD"))?;
+        if name != self.name {
+            return Err(NixlEngineError::Invalid(format!(
+                "metadata of {name:?} given to the handle of {:?}",
+                self.name
+            )));
+        }
+        Ok(())
+    }
+
+    /// Records the peer's registration `id` from its [`NixlRegion::remote_key`].
+    pub fn add_remote(&self, id: u64, key: &[u8]) -> Result<(), NixlEngineError> {
+        let reg = decode_key(key)?;
+        let mut st = lock(&self.engine.state);
+        st.peers
+            .entry(self.name.clone())
+            .or_default()
+            .regs
+            .insert(id, reg);
+        Ok(())
+    }
+
+    /// Forgets the peer's registration `id`.
+    pub fn remove_remote(&self, id: u64) {
+        if let Some(p) = lock(&self.engine.state).peers.get_mut(&self.name) {
+            p.regs.remove(&id);
+        }
+    }
+
+    /// Posts a transfer: every op is validated first (nothing is posted if one is invalid),
+    /// split at chunk boundaries on both sides into one NIXL descriptor list per side, and
+    /// posted as one request with the notification. `done` runs exactly once: on the waiter
+    /// thread, or before this returns when NIXL completed or failed it in place. On `Err`,
+    /// nothing was posted and `done` is dropped without running.
+    pub fn post(
+        &self,
+        kind: XferKind,
+        ops: &[XferOpDesc<'_>],
+        notify: Option<Vec<u8>>,
+        done: impl FnOnce(Result<(), NixlEngineError>) + Send + 'static,
+    ) -> Result<(), NixlEngineError> {
+        if ops.is_empty() {
+            return Err(NixlEngineError::Invalid(
+                "a transfer needs at least one op".into(),
+            ));
+        }
+        if let Some(n) = &notify {
+            if n.len() > self.engine.max_notification {
+                return Err(NixlEngineError::Invalid(format!(
+                    "a notification of {} bytes exceeds the limit of {}",
+                    n.len(),
+                    self.engine.max_notification
+                )));
+            }
+        }
+        let mut keep: Vec<Arc<RegInner>> = Vec::new();
+        for (index, op) in ops.iter().enumerate() {
+            let local = &op.local.inner;
+            if !Arc::ptr_eq(&local.engine, &self.engine) {
+                return Err(NixlEngineError::ForeignRegistration { index });
+            }
+            if !range_ok(op.local_offset, op.len, local.len) {
+                return Err(NixlEngineError::OutOfRange {
+                    side: Side::Local,
+                    index,
+                    offset: op.local_offset,
+                    len: op.len,
+                    reg_len: local.len,
+                });
+            }
+            if !keep.iter().any(|k| Arc::ptr_eq(k, local)) {
+                keep.push(local.clone());
+            }
+        }
+        let mut st = lock(&self.engine.state);
+        if st.stopped {
+            return Err(NixlEngineError::Shutdown(self.engine.name.clone()));
+        }
+        let peer = st.peers.get(&self.name);
+        let mut ldesc = XferDescList::new(MemType::Dram).map_err(nixl("createXferDlist"))?;
+        let mut rdesc = XferDescList::new(MemType::Dram).map_err(nixl("createXferDlist"))?;
+        for (index, op) in ops.iter().enumerate() {
+            let remote = peer.and_then(|p| p.regs.get(&op.remote)).ok_or_else(|| {
+                NixlEngineError::UnknownRemote {
+                    peer: self.name.clone(),
+                    index,
+                    id: op.remote,
+                }
+            })?;
+            if !range_ok(op.remote_offset, op.len, remote.len) {
+                return Err(NixlEngineError::OutOfRange {
+                    side: Side::Remote,
+                    index,
+                    offset: op.remote_offset,
+                    len: op.len,
+                    reg_len: remote.len,
+                });
+            }
+            let local = &op.local.inner;
+            let (mut loff, mut roff, mut left) = (op.local_offset, op.remote_offset, op.len);
+            while left > 0 {
+                let li = local.chunks.partition_point(|c| c.0 + c.1 <= loff);
+                let ri = remote.chunks.partition_point(|c| c.0 + c.2 <= roff);
+                let (lc, rc) = (local.chunks[li], remote.chunks[ri]);
+                let piece = left.min(lc.0 + lc.1 - loff).min(rc.0 + rc.2 - roff);
+                ldesc.add_desc(local.base + loff as usize, piece as usize, 0);
+                rdesc.add_desc((rc.1 + (roff - rc.0)) as usize, piece as usize, 0);
+                loff += piece;
+                roff += piece;
+                left -= piece;
+            }
+        }
+        let mut args = OptArgs::new().map_err(nixl("createOptArgs"))?;
+        args.add_backend(&self.engine.backend)
+            .map_err(nixl("optArgs backend"))?;
+        if let Some(n) = &notify {
+            args.set_notification_message(n)
+                .map_err(nixl("optArgs notification"))?;
+            // NIXL sends the message only with this flag set.
+            args.set_has_notification(true)
+                .map_err(nixl("optArgs notification"))?;
+        }
+        let op = match kind {
+            XferKind::Write => XferOp::Write,
+            XferKind::Read => XferOp::Read,
+        };
+        let req = self
+            .engine
+            .agent
+            .create_xfer_req(op, &ldesc, &rdesc, &self.name, Some(&args))
+            .map_err(nixl("createXferReq"))?;
+        let done: Done = Box::new(done);
+        let posted = self.engine.agent.post_xfer_req(&req, Some(&args));
+        let peer_name = self.name.clone();
+        let finished_now = match posted {
+            Ok(true) => None,
+            Ok(false) => Some(Ok(())),
+            Err(source) => {
+                // Something may have been posted before the failure: release the request
+                // only if NIXL no longer reports it in progress.
+                let err = NixlEngineError::TransferFailed {
+                    peer: peer_name.clone(),
+                    source,
+                };
+                match self.engine.agent.get_xfer_status(&req) {
+                    Ok(XferStatus::InProgress) => {
+                        let p = st.peers.entry(peer_name.clone()).or_default();
+                        p.pending += 1;
+                        st.inflight.push(InFlight {
+                            req,
+                            peer: peer_name,
+                            keep,
+                            done: None,
+                            deadline: None,
+                        });
+                        drop(st);
+                        self.engine.cv.notify_all();
+                        done(Err(err));
+                        return Ok(());
+                    }
+                    _ => Some(Err(err)),
+                }
+            }
+        };
+        match finished_now {
+            None => {
+                st.peers.entry(peer_name.clone()).or_default().pending += 1;
+                st.inflight.push(InFlight {
+                    req,
+                    peer: peer_name,
+                    keep,
+                    done: Some(done),
+                    deadline: self.engine.timeout.map(|t| Instant::now() + t),
+                });
+                drop(st);
+                self.engine.cv.notify_all();
+            }
+            Some(result) => {
+                drop(req); // finished: released before its memory
+                drop(st);
+                drop(keep);
+                done(result);
+            }
+        }
+        Ok(())
+    }
+
+    /// [`NixlPeer::post`] of a WRITE, returning a handle to wait on.
+    pub fn write(
+        &self,
+        ops: &[XferOpDesc<'_>],
+        notify: Option<Vec<u8>>,
+    ) -> Result<Pending, NixlEngineError> {
+        self.post_pending(XferKind::Write, ops, notify)
+    }
+
+    /// [`NixlPeer::post`] of a READ, returning a handle to wait on.
+    pub fn read(
+        &self,
+        ops: &[XferOpDesc<'_>],
+        notify: Option<Vec<u8>>,
+    ) -> Result<Pending, NixlEngineError> {
+        self.post_pending(XferKind::Read, ops, notify)
+    }
+
+    fn post_pending(
+        &self,
+        kind: XferKind,
+        ops: &[XferOpDesc<'_>],
+        notify: Option<Vec<u8>>,
+    ) -> Result<Pending, NixlEngineError> {
+        let slot: Arc<Slot> = Arc::default();
+        let s = slot.clone();
+        self.post(kind, ops, notify, move |r| {
+            *lock(&s.result) = Some(r);
+            s.cv.notify_all();
+        })?;
+        Ok(Pending { slot })
+    }
+}
+
+impl Drop for NixlPeer {
+    fn drop(&mut self) {
+        let mut st = lock(&self.engine.state);
+        if let Some(p) = st.peers.get_mut(&self.name) {
+            p.handles = p.handles.saturating_sub(1);
+        }
+        if !st.stopped {
+            self.engine.invalidate_idle_peers(&mut st);
+        }
+    }
+}
+
+#[derive(Default)]
+struct Slot {
+    result: Mutex<Option<Result<(), NixlEngineError>>>,
+    cv: Condvar,
+}
+
+/// A posted transfer's outcome, to wait on.
+#[must_use = "a transfer's outcome should be checked"]
+pub struct Pending {
+    slot: Arc<Slot>,
+}
+
+impl fmt::Debug for Pending {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Pending")
+            .field("done", &lock(&self.slot.result).is_some())
+            .finish()
+    }
+}
+
+impl Pending {
+    /// Blocks until the transfer completed or failed.
+    pub fn wait(self) -> Result<(), NixlEngineError> {
+        let mut r = lock(&self.slot.result);
+        loop {
+            if let Some(r) = r.take() {
+                return r;
+            }
+            r = self.slot.cv.wait(r).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// Blocks up to `timeout`; `None` if the outcome is not known by then.
+    pub fn wait_timeout(&mut self, timeout: Duration) -> Option<Result<(), NixlEngineError>> {
+        let deadline = Instant::now() + timeout;
+        let mut r = lock(&self.slot.result);
+        loop {
+            if let Some(r) = r.take() {
+                return Some(r);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return None;
+            }
+            r = self
+                .slot
+                .cv
+                .wait_timeout(r, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+}
+
+#[allow(dead_code)]
+fn assert_send_sync() {
+    fn is<T: Send + Sync>() {}
+    is::<NixlEngine>();
+    is::<NixlPeer>();
+    is::<NixlRegion>();
+    is::<Pending>();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_decode_and_reject_bad_input() {
+        let mut key = KEY_MAGIC.to_vec();
+        key.extend_from_slice(&2u32.to_le_bytes());
+        for (a, l) in [(4096u64, 100u64), (4196, 50)] {
+            key.extend_from_slice(&a.to_le_bytes());
+            key.extend_from_slice(&l.to_le_bytes());
+        }
+        let reg = decode_key(&key).unwrap();
+        assert_eq!(reg.len, 150);
+        assert_eq!(reg.chunks[1], (100, 4196, 50));
+        for n in 0..key.len() {
+            assert!(decode_key(&key[..n]).is_err(), "prefix {n}");
+        }
+        let mut gap = key.clone();
+        gap[24] ^= 1; // second chunk's address no longer follows the first
+        assert!(decode_key(&gap).is_err());
+    }
+}
