@@ -10,6 +10,7 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use tessera_alloc::{Allocator, Block, Layout};
 
+use crate::report::{Line, Series};
 use crate::timing::{best_of, ns, us};
 use crate::Report;
 
@@ -115,16 +116,16 @@ fn workload_a() -> WorkloadA {
     }
 }
 
-/// Runs workload A; with `probe`, measures the worst fragmentation ratio every PROBE_EVERY steps.
-/// Returns (failed allocations, worst ratio).
-fn run_a<S: Subject>(s: &mut S, w: &WorkloadA, probe: bool) -> (usize, f64) {
+/// Runs workload A; with `probe`, measures the fragmentation ratio every PROBE_EVERY steps.
+/// Returns the failed allocations and the probes as (step, ratio).
+fn run_a<S: Subject>(s: &mut S, w: &WorkloadA, probe: bool) -> (usize, Vec<(f64, f64)>) {
     let mut live: Vec<Option<(S::Handle, u64)>> = w
         .initial
         .iter()
         .map(|&size| s.alloc(size).map(|h| (h, size)))
         .collect();
     let mut failed = live.iter().filter(|x| x.is_none()).count();
-    let mut worst = 1.0f64;
+    let mut probes = Vec::new();
     for (i, &(slot, size)) in w.steps.iter().enumerate() {
         if let Some((h, _)) = live[slot as usize].take() {
             s.free(h);
@@ -135,13 +136,22 @@ fn run_a<S: Subject>(s: &mut S, w: &WorkloadA, probe: bool) -> (usize, f64) {
         if probe && i % PROBE_EVERY == PROBE_EVERY - 1 {
             let used: u64 = live.iter().flatten().map(|(_, size)| size).sum();
             let free = GIB - used;
-            worst = worst.min(largest_grantable(s, free) as f64 / free as f64);
+            let ratio = largest_grantable(s, free) as f64 / free as f64;
+            probes.push(((i + 1) as f64, ratio));
         }
     }
     for (h, _) in live.into_iter().flatten() {
         s.free(h);
     }
-    (failed, worst)
+    (failed, probes)
+}
+
+fn worst(probes: &[(f64, f64)]) -> f64 {
+    probes.iter().map(|p| p.1).fold(1.0, f64::min)
+}
+
+fn mean(probes: &[(f64, f64)]) -> f64 {
+    probes.iter().map(|p| p.1).sum::<f64>() / probes.len().max(1) as f64
 }
 
 /// The largest size `s` grants right now, by binary search over real allocate/free calls.
@@ -259,9 +269,10 @@ pub fn run(report: &mut Report) -> Result<()> {
         "tessera / offset-allocator",
     );
 
-    let (fail_t, frag_t) = run_a(&mut new_tessera(), &w, true);
-    let (fail_o, frag_o) = run_a(&mut new_offset(), &w, true);
-    let (fail_r, frag_r) = with_rlsf(|r| run_a(r, &w, true));
+    let (fail_t, probes_t) = run_a(&mut new_tessera(), &w, true);
+    let (fail_o, probes_o) = run_a(&mut new_offset(), &w, true);
+    let (fail_r, probes_r) = with_rlsf(|r| run_a(r, &w, true));
+    let (frag_t, frag_o, frag_r) = (worst(&probes_t), worst(&probes_o), worst(&probes_r));
     let how_frag = "workload A, every 1,000 steps: largest grantable size (binary search of real allocations, align 16) / free bytes; worst value";
     report.put("frag_worst", frag_t, how_frag);
     report.put(
@@ -270,6 +281,34 @@ pub fn run(report: &mut Report) -> Result<()> {
         "same probe, offset-allocator 0.2",
     );
     report.put("frag_worst_rlsf", frag_r, "same probe, rlsf 0.2");
+    report.put("frag_mean", mean(&probes_t), "mean of the same probes");
+    report.put(
+        "frag_mean_offset_allocator",
+        mean(&probes_o),
+        "mean, offset-allocator 0.2",
+    );
+    report.put("frag_mean_rlsf", mean(&probes_r), "mean, rlsf 0.2");
+    report.series(Series {
+        name: "fragmentation".into(),
+        title: "Largest grantable / free bytes during workload A".into(),
+        x_label: "step".into(),
+        y_label: "largest grantable / free".into(),
+        log_x: false,
+        lines: vec![
+            Line {
+                label: "tessera-alloc".into(),
+                points: probes_t,
+            },
+            Line {
+                label: "offset-allocator 0.2".into(),
+                points: probes_o,
+            },
+            Line {
+                label: "rlsf 0.2".into(),
+                points: probes_r,
+            },
+        ],
+    });
     report.put(
         "a_failed_allocations",
         fail_t as f64,

@@ -3,6 +3,7 @@
 
 pub mod alloc;
 pub mod codec;
+pub mod plot;
 pub mod report;
 pub mod timing;
 pub mod transport;
