@@ -65,6 +65,7 @@ where
                 .configure_mesh()
                 .x_desc(s.x_label.as_str())
                 .y_desc(s.y_label.as_str())
+                .x_label_formatter(&|x| if s.log_x { bytes(*x) } else { format!("{x}") })
                 .draw()
                 .map_err(err)?;
             for (i, line) in s.lines.iter().enumerate() {
@@ -91,7 +92,11 @@ where
                 .configure_series_labels()
                 .background_style(WHITE.mix(0.85))
                 .border_style(BLACK)
-                .position(SeriesLabelPosition::LowerRight)
+                .position(if s.log_x {
+                    SeriesLabelPosition::UpperRight
+                } else {
+                    SeriesLabelPosition::LowerRight
+                })
                 .draw()
                 .map_err(err)?;
         }};
@@ -105,4 +110,16 @@ where
     }
     area.present().map_err(err)?;
     Ok(())
+}
+
+/// `65536.0` as `64 KiB`.
+fn bytes(x: f64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = x;
+    let mut unit = 0;
+    while v >= 1024.0 && unit + 1 < UNITS.len() {
+        v /= 1024.0;
+        unit += 1;
+    }
+    format!("{v:.0} {}", UNITS[unit])
 }

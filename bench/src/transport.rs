@@ -16,6 +16,7 @@ use tessera_transport::{
     RemoteDesc,
 };
 
+use crate::report::{Line, Series};
 use crate::timing::{best_of, us};
 use crate::Report;
 
@@ -71,7 +72,9 @@ fn suite(report: &mut Report) -> Result<()> {
         w = w.min(shm.big_once(true)?);
         r = r.min(shm.big_once(false)?);
     }
+    let memcpy_sweep = sweep(|n| Ok(copy.once_sized(n)))?;
     drop(copy);
+    let shm_sweep = sweep(|n| shm.sized_once(true, n))?;
     let (m, w, r) = (gbps(BIG, m), gbps(BIG, w), gbps(BIG, r));
     report.put(
         "memcpy_256m_gbps",
@@ -165,6 +168,25 @@ fn suite(report: &mut Report) -> Result<()> {
         r,
         format!("one 256 MiB READ over loopback TCP, {interleaved}; {pinned}"),
     );
+    let tcp_sweep = sweep(|n| tcp.sized_once(true, n))?;
+    let raw_sweep = sweep(|n| raw.once_sized(n))?;
+    let line = |label: &str, points| Line {
+        label: label.into(),
+        points,
+    };
+    report.series(Series {
+        name: "throughput".into(),
+        title: "One WRITE between two pinned processes, by payload size".into(),
+        x_label: "payload bytes".into(),
+        y_label: "GB/s".into(),
+        log_x: true,
+        lines: vec![
+            line("memcpy (reference)", memcpy_sweep),
+            line("shm WRITE", shm_sweep),
+            line("tcp WRITE (loopback)", tcp_sweep),
+            line("raw TCP stream (reference)", raw_sweep),
+        ],
+    });
     let s = tcp.scatter()?;
     report.put(
         "tcp_scatter_us_per_desc",
@@ -172,6 +194,29 @@ fn suite(report: &mut Report) -> Result<()> {
         format!("1,000 x 4 KiB scattered descriptors in one WRITE over TCP, per descriptor, best of {RUNS_SMALL}"),
     );
     Ok(())
+}
+
+/// Payload sizes of the throughput-by-size figure: 64 KiB to 256 MiB.
+const SWEEP: [u64; 7] = [64 << 10, 256 << 10, MIB, 4 * MIB, 16 * MIB, 64 * MIB, BIG];
+
+/// Best time of `f(len)` over enough runs to move about 1 GiB (3 to 200 runs), after one
+/// untimed warm-up.
+fn best_sized(len: u64, mut f: impl FnMut(u64) -> Result<Duration>) -> Result<Duration> {
+    let runs = ((1 << 30) / len).clamp(3, 200);
+    f(len)?;
+    let mut best = Duration::MAX;
+    for _ in 0..runs {
+        best = best.min(f(len)?);
+    }
+    Ok(best)
+}
+
+/// (payload bytes, GB/s) for every size of [`SWEEP`].
+fn sweep(mut f: impl FnMut(u64) -> Result<Duration>) -> Result<Vec<(f64, f64)>> {
+    SWEEP
+        .iter()
+        .map(|&len| Ok((len as f64, gbps(len, best_sized(len, &mut f)?))))
+        .collect()
 }
 
 fn gbps(bytes: u64, d: Duration) -> f64 {
@@ -193,8 +238,13 @@ impl Memcpy {
     }
 
     fn once(&mut self) -> Duration {
+        self.once_sized(BIG)
+    }
+
+    fn once_sized(&mut self, len: u64) -> Duration {
+        let len = len as usize;
         let start = Instant::now();
-        self.dst.copy_from_slice(&self.src);
+        self.dst[..len].copy_from_slice(&self.src[..len]);
         let d = start.elapsed();
         std::hint::black_box(&self.dst);
         d
@@ -209,9 +259,15 @@ struct RawClient {
 
 impl RawClient {
     fn once(&mut self) -> Result<Duration> {
+        self.once_sized(BIG)
+    }
+
+    /// Sends an 8-byte length, then that many bytes, and waits for the one-byte ack.
+    fn once_sized(&mut self, len: u64) -> Result<Duration> {
         let mut ack = [0u8; 1];
         let start = Instant::now();
-        for chunk in self.buf.chunks(RAW_CHUNK) {
+        self.stream.write_all(&len.to_le_bytes())?;
+        for chunk in self.buf[..len as usize].chunks(RAW_CHUNK) {
             self.stream.write_all(chunk)?;
         }
         self.stream.read_exact(&mut ack)?;
@@ -334,8 +390,12 @@ impl Session {
     }
 
     fn big_once(&self, write: bool) -> Result<Duration> {
-        let local = [self.reg.desc(0, BIG)?];
-        let remote = [RemoteDesc::new(self.peer_reg, 0, BIG)];
+        self.sized_once(write, BIG)
+    }
+
+    fn sized_once(&self, write: bool, len: u64) -> Result<Duration> {
+        let local = [self.reg.desc(0, len)?];
+        let remote = [RemoteDesc::new(self.peer_reg, 0, len)];
         self.timed(&local, &remote, write)
     }
 
@@ -492,7 +552,8 @@ fn peer_main(kind: &str) -> Result<()> {
     Ok(())
 }
 
-/// Reads 256 MiB at a time into a pre-touched buffer and acknowledges each with one byte.
+/// Reads length-prefixed messages of up to 256 MiB into a pre-touched buffer and acknowledges
+/// each with one byte.
 fn raw_sink(listener: TcpListener) {
     for s in listener.incoming() {
         let Ok(s) = s else { return };
@@ -506,10 +567,18 @@ fn raw_sink_one(mut s: TcpStream) {
     let _ = region.fill(0, BIG, 1);
     // SAFETY: this thread is the only user of its private region.
     let buf = unsafe { region.as_mut_slice() };
-    'outer: loop {
-        for chunk in buf.chunks_mut(RAW_CHUNK) {
+    loop {
+        let mut len = [0u8; 8];
+        if s.read_exact(&mut len).is_err() {
+            return;
+        }
+        let len = u64::from_le_bytes(len);
+        if len > BIG {
+            return;
+        }
+        for chunk in buf[..len as usize].chunks_mut(RAW_CHUNK) {
             if s.read_exact(chunk).is_err() {
-                break 'outer;
+                return;
             }
         }
         if s.write_all(&[1]).is_err() {
