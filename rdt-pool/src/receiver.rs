@@ -241,21 +241,10 @@ impl ReceiverPool {
         if layout.size == 0 {
             return Ok(layout);
         }
-        let remotes: Vec<RemoteDesc> = desc.blocks.iter().map(|b| b.remote).collect();
         if let Some(reg) = self.inner.agent.find_registered(dst.as_ptr(), layout.size) {
-            let locals = desc
-                .blocks
-                .iter()
-                .zip(&layout.blocks)
-                .map(|(b, &off)| reg.desc(off, b.remote.len))
-                .collect::<Result<Vec<LocalDesc>, _>>()?;
-            let t = peer
-                .read(&locals, &remotes, None)
-                .map_err(FetchError::Transfer)?;
-            drop(locals);
-            t.wait().map_err(FetchError::Transfer)?;
-            return Ok(layout);
+            return self.fetch_into_registered(desc, peer, &reg, 0);
         }
+        let remotes: Vec<RemoteDesc> = desc.blocks.iter().map(|b| b.remote).collect();
         let block = self
             .inner
             .pool
@@ -271,7 +260,7 @@ impl ReceiverPool {
             .read(&locals, &remotes, None)
             .map_err(FetchError::Transfer)?;
         drop(locals);
-        t.wait().map_err(FetchError::Transfer)?;
+        wait_forever(&t).map_err(FetchError::Transfer)?;
         block
             .read_at(0, &mut dst[..layout.size as usize])
             .map_err(|e| {
@@ -280,6 +269,42 @@ impl ReceiverPool {
                     source: tessera_transport::BackendError::new("copy-out", e),
                 })
             })?;
+        Ok(layout)
+    }
+
+    /// Reads the object straight into `reg` at `offset`, laid out as
+    /// [`ObjectDescriptor::packed_layout`] says, and returns that layout; no pool block is
+    /// taken. Waits for the transfer to resolve.
+    pub fn fetch_into_registered(
+        &self,
+        desc: &ObjectDescriptor,
+        peer: &Peer,
+        reg: &Registration,
+        offset: u64,
+    ) -> Result<PackedLayout, FetchError> {
+        let layout = desc.packed_layout()?;
+        let room = reg.len().saturating_sub(offset);
+        if room < layout.size {
+            return Err(FetchError::DestinationTooSmall {
+                len: room,
+                needed: layout.size,
+            });
+        }
+        if layout.size == 0 {
+            return Ok(layout);
+        }
+        let remotes: Vec<RemoteDesc> = desc.blocks.iter().map(|b| b.remote).collect();
+        let locals = desc
+            .blocks
+            .iter()
+            .zip(&layout.blocks)
+            .map(|(b, &off)| reg.desc(offset + off, b.remote.len))
+            .collect::<Result<Vec<LocalDesc>, _>>()?;
+        let t = peer
+            .read(&locals, &remotes, None)
+            .map_err(FetchError::Transfer)?;
+        drop(locals);
+        wait_forever(&t).map_err(FetchError::Transfer)?;
         Ok(layout)
     }
 
