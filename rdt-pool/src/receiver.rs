@@ -534,7 +534,7 @@ mod tests {
             let stats = Arc::new(Stats::default());
             let half = |offset| TensorDesc {
                 dtype: DType::U8,
-                shape: vec![16],
+                shape: smallvec::smallvec![16],
                 place: Some(Place { block: 0, offset }),
             };
             let desc = ObjectDescriptor {

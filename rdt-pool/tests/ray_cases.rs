@@ -222,7 +222,7 @@ fn hostile_descriptors_allocate_nothing() {
     bad.blocks[0].align = 1 << 40;
     assert!(p.receiver.fetch(&bad, &p.peer).is_err());
     let mut bad = d;
-    bad.tensors[0].shape = vec![1 << 62, 1 << 62];
+    bad.tensors[0].shape = tessera_framecodec::Dims::from_slice(&[1 << 62, 1 << 62]);
     assert!(p.receiver.fetch(&bad, &p.peer).is_err());
     assert_eq!(p.receiver.report().used, 0);
 }
