@@ -3,6 +3,7 @@
 
 pub mod alloc;
 pub mod codec;
+pub mod pool;
 pub mod report;
 pub mod timing;
 pub mod transport;
@@ -17,4 +18,5 @@ pub const SUITES: &[Suite] = &[
     ("alloc", alloc::run),
     ("codec", codec::run),
     ("transport", transport::run),
+    ("pool", pool::run),
 ];
