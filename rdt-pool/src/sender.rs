@@ -534,6 +534,33 @@ mod tests {
         assert_eq!(p.report().used, used);
     }
 
+    /// A put copies each covered byte once and nothing else: a transposed view of a larger
+    /// storage moves exactly its elements, never the storage.
+    #[test]
+    fn a_put_copies_exactly_the_covered_bytes_once() {
+        let p = pool(1 << 20);
+        let storage: Vec<u8> = (0..=255).cycle().take(64 * 64 * 4).collect();
+        let refs = [
+            TensorRef::strided(DType::F32, &[16, 8], &[1, 64], &storage).unwrap(),
+            TensorRef::new(DType::U8, &[100], &storage[..100]).unwrap(),
+            TensorRef::new(DType::F64, &[0], &[]).unwrap(),
+        ];
+        let mut copied = 0u64;
+        let mut calls = 0u64;
+        p.put_with(b"c", &refs, |block, at, data| {
+            copied += data.len() as u64;
+            calls += 1;
+            block.write_at(at, data).map_err(PutError::from)
+        })
+        .unwrap();
+        assert_eq!(copied, 16 * 8 * 4 + 100);
+        assert_eq!(
+            calls,
+            16 * 8 + 1,
+            "one run per gathered element, one for the contiguous view"
+        );
+    }
+
     #[test]
     fn re_put_with_the_same_shapes_reuses_its_blocks() {
         let p = pool(4096);
