@@ -593,3 +593,74 @@ mod tests {
         });
     }
 }
+
+#[cfg(test)]
+mod fetch_loom {
+    use super::*;
+    use crate::sync::{model, thread};
+    use crate::{SenderPool, TensorRef};
+    use tessera_framecodec::DType;
+    use tessera_transport::Inproc;
+
+    /// The whole path: fetched views dropped on two threads while the receiver fetches the
+    /// same object again into a pool that holds only one copy. A second fetch either finds
+    /// the pool full or gets memory no live view points into, and it always reads the right
+    /// bytes.
+    #[test]
+    fn loom_fetch_again_while_views_drop_on_threads() {
+        model(|| {
+            let tx = Arc::new(Agent::new("tx", Inproc::new()).unwrap());
+            let rx = Arc::new(Agent::new("rx", Inproc::new()).unwrap());
+            let sender = SenderPool::new(tx.clone(), 64).unwrap();
+            let receiver = ReceiverPool::new(rx.clone(), 32).unwrap();
+            let peer = rx.add_remote(&tx.metadata()).unwrap();
+            let data: Vec<u8> = (0..32).collect();
+            let desc = sender
+                .put(
+                    "o",
+                    &[
+                        TensorRef::new(DType::U8, &[16], &data[..16]).unwrap(),
+                        TensorRef::new(DType::U8, &[16], &data[16..]).unwrap(),
+                    ],
+                )
+                .unwrap();
+            let mut views = receiver.fetch(&desc, &peer).unwrap().wait().unwrap();
+            let range = |b: &Bytes| b.as_ptr() as usize..b.as_ptr() as usize + b.len();
+            let second = views.pop().unwrap().into_data();
+            let first = views.pop().unwrap().into_data().slice(2..6);
+            let viewed = Arc::new(Mutex::new(vec![range(&first), range(&second)]));
+            let spawn = |view: Bytes, expect: Vec<u8>| {
+                let viewed = viewed.clone();
+                thread::spawn(move || {
+                    assert_eq!(&view[..], &expect[..], "viewed bytes changed");
+                    let r = view.as_ptr() as usize..view.as_ptr() as usize + view.len();
+                    lock(&viewed).retain(|v| *v != r);
+                    drop(view);
+                })
+            };
+            let a = spawn(first, data[2..6].to_vec());
+            let b = spawn(second, data[16..].to_vec());
+            match receiver.fetch(&desc, &peer) {
+                Ok(fetch) => {
+                    let again = fetch.wait().unwrap();
+                    for t in &again {
+                        let got = range(t.data());
+                        assert!(
+                            lock(&viewed)
+                                .iter()
+                                .all(|v| got.end <= v.start || v.end <= got.start),
+                            "a fetch landed in a block that is still viewed"
+                        );
+                    }
+                    assert_eq!(&again[1].data()[..], &data[16..]);
+                }
+                Err(FetchError::OutOfMemory { .. }) => {}
+                Err(e) => panic!("unexpected {e}"),
+            }
+            a.join().unwrap();
+            b.join().unwrap();
+            let r = receiver.report();
+            assert_eq!((r.used, r.leased, r.live_objects), (0, 0, 0));
+        });
+    }
+}
