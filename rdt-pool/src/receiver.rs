@@ -480,7 +480,7 @@ impl Future for Fetch<'_> {
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let Some(p) = self.pending.as_mut() else {
-            return Poll::Ready(Err(FetchError::StillHeld));
+            return Poll::Ready(Err(FetchError::AlreadyResolved));
         };
         let result = match p.transfer.as_mut() {
             Some(t) => match Pin::new(t).poll(cx) {

@@ -371,6 +371,10 @@ fn fetch_is_a_future() {
         Poll::Ready(Ok(t)) => assert_eq!(&t[0].data()[..], &a[..]),
         other => panic!("expected a ready fetch, got {other:?}"),
     }
+    assert!(matches!(
+        fetch.as_mut().poll(&mut cx),
+        Poll::Ready(Err(FetchError::AlreadyResolved))
+    ));
     drop(fetch);
     assert_eq!(p.receiver.report().used, 0);
 }
