@@ -4,6 +4,7 @@
 pub mod alloc;
 pub mod codec;
 pub mod report;
+pub mod storage;
 pub mod timing;
 pub mod transport;
 
@@ -17,4 +18,5 @@ pub const SUITES: &[Suite] = &[
     ("alloc", alloc::run),
     ("codec", codec::run),
     ("transport", transport::run),
+    ("storage", storage::run),
 ];
