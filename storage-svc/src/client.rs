@@ -16,7 +16,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::core::{decode_inline, Stats};
 use crate::error::{ClientError, ErrorKind, RemoteError};
-use crate::plane::{freeze, source_desc, Backend};
+use crate::plane::{freeze, source_descs, Backend};
 use crate::proto::{self, Request, Response};
 
 /// Which unit holds an index. TransferQueue's placement is [`Modulo`].
@@ -262,7 +262,7 @@ impl Client {
         if descs.len() != frames.payloads.len() {
             return Err(terr("READY descriptors do not match the frames".into()));
         }
-        let mut locals = Vec::with_capacity(descs.len());
+        let mut sources = Vec::with_capacity(descs.len());
         let mut remotes = Vec::with_capacity(descs.len());
         for (f, d) in frames.payloads.iter().zip(descs) {
             if f.is_empty() {
@@ -271,9 +271,10 @@ impl Client {
             if d.len != f.len() as u64 {
                 return Err(terr("READY descriptor length mismatch".into()));
             }
-            locals.push(source_desc(&self.agent, f).map_err(terr)?);
+            sources.push(f);
             remotes.push(*d);
         }
+        let locals = source_descs(&self.agent, sources).map_err(terr)?;
         let t = conn
             .peer
             .write(&locals, &remotes, None)
