@@ -816,8 +816,12 @@ impl<M: Memory> Unit<M> {
                         self.blocks.remove(&id);
                         false
                     } else {
+                        // `live` counts the logical bytes of the values attributed to the
+                        // block (scalars and packed small values of the same PUT included), so
+                        // it can exceed the block's size: then nothing in it is dead.
                         let f = self.cfg.compact_dead_fraction;
-                        f > 0.0 && (b.size - b.live) as f64 > f * b.size as f64
+                        let dead = b.size.saturating_sub(b.live);
+                        f > 0.0 && dead as f64 > f * b.size as f64
                     }
                 }
                 None => false,

@@ -424,6 +424,37 @@ fn commit_stores_zero_copy_views_and_blocks_return_on_clear() {
     assert_eq!(h.stats().pool.used, 0);
 }
 
+/// A PUT's scalars are attributed to its block too, so the live bytes of a block can exceed
+/// its size; clearing them must not underflow the dead-fraction arithmetic.
+#[test]
+fn clearing_a_block_whose_values_outweigh_it_keeps_serving() {
+    let mut h = Harness::new(UnitConfig {
+        compact_dead_fraction: 0.5,
+        ..UnitConfig::default()
+    });
+    let big = Value::Tensor(Tensor::from_slice(&[100_000], &vec![5u8; 100_000]).unwrap());
+    let mut fields = vec!["x".to_owned()];
+    let mut columns = vec![Value::List(vec![big.clone(), big])];
+    for f in 0..16 {
+        fields.push(format!("s{f}"));
+        columns.push(Value::List(vec![Value::F64(1.0), Value::F64(2.0)]));
+    }
+    let names: Vec<&str> = fields.iter().map(String::as_str).collect();
+    assert_eq!(
+        h.put("p", &[1, 2], &names, &Value::List(columns)),
+        Response::Done
+    );
+    for i in [1, 2] {
+        h.req(Request::Clear {
+            partition: "p".into(),
+            indexes: vec![i],
+            fields: None,
+        });
+    }
+    let s = h.stats();
+    assert_eq!((s.keys, s.bytes, s.pool.used), (0, 0, 0), "{s:?}");
+}
+
 #[test]
 fn compaction_releases_mostly_dead_blocks_and_counts_bytes() {
     let mut h = Harness::new(UnitConfig {
