@@ -1,4 +1,17 @@
-//! PUT / GET / CLEAR storage service and client over registered memory.
-//!
-//! Not implemented yet: this crate reserves its place in the workspace layout.
-#![forbid(unsafe_code)]
+#![doc = include_str!("../README.md")]
+#![warn(missing_docs)]
+
+mod client;
+pub mod core;
+mod error;
+mod metrics;
+mod plane;
+pub mod proto;
+mod server;
+
+pub use crate::client::{remote_error, Client, ClientConfig, Modulo, Placement};
+pub use crate::core::{PartitionStats, PoolStats, Stats, UnitConfig};
+pub use crate::error::{ClientError, ErrorKind, RemoteError, WireError};
+pub use crate::plane::Backend;
+pub use crate::server::{Server, ServerConfig, ServerError};
+pub use tessera_framecodec::{DType, Tensor, Value};

@@ -1,0 +1,1119 @@
+//! The unit's protocol core: a deterministic state machine with no I/O (quinn-proto style).
+//!
+//! The driver feeds it requests ([`Unit::handle`]), transfer completions
+//! ([`Unit::transfer_done`]) and the clock ([`Unit::handle_timeout`]); it answers with
+//! [`Output`]s that the driver carries out: replies to send, WRITEs to post, sessions to accept
+//! or close. Memory comes from a [`Memory`] the driver supplies, so tests run it over plain
+//! vectors.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use serde_bytes::ByteBuf;
+use tessera_framecodec::{decode, decode_contiguous, Decoder, Encoder, Limits, RecvLayout, Value};
+use tessera_transport::RemoteDesc;
+
+use crate::error::{ErrorKind, RemoteError};
+use crate::proto::{Request, Response};
+
+/// Identifies a control connection (a session). A client that reconnects is a new session.
+pub type SessionId = u64;
+
+/// Where receive blocks come from: a registered pool in the server, vectors in tests.
+pub trait Memory {
+    /// A leased block; dropping it returns its range.
+    type Block: Send + Sync + 'static;
+    /// Leases `size` bytes aligned to `align`.
+    fn lease(&mut self, size: u64, align: u64) -> Result<Self::Block, String>;
+    /// A descriptor a peer can WRITE to: `len` bytes at `offset` of `block`.
+    fn remote(&self, block: &Self::Block, offset: u64, len: u64) -> Result<RemoteDesc, String>;
+    /// The block's first `len` bytes as `Bytes` that own the block (no copy).
+    fn freeze(&self, block: Self::Block, len: u64) -> Bytes;
+    /// Length of a block.
+    fn block_len(block: &Self::Block) -> u64;
+    /// Copies `data` into a fresh block and returns it frozen (used by compaction only).
+    fn copy_in(&mut self, data: &[u8], align: u64) -> Result<Bytes, String>;
+    /// Pool usage.
+    fn usage(&self) -> PoolStats;
+}
+
+/// Configuration of the protocol core.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct UnitConfig {
+    /// Logical bytes the unit stores at most (payloads, strings and 8 bytes per scalar).
+    pub capacity_bytes: u64,
+    /// Payloads up to this many bytes travel inline in control messages.
+    pub inline_max: u64,
+    /// Alignment of frames in receive blocks.
+    pub align: u64,
+    /// Indexes times fields in one request, at most.
+    pub max_keys: u64,
+    /// Payload bytes of one PUT or GET, at most.
+    pub max_payload_bytes: u64,
+    /// Bytes of one meta frame, at most.
+    pub max_meta_bytes: u64,
+    /// Bytes of registered memory leased to prepared PUTs, at most.
+    pub leased_limit: u64,
+    /// Bytes of quarantined registered memory, at most; PUTs are refused beyond it.
+    pub quarantine_limit: u64,
+    /// A prepared PUT or GET that sees no COMMIT within this time expires.
+    #[serde(with = "millis")]
+    pub prepare_ttl: Duration,
+    /// Compact a receive block when this fraction of it is dead (0 disables compaction).
+    pub compact_dead_fraction: f64,
+    /// Shared secret a Hello must carry.
+    pub token: Option<String>,
+}
+
+mod millis {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use std::time::Duration;
+    pub(super) fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(d.as_millis() as u64)
+    }
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        Ok(Duration::from_millis(u64::deserialize(d)?))
+    }
+}
+
+impl Default for UnitConfig {
+    fn default() -> Self {
+        Self {
+            capacity_bytes: 1 << 30,
+            inline_max: 64 << 10,
+            align: 64,
+            max_keys: 1 << 20,
+            max_payload_bytes: 16 << 30,
+            max_meta_bytes: 64 << 20,
+            leased_limit: 16 << 30,
+            quarantine_limit: 1 << 30,
+            prepare_ttl: Duration::from_secs(30),
+            compact_dead_fraction: 0.75,
+            token: None,
+        }
+    }
+}
+
+/// What the driver must do.
+#[derive(Debug)]
+pub enum Output {
+    /// Send `response` to `session` for request `id`.
+    Reply {
+        /// Session.
+        session: SessionId,
+        /// Request id.
+        id: u64,
+        /// The response.
+        response: Response,
+    },
+    /// The session said a valid Hello: connect to its agent, then answer `Welcome`.
+    Accept {
+        /// Session.
+        session: SessionId,
+        /// Request id of the Hello.
+        id: u64,
+        /// The client's agent metadata.
+        agent: Vec<u8>,
+    },
+    /// WRITE `frames[i]` to `descs[i]` on the session's peer, then call `transfer_done`.
+    Write {
+        /// Session.
+        session: SessionId,
+        /// Request id of the `GetInto` to answer.
+        id: u64,
+        /// Request id of the GET.
+        get: u64,
+        /// The stored frames.
+        frames: Vec<Bytes>,
+        /// The client's descriptors.
+        descs: Vec<RemoteDesc>,
+    },
+    /// Close the session's connection (after sending any reply before it).
+    Close {
+        /// Session.
+        session: SessionId,
+    },
+}
+
+/// Pool usage.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoolStats {
+    /// Registered bytes.
+    pub capacity: u64,
+    /// Bytes leased.
+    pub used: u64,
+    /// Largest free range.
+    pub largest_free: u64,
+    /// Live blocks.
+    pub live_blocks: u64,
+}
+
+/// Per-partition statistics.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PartitionStats {
+    /// Partition name.
+    pub name: String,
+    /// Stored (field, index) keys.
+    pub keys: u64,
+    /// Stored logical bytes.
+    pub bytes: u64,
+    /// Bytes of receive blocks leased to prepared PUTs of this partition.
+    pub leased_bytes: u64,
+    /// Bytes of this partition's receive blocks in quarantine.
+    pub quarantined_bytes: u64,
+}
+
+/// Statistics of a unit.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Stats {
+    /// Per partition, by name.
+    pub partitions: Vec<PartitionStats>,
+    /// Stored keys.
+    pub keys: u64,
+    /// Stored logical bytes.
+    pub bytes: u64,
+    /// Configured capacity in logical bytes.
+    pub capacity_bytes: u64,
+    /// Registered pool usage.
+    pub pool: PoolStats,
+    /// Bytes leased to prepared PUTs.
+    pub leased_bytes: u64,
+    /// Bytes quarantined.
+    pub quarantined_bytes: u64,
+    /// Prepared PUTs waiting for COMMIT.
+    pub pending_puts: u64,
+    /// GETs waiting for the client's block or their WRITE.
+    pub pending_gets: u64,
+    /// Bytes copied by compaction since start.
+    pub compacted_bytes: u64,
+    /// Payload bytes received through the payload plane.
+    pub bytes_in: u64,
+    /// Payload bytes sent through the payload plane.
+    pub bytes_out: u64,
+    /// Open sessions.
+    pub sessions: u64,
+}
+
+struct Entry {
+    value: Value,
+    bytes: u64,
+    /// The receive block this value pins, if any.
+    block: Option<u64>,
+}
+
+#[derive(Default)]
+struct Partition {
+    fields: HashMap<String, HashMap<u64, Entry>>,
+    keys: u64,
+    bytes: u64,
+}
+
+struct BlockInfo {
+    size: u64,
+    live: u64,
+    partition: String,
+}
+
+#[derive(PartialEq, Eq)]
+enum SessionState {
+    New,
+    Open,
+    Failed,
+}
+
+struct Session {
+    state: SessionState,
+    /// Blocks that a late WRITE could still reach, until the session is torn down.
+    quarantine: Vec<(Box<dyn Send + Sync>, u64, String)>,
+}
+
+struct PendingPut<B> {
+    partition: String,
+    indexes: Vec<u64>,
+    fields: Vec<String>,
+    meta: Bytes,
+    block: B,
+    layout: RecvLayout,
+    reserved: u64,
+    deadline: Instant,
+}
+
+struct PendingGet {
+    frames: Vec<Bytes>,
+    writing: bool,
+    deadline: Instant,
+}
+
+/// The unit's state machine.
+pub struct Unit<M: Memory> {
+    cfg: UnitConfig,
+    mem: M,
+    decoder: Decoder,
+    partitions: BTreeMap<String, Partition>,
+    blocks: HashMap<u64, BlockInfo>,
+    next_block: u64,
+    used: u64,
+    reserved: u64,
+    leased: u64,
+    quarantined: u64,
+    compacted: u64,
+    bytes_in: u64,
+    bytes_out: u64,
+    sessions: HashMap<SessionId, Session>,
+    puts: HashMap<(SessionId, u64), PendingPut<M::Block>>,
+    gets: HashMap<(SessionId, u64), PendingGet>,
+}
+
+fn err(kind: ErrorKind, message: impl Into<String>) -> RemoteError {
+    RemoteError {
+        kind,
+        message: message.into(),
+        missing: Vec::new(),
+    }
+}
+
+/// Logical size of a value: payload bytes, string bytes and 8 bytes per scalar.
+pub fn logical_bytes(v: &Value) -> u64 {
+    match v {
+        Value::Null | Value::Bool(_) | Value::I64(_) | Value::U64(_) | Value::F64(_) => 8,
+        Value::Str(s) => s.len() as u64,
+        Value::Bytes(b) => b.len() as u64,
+        Value::Tensor(t) => t.data().len() as u64,
+        Value::List(items) => items.iter().map(logical_bytes).sum(),
+        Value::Map(items) => items
+            .iter()
+            .map(|(k, v)| k.len() as u64 + logical_bytes(v))
+            .sum(),
+    }
+}
+
+impl<M: Memory> Unit<M> {
+    /// A unit with `cfg`, leasing from `mem`.
+    pub fn new(cfg: UnitConfig, mem: M) -> Self {
+        let mut limits = Limits::default();
+        limits.max_total_bytes = cfg.max_payload_bytes;
+        limits.max_meta_bytes = cfg.max_meta_bytes;
+        Self {
+            decoder: Decoder::with_limits(limits),
+            cfg,
+            mem,
+            partitions: BTreeMap::new(),
+            blocks: HashMap::new(),
+            next_block: 0,
+            used: 0,
+            reserved: 0,
+            leased: 0,
+            quarantined: 0,
+            compacted: 0,
+            bytes_in: 0,
+            bytes_out: 0,
+            sessions: HashMap::new(),
+            puts: HashMap::new(),
+            gets: HashMap::new(),
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &UnitConfig {
+        &self.cfg
+    }
+
+    /// A new connection arrived as `session`; it must say Hello first.
+    pub fn open_session(&mut self, session: SessionId) {
+        self.sessions.insert(
+            session,
+            Session {
+                state: SessionState::New,
+                quarantine: Vec::new(),
+            },
+        );
+    }
+
+    /// The driver connected to the session's agent; it may now use the payload plane.
+    pub fn session_ready(&mut self, session: SessionId) {
+        if let Some(s) = self.sessions.get_mut(&session) {
+            if s.state == SessionState::New {
+                s.state = SessionState::Open;
+            }
+        }
+    }
+
+    /// Marks a session failed: every later request is refused until it reconnects.
+    pub fn fail_session(&mut self, session: SessionId) {
+        if let Some(s) = self.sessions.get_mut(&session) {
+            s.state = SessionState::Failed;
+        }
+    }
+
+    /// The session's connection and transport peer are torn down: nothing it was given can
+    /// be written any more, so its prepared PUTs, pending GETs and quarantine are released.
+    pub fn close_session(&mut self, session: SessionId) {
+        let puts: Vec<_> = self
+            .puts
+            .keys()
+            .filter(|(s, _)| *s == session)
+            .copied()
+            .collect();
+        for key in puts {
+            if let Some(p) = self.puts.remove(&key) {
+                self.release_put(p);
+            }
+        }
+        self.gets.retain(|(s, _), _| *s != session);
+        if let Some(s) = self.sessions.remove(&session) {
+            for (_, len, _) in s.quarantine {
+                self.quarantined -= len;
+            }
+        }
+    }
+
+    fn release_put(&mut self, p: PendingPut<M::Block>) {
+        self.leased -= M::block_len(&p.block);
+        self.reserved -= p.reserved;
+    }
+
+    fn quarantine_put(&mut self, session: SessionId, p: PendingPut<M::Block>) {
+        let len = M::block_len(&p.block);
+        self.leased -= len;
+        self.reserved -= p.reserved;
+        self.quarantined += len;
+        if let Some(s) = self.sessions.get_mut(&session) {
+            s.quarantine.push((Box::new(p.block), len, p.partition));
+        } else {
+            self.quarantined -= len;
+        }
+    }
+
+    /// The earliest deadline of a prepared transfer.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        let puts = self.puts.values().map(|p| p.deadline);
+        let gets = self
+            .gets
+            .values()
+            .filter(|g| !g.writing)
+            .map(|g| g.deadline);
+        puts.chain(gets).min()
+    }
+
+    /// Expires prepared transfers whose deadline passed. A PUT whose block was exposed is
+    /// quarantined and its session failed (a WRITE may still land); an expired GET that was
+    /// never written just drops its frames.
+    pub fn handle_timeout(&mut self, now: Instant) -> Vec<Output> {
+        let expired: Vec<_> = self
+            .puts
+            .iter()
+            .filter(|(_, p)| p.deadline <= now)
+            .map(|(k, _)| *k)
+            .collect();
+        let mut out = Vec::new();
+        for key in expired {
+            if let Some(p) = self.puts.remove(&key) {
+                tracing::warn!(
+                    session = key.0,
+                    id = key.1,
+                    "prepared PUT expired; quarantined"
+                );
+                self.quarantine_put(key.0, p);
+                self.fail_session(key.0);
+                out.push(Output::Reply {
+                    session: key.0,
+                    id: key.1,
+                    response: Response::error(ErrorKind::PeerFailed, "prepared PUT expired"),
+                });
+            }
+        }
+        self.gets.retain(|_, g| g.writing || g.deadline > now);
+        out
+    }
+
+    /// A WRITE posted for `Output::Write` finished.
+    pub fn transfer_done(
+        &mut self,
+        session: SessionId,
+        get: u64,
+        id: u64,
+        result: Result<(), String>,
+    ) -> Vec<Output> {
+        let Some(get) = self.gets.remove(&(session, get)) else {
+            return Vec::new();
+        };
+        let response = match result {
+            Ok(()) => {
+                self.bytes_out += get.frames.iter().map(|f| f.len() as u64).sum::<u64>();
+                Response::GetDone
+            }
+            Err(e) => {
+                // The client's block may hold part of the payload: outcome unknown.
+                self.fail_session(session);
+                Response::error(ErrorKind::Transfer, e)
+            }
+        };
+        vec![Output::Reply {
+            session,
+            id,
+            response,
+        }]
+    }
+
+    /// Handles one request of `session`.
+    pub fn handle(
+        &mut self,
+        now: Instant,
+        session: SessionId,
+        id: u64,
+        req: Request,
+    ) -> Vec<Output> {
+        let reply = |response| Output::Reply {
+            session,
+            id,
+            response,
+        };
+        let state = match self.sessions.get(&session) {
+            Some(s) => &s.state,
+            None => {
+                return vec![reply(Response::error(
+                    ErrorKind::NoSession,
+                    "unknown session",
+                ))]
+            }
+        };
+        match (&req, state) {
+            (Request::Hello { .. }, SessionState::New) => {}
+            (Request::Hello { .. }, _) => {
+                return vec![reply(Response::error(
+                    ErrorKind::BadRequest,
+                    "second Hello",
+                ))]
+            }
+            (_, SessionState::New) => {
+                return vec![reply(Response::error(
+                    ErrorKind::NoSession,
+                    "say Hello first",
+                ))]
+            }
+            (_, SessionState::Failed) => {
+                return vec![reply(Response::error(
+                    ErrorKind::PeerFailed,
+                    "session failed; reconnect",
+                ))]
+            }
+            (_, SessionState::Open) => {}
+        }
+        let result = match req {
+            Request::Hello { token, agent } => {
+                if self.cfg.token.is_some() && token != self.cfg.token {
+                    return vec![
+                        reply(Response::error(ErrorKind::Unauthorized, "bad token")),
+                        Output::Close { session },
+                    ];
+                }
+                return vec![Output::Accept { session, id, agent }];
+            }
+            Request::Put {
+                partition,
+                indexes,
+                fields,
+                meta,
+                inline,
+            } => self.put(now, session, id, partition, indexes, fields, meta, inline),
+            Request::Commit { put } => self.commit(session, put),
+            Request::Cancel { of, maybe_written } => {
+                if let Some(p) = self.puts.remove(&(session, of)) {
+                    if maybe_written {
+                        self.quarantine_put(session, p);
+                    } else {
+                        self.release_put(p);
+                    }
+                    Ok(Response::Done)
+                } else if self.gets.get(&(session, of)).is_some_and(|g| !g.writing) {
+                    self.gets.remove(&(session, of));
+                    Ok(Response::Done)
+                } else {
+                    Err(err(
+                        ErrorKind::UnknownTransfer,
+                        format!("nothing prepared as {of}"),
+                    ))
+                }
+            }
+            Request::Get {
+                partition,
+                indexes,
+                fields,
+            } => self.get(now, session, id, &partition, &indexes, &fields),
+            Request::GetInto { get, descs } => return self.get_into(session, id, get, descs),
+            Request::Clear {
+                partition,
+                indexes,
+                fields,
+            } => self.clear(&partition, &indexes, fields.as_deref()),
+            Request::DropPartition { partition } => {
+                if let Some(p) = self.partitions.remove(&partition) {
+                    for (_, entries) in p.fields {
+                        for (_, e) in entries {
+                            self.forget(e);
+                        }
+                    }
+                }
+                Ok(Response::Done)
+            }
+            Request::Stats => Ok(Response::Stats(self.stats())),
+        };
+        vec![reply(result.unwrap_or_else(Response::Error))]
+    }
+
+    fn check_keys(&self, indexes: &[u64], fields: &[String]) -> Result<(), RemoteError> {
+        if fields.is_empty() {
+            return Err(err(ErrorKind::BadRequest, "no fields"));
+        }
+        let keys = (indexes.len() as u64).saturating_mul(fields.len() as u64);
+        if keys > self.cfg.max_keys {
+            return Err(err(
+                ErrorKind::TooLarge,
+                format!("{keys} keys exceed the maximum of {}", self.cfg.max_keys),
+            ));
+        }
+        let mut seen = HashSet::with_capacity(indexes.len());
+        if indexes.iter().any(|i| !seen.insert(*i)) {
+            return Err(err(ErrorKind::BadRequest, "duplicate index"));
+        }
+        let mut seen = HashSet::with_capacity(fields.len());
+        if fields.iter().any(|f| !seen.insert(f.as_str())) {
+            return Err(err(ErrorKind::BadRequest, "duplicate field"));
+        }
+        Ok(())
+    }
+
+    fn replaced_bytes(&self, partition: &str, indexes: &[u64], fields: &[String]) -> u64 {
+        let Some(p) = self.partitions.get(partition) else {
+            return 0;
+        };
+        fields
+            .iter()
+            .filter_map(|f| p.fields.get(f))
+            .flat_map(|m| indexes.iter().filter_map(|i| m.get(i)))
+            .map(|e| e.bytes)
+            .sum()
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn put(
+        &mut self,
+        now: Instant,
+        session: SessionId,
+        id: u64,
+        partition: String,
+        indexes: Vec<u64>,
+        fields: Vec<String>,
+        meta: ByteBuf,
+        inline: Option<Vec<ByteBuf>>,
+    ) -> Result<Response, RemoteError> {
+        self.check_keys(&indexes, &fields)?;
+        let table = self.decoder.frame_table(&meta).map_err(|e| {
+            let kind = if e.to_string().contains("limit") {
+                ErrorKind::TooLarge
+            } else {
+                ErrorKind::Protocol
+            };
+            err(kind, format!("meta frame: {e}"))
+        })?;
+        let layout = table
+            .layout(self.cfg.align)
+            .map_err(|e| err(ErrorKind::Protocol, format!("layout: {e}")))?;
+        // Reserve the whole block: the stored values are never larger than it, plus scalars.
+        let incoming = layout.size + meta.len() as u64;
+        let credit = self.replaced_bytes(&partition, &indexes, &fields);
+        let need = (self.used + self.reserved + incoming).saturating_sub(credit);
+        if need > self.cfg.capacity_bytes {
+            return Err(err(
+                ErrorKind::Capacity,
+                format!(
+                    "PUT of {incoming} bytes exceeds capacity: {} of {} bytes stored, {} reserved",
+                    self.used, self.cfg.capacity_bytes, self.reserved
+                ),
+            ));
+        }
+        let meta = Bytes::from(meta.into_vec());
+        if let Some(frames) = inline {
+            if table.total_bytes() > self.cfg.inline_max {
+                return Err(err(ErrorKind::TooLarge, "inline payload above inline_max"));
+            }
+            let frames: Vec<Bytes> = frames
+                .into_iter()
+                .map(|f| Bytes::from(f.into_vec()))
+                .collect();
+            let value = self
+                .decoder
+                .decode(&meta, &frames)
+                .map_err(|e| err(ErrorKind::Protocol, format!("decode: {e}")))?;
+            self.store(&partition, &indexes, &fields, value, None)?;
+            return Ok(Response::Done);
+        }
+        if layout.size == 0 {
+            let value = self
+                .decoder
+                .decode(&meta, &[])
+                .map_err(|e| err(ErrorKind::Protocol, format!("decode: {e}")))?;
+            self.store(&partition, &indexes, &fields, value, None)?;
+            return Ok(Response::Done);
+        }
+        if self.puts.contains_key(&(session, id)) {
+            return Err(err(ErrorKind::BadRequest, "request id already prepared"));
+        }
+        if self.quarantined > self.cfg.quarantine_limit {
+            return Err(err(ErrorKind::OutOfMemory, "quarantine limit reached"));
+        }
+        if self.leased + layout.size > self.cfg.leased_limit {
+            return Err(err(
+                ErrorKind::OutOfMemory,
+                format!(
+                    "leased limit: {} of {} bytes leased, {} asked",
+                    self.leased, self.cfg.leased_limit, layout.size
+                ),
+            ));
+        }
+        let block = self
+            .mem
+            .lease(layout.size, layout.align)
+            .map_err(|e| err(ErrorKind::OutOfMemory, e))?;
+        let mut descs = Vec::with_capacity(layout.offsets.len());
+        for (off, len) in layout.offsets.iter().zip(&layout.lens) {
+            if *len == 0 {
+                descs.push(RemoteDesc::new(0, 0, 0));
+            } else {
+                descs.push(
+                    self.mem
+                        .remote(&block, *off, *len)
+                        .map_err(|e| err(ErrorKind::OutOfMemory, e))?,
+                );
+            }
+        }
+        self.leased += M::block_len(&block);
+        self.reserved += incoming;
+        self.puts.insert(
+            (session, id),
+            PendingPut {
+                partition,
+                indexes,
+                fields,
+                meta,
+                block,
+                layout,
+                reserved: incoming,
+                deadline: now + self.cfg.prepare_ttl,
+            },
+        );
+        Ok(Response::PutReady { descs })
+    }
+
+    fn commit(&mut self, session: SessionId, put: u64) -> Result<Response, RemoteError> {
+        let p = self
+            .puts
+            .remove(&(session, put))
+            .ok_or_else(|| err(ErrorKind::UnknownTransfer, format!("no prepared PUT {put}")))?;
+        let len = M::block_len(&p.block);
+        self.leased -= len;
+        self.reserved -= p.reserved;
+        let size = p.layout.size;
+        let buf = self.mem.freeze(p.block, size);
+        let value = decode_contiguous(&p.meta, &buf, p.layout.align)
+            .map_err(|e| err(ErrorKind::Protocol, format!("decode: {e}")))?;
+        self.bytes_in += size;
+        let block_id = self.next_block;
+        self.next_block += 1;
+        self.blocks.insert(
+            block_id,
+            BlockInfo {
+                size: len,
+                live: 0,
+                partition: p.partition.clone(),
+            },
+        );
+        let r = self.store(&p.partition, &p.indexes, &p.fields, value, Some(block_id));
+        if self.blocks.get(&block_id).is_some_and(|b| b.live == 0) {
+            self.blocks.remove(&block_id);
+        }
+        r.map(|()| Response::Done)
+    }
+
+    /// Checks the value's shape, then replaces every key at once.
+    fn store(
+        &mut self,
+        partition: &str,
+        indexes: &[u64],
+        fields: &[String],
+        value: Value,
+        block: Option<u64>,
+    ) -> Result<(), RemoteError> {
+        let Value::List(columns) = value else {
+            return Err(err(
+                ErrorKind::BadRequest,
+                "PUT value is not a list of fields",
+            ));
+        };
+        if columns.len() != fields.len() {
+            return Err(err(ErrorKind::BadRequest, "one list per field expected"));
+        }
+        let mut rows = Vec::with_capacity(columns.len());
+        for c in columns {
+            match c {
+                Value::List(items) if items.len() == indexes.len() => rows.push(items),
+                _ => {
+                    return Err(err(
+                        ErrorKind::BadRequest,
+                        "each field needs one value per index",
+                    ))
+                }
+            }
+        }
+        let mut added = 0u64;
+        let mut new_keys = 0u64;
+        let mut old = Vec::new();
+        let part = self.partitions.entry(partition.to_owned()).or_default();
+        for (field, items) in fields.iter().zip(rows) {
+            let map = part.fields.entry(field.clone()).or_default();
+            for (index, value) in indexes.iter().zip(items) {
+                let bytes = logical_bytes(&value);
+                added += bytes;
+                if let Some(b) = block.and_then(|b| self.blocks.get_mut(&b)) {
+                    b.live += bytes;
+                }
+                match map.insert(
+                    *index,
+                    Entry {
+                        value,
+                        bytes,
+                        block,
+                    },
+                ) {
+                    Some(prev) => old.push(prev),
+                    None => new_keys += 1,
+                }
+            }
+        }
+        part.keys += new_keys;
+        part.bytes += added;
+        self.used += added;
+        for e in old {
+            if let Some(p) = self.partitions.get_mut(partition) {
+                p.bytes -= e.bytes;
+            }
+            self.forget(e);
+        }
+        Ok(())
+    }
+
+    /// Accounts for an entry leaving the store (its `Value` drops with it).
+    fn forget(&mut self, e: Entry) {
+        self.used -= e.bytes;
+        if let Some(id) = e.block {
+            let compact = match self.blocks.get_mut(&id) {
+                Some(b) => {
+                    b.live -= e.bytes;
+                    if b.live == 0 {
+                        self.blocks.remove(&id);
+                        false
+                    } else {
+                        let f = self.cfg.compact_dead_fraction;
+                        f > 0.0 && (b.size - b.live) as f64 > f * b.size as f64
+                    }
+                }
+                None => false,
+            };
+            if compact {
+                self.compact(id);
+            }
+        }
+    }
+
+    /// Copies the survivors of block `id` out, so the block can return to the pool.
+    fn compact(&mut self, id: u64) {
+        let Some(info) = self.blocks.remove(&id) else {
+            return;
+        };
+        let Some(part) = self.partitions.get_mut(&info.partition) else {
+            return;
+        };
+        let align = self.cfg.align;
+        for map in part.fields.values_mut() {
+            for e in map.values_mut() {
+                if e.block != Some(id) {
+                    continue;
+                }
+                match detach_into(&e.value, &mut self.mem, align) {
+                    Ok((v, copied)) => {
+                        e.value = v;
+                        e.block = None;
+                        self.compacted += copied;
+                    }
+                    Err(msg) => {
+                        tracing::debug!(block = id, %msg, "compaction skipped: no memory");
+                        e.block = None;
+                    }
+                }
+            }
+        }
+    }
+
+    fn get(
+        &mut self,
+        now: Instant,
+        session: SessionId,
+        id: u64,
+        partition: &str,
+        indexes: &[u64],
+        fields: &[String],
+    ) -> Result<Response, RemoteError> {
+        self.check_keys(indexes, fields)?;
+        let part = self.partitions.get(partition);
+        let mut missing = Vec::new();
+        let mut columns = Vec::with_capacity(fields.len());
+        for f in fields {
+            let map = part.and_then(|p| p.fields.get(f));
+            let mut items = Vec::with_capacity(indexes.len());
+            for i in indexes {
+                match map.and_then(|m| m.get(i)) {
+                    Some(e) => items.push(e.value.clone()),
+                    None => {
+                        if missing.len() < 1000 {
+                            missing.push((f.clone(), *i));
+                        }
+                    }
+                }
+            }
+            columns.push(Value::List(items));
+        }
+        if !missing.is_empty() {
+            let mut e = err(
+                ErrorKind::Missing,
+                format!(
+                    "{} key(s) not stored in partition {partition:?}",
+                    missing.len()
+                ),
+            );
+            e.missing = missing;
+            return Err(e);
+        }
+        let frames = Encoder::new()
+            .encode(&Value::List(columns))
+            .map_err(|e| err(ErrorKind::TooLarge, format!("encode: {e}")))?;
+        let payload = frames.payload_bytes();
+        if payload > self.cfg.max_payload_bytes {
+            return Err(err(
+                ErrorKind::TooLarge,
+                "GET payload above max_payload_bytes",
+            ));
+        }
+        let meta = ByteBuf::from(frames.meta.to_vec());
+        if payload <= self.cfg.inline_max {
+            return Ok(Response::Values {
+                meta,
+                frames: frames
+                    .payloads
+                    .iter()
+                    .map(|f| ByteBuf::from(f.to_vec()))
+                    .collect(),
+            });
+        }
+        self.gets.insert(
+            (session, id),
+            PendingGet {
+                frames: frames.payloads.iter().cloned().collect(),
+                writing: false,
+                deadline: now + self.cfg.prepare_ttl,
+            },
+        );
+        Ok(Response::GetReady { meta })
+    }
+
+    fn get_into(
+        &mut self,
+        session: SessionId,
+        id: u64,
+        get: u64,
+        descs: Vec<RemoteDesc>,
+    ) -> Vec<Output> {
+        let fail = |kind, msg: String| {
+            vec![Output::Reply {
+                session,
+                id,
+                response: Response::error(kind, msg),
+            }]
+        };
+        let Some(g) = self.gets.get_mut(&(session, get)) else {
+            return fail(ErrorKind::UnknownTransfer, format!("no prepared GET {get}"));
+        };
+        if g.writing {
+            return fail(ErrorKind::BadRequest, format!("GET {get} already written"));
+        }
+        if descs.len() != g.frames.len()
+            || descs
+                .iter()
+                .zip(&g.frames)
+                .any(|(d, f)| d.len != f.len() as u64)
+        {
+            return fail(
+                ErrorKind::BadRequest,
+                "descriptors do not match the frames".into(),
+            );
+        }
+        g.writing = true;
+        let mut frames = Vec::new();
+        let mut ds = Vec::new();
+        for (f, d) in g.frames.iter().zip(descs) {
+            if !f.is_empty() {
+                frames.push(f.clone());
+                ds.push(d);
+            }
+        }
+        vec![Output::Write {
+            session,
+            id,
+            get,
+            frames,
+            descs: ds,
+        }]
+    }
+
+    fn clear(
+        &mut self,
+        partition: &str,
+        indexes: &[u64],
+        fields: Option<&[String]>,
+    ) -> Result<Response, RemoteError> {
+        if (indexes.len() as u64) > self.cfg.max_keys {
+            return Err(err(ErrorKind::TooLarge, "too many indexes"));
+        }
+        let Some(part) = self.partitions.get_mut(partition) else {
+            return Ok(Response::Done);
+        };
+        let mut gone = Vec::new();
+        for (name, map) in part.fields.iter_mut() {
+            if fields.is_some_and(|fs| !fs.iter().any(|f| f == name)) {
+                continue;
+            }
+            for i in indexes {
+                if let Some(e) = map.remove(i) {
+                    gone.push(e);
+                }
+            }
+        }
+        part.fields.retain(|_, m| !m.is_empty());
+        for e in &gone {
+            part.keys -= 1;
+            part.bytes -= e.bytes;
+        }
+        if part.fields.is_empty() {
+            self.partitions.remove(partition);
+        }
+        for e in gone {
+            self.forget(e);
+        }
+        Ok(Response::Done)
+    }
+
+    /// Current statistics.
+    pub fn stats(&self) -> Stats {
+        let mut per: BTreeMap<&str, PartitionStats> = BTreeMap::new();
+        for (name, p) in &self.partitions {
+            let s = per.entry(name).or_default();
+            s.keys = p.keys;
+            s.bytes = p.bytes;
+        }
+        for p in self.puts.values() {
+            per.entry(&p.partition).or_default().leased_bytes += M::block_len(&p.block);
+        }
+        for s in self.sessions.values() {
+            for (_, len, part) in &s.quarantine {
+                per.entry(part).or_default().quarantined_bytes += len;
+            }
+        }
+        let partitions = per
+            .into_iter()
+            .map(|(name, mut s)| {
+                s.name = name.to_owned();
+                s
+            })
+            .collect::<Vec<_>>();
+        Stats {
+            keys: partitions.iter().map(|p| p.keys).sum(),
+            bytes: self.used,
+            partitions,
+            capacity_bytes: self.cfg.capacity_bytes,
+            pool: self.mem.usage(),
+            leased_bytes: self.leased,
+            quarantined_bytes: self.quarantined,
+            pending_puts: self.puts.len() as u64,
+            pending_gets: self.gets.len() as u64,
+            compacted_bytes: self.compacted,
+            bytes_in: self.bytes_in,
+            bytes_out: self.bytes_out,
+            sessions: self.sessions.len() as u64,
+        }
+    }
+
+    /// Drops every stored value, prepared transfer and quarantine (ordered teardown: the
+    /// driver calls this after its transfers and agent connections are gone).
+    pub fn teardown(&mut self) {
+        self.puts.clear();
+        self.gets.clear();
+        self.sessions.clear();
+        self.partitions.clear();
+        self.blocks.clear();
+        self.used = 0;
+        self.reserved = 0;
+        self.leased = 0;
+        self.quarantined = 0;
+    }
+}
+
+/// Copies a value's payloads into fresh blocks of `mem` (compaction). Small payloads are
+/// copied to the heap by `detach_small`; returns the bytes copied.
+fn detach_into<M: Memory>(v: &Value, mem: &mut M, align: u64) -> Result<(Value, u64), String> {
+    Ok(match v {
+        Value::Bytes(b) => {
+            let n = b.len() as u64;
+            (Value::Bytes(mem.copy_in(b, align)?), n)
+        }
+        Value::Tensor(t) => {
+            let t = t.contiguous().map_err(|e| e.to_string())?;
+            let n = t.data().len() as u64;
+            let data = mem.copy_in(t.data(), align)?;
+            let t = tessera_framecodec::Tensor::new(t.dtype(), t.shape(), data)
+                .map_err(|e| e.to_string())?;
+            (Value::Tensor(t), n)
+        }
+        Value::List(items) => {
+            let mut out = Vec::with_capacity(items.len());
+            let mut n = 0;
+            for i in items {
+                let (v, c) = detach_into(i, mem, align)?;
+                out.push(v);
+                n += c;
+            }
+            (Value::List(out), n)
+        }
+        Value::Map(items) => {
+            let mut out = Vec::with_capacity(items.len());
+            let mut n = 0;
+            for (k, i) in items {
+                let (v, c) = detach_into(i, mem, align)?;
+                out.push((k.clone(), v));
+                n += c;
+            }
+            (Value::Map(out), n)
+        }
+        other => (other.clone(), 0),
+    })
+}
+
+/// Decodes an inline GET answer.
+pub fn decode_inline(meta: &[u8], frames: Vec<ByteBuf>) -> Result<Value, String> {
+    let frames: Vec<Bytes> = frames
+        .into_iter()
+        .map(|f| Bytes::from(f.into_vec()))
+        .collect();
+    decode(meta, &frames).map_err(|e| e.to_string())
+}

@@ -1,0 +1,268 @@
+//! `tessera-storage serve | put | get | clear | stats`.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use tessera_storage::{Backend, Client, ClientConfig, Server, ServerConfig, Value};
+
+#[derive(Parser)]
+#[command(
+    name = "tessera-storage",
+    about = "PUT / GET / CLEAR storage unit and client"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run a unit until Ctrl-C (or SIGTERM).
+    Serve(Serve),
+    /// Store a file's bytes (or a string) at one index and field.
+    Put {
+        #[command(flatten)]
+        conn: Conn,
+        #[arg(long)]
+        partition: String,
+        #[arg(long)]
+        index: u64,
+        #[arg(long)]
+        field: String,
+        /// File whose bytes are stored.
+        #[arg(long, conflicts_with = "value")]
+        file: Option<PathBuf>,
+        /// A string stored as bytes.
+        #[arg(long)]
+        value: Option<String>,
+    },
+    /// Read one index and field; writes bytes to --out or prints a summary.
+    Get {
+        #[command(flatten)]
+        conn: Conn,
+        #[arg(long)]
+        partition: String,
+        #[arg(long)]
+        index: u64,
+        #[arg(long)]
+        field: String,
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+    /// Clear indexes (all fields), or drop the partition with --all.
+    Clear {
+        #[command(flatten)]
+        conn: Conn,
+        #[arg(long)]
+        partition: String,
+        #[arg(long, value_delimiter = ',')]
+        index: Vec<u64>,
+        #[arg(long)]
+        all: bool,
+    },
+    /// Print each unit's statistics as JSON-like debug output.
+    Stats {
+        #[command(flatten)]
+        conn: Conn,
+    },
+}
+
+#[derive(Args)]
+struct Conn {
+    /// Unit control addresses (repeat or comma-separate for several units).
+    #[arg(long, value_delimiter = ',', default_value = "127.0.0.1:7470")]
+    unit: Vec<String>,
+    #[arg(long, value_enum, default_value = "shm")]
+    backend: Backend,
+    #[arg(long)]
+    token: Option<String>,
+}
+
+#[derive(Args)]
+struct Serve {
+    /// TOML configuration (see --print-config); flags override it.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    #[arg(long)]
+    bind: Option<String>,
+    #[arg(long, value_enum)]
+    backend: Option<Backend>,
+    /// Logical bytes stored at most.
+    #[arg(long)]
+    capacity: Option<u64>,
+    /// Registered pool bytes (also the idle registered-memory limit).
+    #[arg(long)]
+    pool: Option<u64>,
+    #[arg(long)]
+    leased_limit: Option<u64>,
+    #[arg(long)]
+    quarantine_limit: Option<u64>,
+    #[arg(long)]
+    max_message: Option<u64>,
+    #[arg(long)]
+    token: Option<String>,
+    /// Serve Prometheus metrics on this address.
+    #[arg(long)]
+    metrics: Option<std::net::SocketAddr>,
+    /// Print the effective configuration as TOML and exit.
+    #[arg(long)]
+    print_config: bool,
+    /// Print "listening ADDR" on stdout once serving (for scripts and tests).
+    #[arg(long)]
+    announce: bool,
+}
+
+fn main() -> Result<()> {
+    tracing_init();
+    let cli = Cli::parse();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(run(cli))
+}
+
+fn tracing_init() {
+    // Spans are emitted through `tracing`; a subscriber is the embedding program's choice.
+}
+
+async fn client(c: Conn) -> Result<Client> {
+    Ok(Client::connect(ClientConfig {
+        units: c.unit,
+        backend: c.backend,
+        token: c.token,
+        ..ClientConfig::default()
+    })
+    .await?)
+}
+
+async fn run(cli: Cli) -> Result<()> {
+    match cli.cmd {
+        Cmd::Serve(s) => serve(s).await,
+        Cmd::Put {
+            conn,
+            partition,
+            index,
+            field,
+            file,
+            value,
+        } => {
+            let bytes = match (file, value) {
+                (Some(f), _) => std::fs::read(&f).with_context(|| format!("reading {f:?}"))?,
+                (None, Some(v)) => v.into_bytes(),
+                (None, None) => bail!("give --file or --value"),
+            };
+            let c = client(conn).await?;
+            c.put(
+                &partition,
+                &[index],
+                &[(field, vec![Value::Bytes(bytes.into())])],
+            )
+            .await?;
+            Ok(())
+        }
+        Cmd::Get {
+            conn,
+            partition,
+            index,
+            field,
+            out,
+        } => {
+            let c = client(conn).await?;
+            let got = c.get(&partition, &[index], &[&field]).await?;
+            let v = &got[0][0];
+            match (v, out) {
+                (Value::Bytes(b), Some(path)) => std::fs::write(path, b)?,
+                (Value::Tensor(t), Some(path)) => std::fs::write(path, t.contiguous()?.data())?,
+                (v, _) => println!("{}", summary(v)),
+            }
+            Ok(())
+        }
+        Cmd::Clear {
+            conn,
+            partition,
+            index,
+            all,
+        } => {
+            let c = client(conn).await?;
+            if all {
+                c.drop_partition(&partition).await?;
+            } else {
+                c.clear(&partition, &index).await?;
+            }
+            Ok(())
+        }
+        Cmd::Stats { conn } => {
+            let c = client(conn).await?;
+            for (i, s) in c.stats().await?.iter().enumerate() {
+                println!("unit {i}: {s:#?}");
+            }
+            Ok(())
+        }
+    }
+}
+
+fn summary(v: &Value) -> String {
+    match v {
+        Value::Bytes(b) => format!("bytes[{}]", b.len()),
+        Value::Tensor(t) => format!("tensor {:?} {:?}", t.dtype(), t.shape()),
+        other => format!("{other:?}"),
+    }
+}
+
+async fn serve(s: Serve) -> Result<()> {
+    let mut cfg: ServerConfig = match &s.config {
+        Some(path) => {
+            let text =
+                std::fs::read_to_string(path).with_context(|| format!("reading {path:?}"))?;
+            toml::from_str(&text).with_context(|| format!("parsing {path:?}"))?
+        }
+        None => ServerConfig::default(),
+    };
+    if let Some(v) = s.bind {
+        cfg.bind = v;
+    }
+    if let Some(v) = s.backend {
+        cfg.backend = v;
+    }
+    if let Some(v) = s.capacity {
+        cfg.unit.capacity_bytes = v;
+    }
+    if let Some(v) = s.pool {
+        cfg.pool_bytes = v;
+    }
+    if let Some(v) = s.leased_limit {
+        cfg.unit.leased_limit = v;
+    }
+    if let Some(v) = s.quarantine_limit {
+        cfg.unit.quarantine_limit = v;
+    }
+    if let Some(v) = s.max_message {
+        cfg.max_message_bytes = v;
+    }
+    if s.token.is_some() {
+        cfg.unit.token = s.token;
+    }
+    if s.print_config {
+        print!("{}", toml::to_string(&cfg)?);
+        return Ok(());
+    }
+    if let Some(addr) = s.metrics {
+        metrics_exporter_prometheus::PrometheusBuilder::new()
+            .with_http_listener(addr)
+            .install()
+            .context("starting the metrics endpoint")?;
+    }
+    let server = Server::start(cfg).await?;
+    if s.announce {
+        println!("listening {}", server.addr());
+    }
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    server.shutdown().await;
+    Ok(())
+}

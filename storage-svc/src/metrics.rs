@@ -1,0 +1,47 @@
+//! Metrics through the `metrics` facade: per-operation latency histograms, bytes in and out,
+//! registered / idle / leased / quarantined bytes, pool usage, errors by kind and per-peer
+//! transfer queue depth. Without an installed recorder (the library default) they cost a
+//! branch; the binary installs the Prometheus exporter.
+
+use std::time::Duration;
+
+use crate::core::{Output, Stats};
+use crate::error::ErrorKind;
+use crate::proto::Response;
+
+pub(crate) fn request(op: &'static str, took: Duration, out: &[Output]) {
+    metrics::histogram!("tessera_storage_request_seconds", "op" => op).record(took.as_secs_f64());
+    for o in out {
+        if let Output::Reply {
+            response: Response::Error(e),
+            ..
+        } = o
+        {
+            error(e.kind);
+        }
+    }
+}
+
+pub(crate) fn error(kind: ErrorKind) {
+    metrics::counter!("tessera_storage_errors_total", "kind" => kind.as_str()).increment(1);
+}
+
+pub(crate) fn queue_depth(peer: &str, depth: u64) {
+    metrics::gauge!("tessera_storage_transfer_queue_depth", "peer" => peer.to_owned())
+        .set(depth as f64);
+}
+
+pub(crate) fn record_stats(s: &Stats) {
+    metrics::gauge!("tessera_storage_keys").set(s.keys as f64);
+    metrics::gauge!("tessera_storage_stored_bytes").set(s.bytes as f64);
+    metrics::gauge!("tessera_storage_registered_bytes").set(s.pool.capacity as f64);
+    metrics::gauge!("tessera_storage_idle_bytes")
+        .set(s.pool.capacity.saturating_sub(s.pool.used) as f64);
+    metrics::gauge!("tessera_storage_pool_used_bytes").set(s.pool.used as f64);
+    metrics::gauge!("tessera_storage_leased_bytes").set(s.leased_bytes as f64);
+    metrics::gauge!("tessera_storage_quarantined_bytes").set(s.quarantined_bytes as f64);
+    metrics::gauge!("tessera_storage_compacted_bytes").set(s.compacted_bytes as f64);
+    metrics::gauge!("tessera_storage_bytes_in").set(s.bytes_in as f64);
+    metrics::gauge!("tessera_storage_bytes_out").set(s.bytes_out as f64);
+    metrics::gauge!("tessera_storage_sessions").set(s.sessions as f64);
+}

@@ -1,0 +1,133 @@
+//! The payload plane's memory: the registered pool behind [`Memory`], `Bytes` views that own a
+//! pool block, and registering caller frames in place. The only `unsafe` of the crate lives
+//! here, at the boundary with registered memory.
+
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use tessera_transport::{Agent, LocalDesc, PoolBlock, Region, RegisteredPool, RemoteDesc};
+
+use crate::core::{Memory, PoolStats};
+
+/// Which tessera-transport engine carries payloads. Units and clients must agree; there is
+/// never a fallback to another engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// Agents of one process only (tests, embedding a unit in the same process).
+    Inproc,
+    /// Processes of one host: sealed memfds, one `memcpy` (the default; no system library).
+    #[default]
+    Shm,
+    /// Hosts: one pipelined TCP connection per pair of agents.
+    Tcp,
+}
+
+impl Backend {
+    /// The transport's kind string.
+    pub fn kind(self) -> &'static str {
+        match self {
+            Backend::Inproc => "inproc",
+            Backend::Shm => "shm",
+            Backend::Tcp => "tcp",
+        }
+    }
+
+    /// A fresh agent of this backend with a name unique on this host.
+    pub fn agent(self, role: &str) -> Result<Agent, tessera_transport::AgentError> {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let name = format!(
+            "tessera-{role}-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        );
+        match self {
+            Backend::Inproc => Agent::new(&name, tessera_transport::Inproc::new()),
+            Backend::Shm => Agent::new(&name, tessera_transport::shm::Shm::new()),
+            Backend::Tcp => Agent::new(&name, tessera_transport::tcp::Tcp::new()),
+        }
+    }
+}
+
+/// A pool block as bytes: `Bytes::from_owner(BlockBytes(block))` keeps the block leased until
+/// the last slice is gone.
+pub(crate) struct BlockBytes(PoolBlock);
+
+impl AsRef<[u8]> for BlockBytes {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: a block is frozen into `BlockBytes` only after the WRITE into it completed
+        // (the PUT's COMMIT, or the GET's completion); from then on no descriptor of it is
+        // handed out again, so no transfer of this protocol writes it while the slice lives.
+        unsafe { self.0.as_slice() }
+    }
+}
+
+/// Freezes the first `len` bytes of a block whose writes are complete.
+pub(crate) fn freeze(block: PoolBlock, len: u64) -> Bytes {
+    Bytes::from_owner(BlockBytes(block)).slice(..len as usize)
+}
+
+/// The unit's registered pool as the protocol core's [`Memory`].
+pub(crate) struct PoolMemory {
+    pub(crate) pool: RegisteredPool,
+}
+
+impl Memory for PoolMemory {
+    type Block = PoolBlock;
+
+    fn lease(&mut self, size: u64, align: u64) -> Result<PoolBlock, String> {
+        self.pool.lease(size, align).map_err(|e| e.to_string())
+    }
+
+    fn remote(&self, block: &PoolBlock, offset: u64, len: u64) -> Result<RemoteDesc, String> {
+        block.remote_range(offset, len).map_err(|e| e.to_string())
+    }
+
+    fn freeze(&self, block: PoolBlock, len: u64) -> Bytes {
+        freeze(block, len)
+    }
+
+    fn block_len(block: &PoolBlock) -> u64 {
+        block.len()
+    }
+
+    fn copy_in(&mut self, data: &[u8], align: u64) -> Result<Bytes, String> {
+        if data.is_empty() {
+            return Ok(Bytes::new());
+        }
+        let block = self.lease(data.len() as u64, align)?;
+        block.write_at(0, data).map_err(|e| e.to_string())?;
+        Ok(freeze(block, data.len() as u64))
+    }
+
+    fn usage(&self) -> PoolStats {
+        let r = self.pool.report();
+        PoolStats {
+            capacity: r.capacity,
+            used: r.used,
+            largest_free: r.largest_free,
+            live_blocks: r.live_blocks,
+        }
+    }
+}
+
+/// A local descriptor of `frame` for a WRITE: memory that already lives in a registration of
+/// `agent` (a pool block, a received buffer) reuses it; other memory is registered in place,
+/// the registration owning a reference to the frame. Never copies.
+pub(crate) fn source_desc(agent: &Agent, frame: &Bytes) -> Result<LocalDesc, String> {
+    let len = frame.len() as u64;
+    if let Some(reg) = agent.find_registered(frame.as_ptr(), len) {
+        return reg.desc(0, len).map_err(|e| e.to_string());
+    }
+    let ptr = NonNull::new(frame.as_ptr() as *mut u8).ok_or("null frame")?;
+    // SAFETY: `ptr..ptr + len` is the frame's memory, kept alive by the clone of the `Bytes`
+    // that the region owns until the region, its registration and every transfer using it are
+    // gone. The region is only ever the source of a WRITE, which reads it; nothing writes
+    // these bytes (a `Bytes` is immutable), so no reference observes a concurrent change.
+    let region = unsafe { Region::from_raw_parts(ptr, len, Some(Box::new(frame.clone()))) }
+        .map_err(|e| e.to_string())?;
+    let reg = agent.register(&region).map_err(|e| e.to_string())?;
+    reg.desc(0, len).map_err(|e| e.to_string())
+}

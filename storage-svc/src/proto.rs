@@ -1,0 +1,237 @@
+//! Control-plane messages and their framing: a 4-byte little-endian length, then a msgpack
+//! envelope `{v, id, body}`. Pure functions; the tokio layer only moves the bytes.
+
+use serde::{Deserialize, Serialize};
+use serde_bytes::ByteBuf;
+use tessera_transport::RemoteDesc;
+
+use crate::error::{ErrorKind, WireError};
+
+/// Protocol version carried by every envelope.
+pub const PROTOCOL_VERSION: u16 = 1;
+
+/// Bytes of the length prefix.
+pub const LEN_PREFIX: usize = 4;
+
+/// A request, client to unit.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum Request {
+    /// First message of a session: the token (if the unit wants one) and the client's
+    /// transport metadata, so the unit can WRITE into the client's receive blocks.
+    Hello {
+        /// Shared secret, checked when the unit is configured with one.
+        token: Option<String>,
+        /// The client's agent metadata (`Agent::metadata`).
+        #[serde(with = "serde_bytes")]
+        agent: Vec<u8>,
+    },
+    /// Store `values` (a framecodec list of one list per field, one value per index).
+    Put {
+        /// Partition.
+        partition: String,
+        /// Global indexes, in the order of each field's list.
+        indexes: Vec<u64>,
+        /// Field names.
+        fields: Vec<String>,
+        /// The framecodec meta frame.
+        meta: ByteBuf,
+        /// The payload frames when they travel inline; `None` asks for a receive block.
+        inline: Option<Vec<ByteBuf>>,
+    },
+    /// The payload of the PUT prepared under this request id has been written.
+    Commit {
+        /// Request id of the PUT.
+        put: u64,
+    },
+    /// Abandon a prepared PUT or GET.
+    Cancel {
+        /// Request id of the PUT or GET.
+        of: u64,
+        /// Whether a WRITE into the exposed block may have started (then it is quarantined).
+        maybe_written: bool,
+    },
+    /// Read values, returned as one list per field in the requested order.
+    Get {
+        /// Partition.
+        partition: String,
+        /// Global indexes.
+        indexes: Vec<u64>,
+        /// Field names.
+        fields: Vec<String>,
+    },
+    /// The client's receive block for the GET prepared under this request id.
+    GetInto {
+        /// Request id of the GET.
+        get: u64,
+        /// One descriptor per payload frame, at the layout's offsets.
+        descs: Vec<RemoteDesc>,
+    },
+    /// Remove indexes (all fields, or only `fields`). Idempotent.
+    Clear {
+        /// Partition.
+        partition: String,
+        /// Global indexes.
+        indexes: Vec<u64>,
+        /// Only these fields; all when `None`.
+        fields: Option<Vec<String>>,
+    },
+    /// Remove a partition. Idempotent.
+    DropPartition {
+        /// Partition.
+        partition: String,
+    },
+    /// Report keys, bytes and memory.
+    Stats,
+}
+
+/// A response, unit to client, carrying the id of the request it answers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum Response {
+    /// Session accepted.
+    Welcome {
+        /// The unit's agent metadata.
+        #[serde(with = "serde_bytes")]
+        agent: Vec<u8>,
+        /// The unit's backend kind (`"shm"`, `"tcp"`, ...).
+        backend: String,
+        /// Payloads up to this many bytes may travel inline.
+        inline_max: u64,
+        /// Receive-block alignment the unit lays frames out with.
+        align: u64,
+    },
+    /// A PUT's receive block is leased: WRITE frame `i` to `descs[i]`, then COMMIT.
+    PutReady {
+        /// One descriptor per payload frame (empty frames get a zero-length descriptor).
+        descs: Vec<RemoteDesc>,
+    },
+    /// A request that changes nothing else completed.
+    Done,
+    /// A GET's values inline.
+    Values {
+        /// Meta frame.
+        meta: ByteBuf,
+        /// Payload frames.
+        frames: Vec<ByteBuf>,
+    },
+    /// A GET too large to inline: lease a block laid out from `meta`, then send `GetInto`.
+    GetReady {
+        /// Meta frame.
+        meta: ByteBuf,
+    },
+    /// The payload of a GET has been written into the client's block.
+    GetDone,
+    /// Statistics.
+    Stats(crate::Stats),
+    /// The request failed.
+    Error(crate::RemoteError),
+}
+
+/// A message on the wire.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Envelope<T> {
+    /// Protocol version.
+    pub v: u16,
+    /// Request id (responses carry the id of their request).
+    pub id: u64,
+    /// The message.
+    pub body: T,
+}
+
+/// Encodes `body` as a length-prefixed frame.
+pub fn encode_frame<T: Serialize>(id: u64, body: &T) -> Result<Vec<u8>, WireError> {
+    let mut out = vec![0u8; LEN_PREFIX];
+    let env = Envelope {
+        v: PROTOCOL_VERSION,
+        id,
+        body,
+    };
+    rmp_serde::encode::write(&mut out, &env).map_err(|e| WireError::Encode(e.to_string()))?;
+    let len = u32::try_from(out.len() - LEN_PREFIX).map_err(|_| WireError::TooLarge {
+        len: out.len() as u64,
+        max: u32::MAX as u64,
+    })?;
+    out[..LEN_PREFIX].copy_from_slice(&len.to_le_bytes());
+    Ok(out)
+}
+
+/// Reads a length prefix and checks it against `max` before anything is allocated for it.
+pub fn frame_len(prefix: [u8; LEN_PREFIX], max: u64) -> Result<usize, WireError> {
+    let len = u32::from_le_bytes(prefix) as u64;
+    if len > max {
+        return Err(WireError::TooLarge { len, max });
+    }
+    Ok(len as usize)
+}
+
+/// Decodes one frame body (without its prefix). The id is recovered whenever the envelope
+/// parses that far, so an error can still name the request.
+pub fn decode_body<T: for<'de> Deserialize<'de>>(buf: &[u8]) -> Result<(u64, T), (u64, WireError)> {
+    #[derive(Deserialize)]
+    struct Head {
+        v: u16,
+        id: u64,
+    }
+    // Tolerate anything after the head, so a bad body still yields the id.
+    #[derive(Deserialize)]
+    struct Loose {
+        v: u16,
+        id: u64,
+        #[allow(dead_code)]
+        body: serde::de::IgnoredAny,
+    }
+    let head = rmp_serde::from_slice::<Loose>(buf)
+        .map(|l| Head { v: l.v, id: l.id })
+        .map_err(|e| (0, WireError::Decode(e.to_string())))?;
+    if head.v != PROTOCOL_VERSION {
+        return Err((head.id, WireError::Version { got: head.v }));
+    }
+    let env: Envelope<T> =
+        rmp_serde::from_slice(buf).map_err(|e| (head.id, WireError::Decode(e.to_string())))?;
+    Ok((env.id, env.body))
+}
+
+impl Response {
+    /// An error response.
+    pub fn error(kind: ErrorKind, message: impl Into<String>) -> Self {
+        Response::Error(crate::RemoteError {
+            kind,
+            message: message.into(),
+            missing: Vec::new(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip() {
+        let req = Request::Get {
+            partition: "p".into(),
+            indexes: vec![1, 2],
+            fields: vec!["a".into()],
+        };
+        let buf = encode_frame(7, &req).unwrap();
+        let len = frame_len(buf[..4].try_into().unwrap(), 1 << 20).unwrap();
+        assert_eq!(len, buf.len() - 4);
+        let (id, back) = decode_body::<Request>(&buf[4..]).unwrap();
+        assert_eq!((id, back), (7, req));
+    }
+
+    #[test]
+    fn oversized_and_bad_version() {
+        assert!(frame_len(100u32.to_le_bytes(), 99).is_err());
+        let env = Envelope {
+            v: 9,
+            id: 3,
+            body: Request::Stats,
+        };
+        let buf = rmp_serde::to_vec(&env).unwrap();
+        let err = decode_body::<Request>(&buf).unwrap_err();
+        assert_eq!(err.0, 3);
+        assert!(matches!(err.1, WireError::Version { got: 9 }));
+    }
+}
