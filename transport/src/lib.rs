@@ -29,6 +29,6 @@ pub use error::{
     RegisterError, RejectReason, Side, TransferError,
 };
 pub use inproc::Inproc;
-pub use pool::{PoolBlock, RegisteredPool};
+pub use pool::{FrozenBlock, PoolBlock, RegisteredPool};
 pub use region::Region;
 pub use transfer::{Completion, Plan, Prepared, Segment, Status, Transfer};

@@ -33,10 +33,23 @@ struct BlockInner {
     reg: Registration,
 }
 
+/// A pool block that nothing in this process can write any more: it was the last handle on its
+/// block (no descriptor, transfer or clone of it was alive), and it offers no way to make one.
+/// It reads as `&[u8]` safely, so it can own a `bytes::Bytes` (`Bytes::from_owner`), whose
+/// slices then keep the block leased; the block returns to its pool when the last one drops.
+///
+/// Like any registered memory, it stays reachable by a peer that forges a descriptor of the
+/// pool's registration; memory handed to untrusted peers belongs in its own registration.
+#[must_use = "dropping a frozen block returns it to the pool"]
+pub struct FrozenBlock {
+    inner: Arc<BlockInner>,
+}
+
 const _: () = {
     const fn assert_send_sync<T: Send + Sync>() {}
     assert_send_sync::<RegisteredPool>();
     assert_send_sync::<PoolBlock>();
+    assert_send_sync::<FrozenBlock>();
 };
 
 impl RegisteredPool {
@@ -207,6 +220,63 @@ impl PoolBlock {
     }
 }
 
+impl PoolBlock {
+    /// Turns the block into read-only bytes, if this is its last handle: no descriptor made
+    /// from it and no transfer using it is still alive (a finished transfer has released its
+    /// hold). Otherwise the block comes back unchanged.
+    pub fn freeze(mut self) -> Result<FrozenBlock, PoolBlock> {
+        if Arc::get_mut(&mut self.inner).is_some() {
+            Ok(FrozenBlock { inner: self.inner })
+        } else {
+            Err(self)
+        }
+    }
+}
+
+impl FrozenBlock {
+    /// Offset of the block in the pool's registration window.
+    pub fn offset(&self) -> u64 {
+        self.inner.lease.offset()
+    }
+
+    /// Size in bytes.
+    pub fn len(&self) -> u64 {
+        self.inner.lease.size()
+    }
+
+    /// Whether the block is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The registration the block lives in.
+    pub fn registration(&self) -> &Registration {
+        &self.inner.reg
+    }
+}
+
+impl AsRef<[u8]> for FrozenBlock {
+    fn as_ref(&self) -> &[u8] {
+        let ptr = self.inner.reg.as_ptr().wrapping_add(self.offset() as usize);
+        // SAFETY: the block lies inside the registered region, which stays mapped while
+        // `self` holds the registration, and is leased to `self` alone until it drops.
+        // `freeze` proved no descriptor, transfer or other handle on the block existed, and a
+        // frozen block can make none, so nothing in this process writes these bytes while the
+        // slice lives; peers reach pool memory only through descriptors they were given.
+        unsafe { std::slice::from_raw_parts(ptr, self.len() as usize) }
+    }
+}
+
+impl fmt::Debug for FrozenBlock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FrozenBlock")
+            .field("reg", &self.inner.reg.id())
+            .field("offset", &self.offset())
+            .field("len", &self.len())
+            .finish()
+    }
+}
+
 impl fmt::Debug for PoolBlock {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PoolBlock")
@@ -214,5 +284,29 @@ impl fmt::Debug for PoolBlock {
             .field("offset", &self.offset())
             .field("len", &self.len())
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Inproc;
+
+    #[test]
+    fn freeze_needs_the_last_handle_and_returns_the_block_on_drop() {
+        let agent = Agent::new("a", Inproc::new()).unwrap();
+        let pool = RegisteredPool::new(&agent, 4096).unwrap();
+        let block = pool.lease(16, 8).unwrap();
+        block.write_at(0, b"0123456789abcdef").unwrap();
+        let desc = block.desc().unwrap();
+        let block = block
+            .freeze()
+            .expect_err("a descriptor still holds the block");
+        drop(desc);
+        let frozen = block.freeze().expect("last handle");
+        assert_eq!(frozen.as_ref(), b"0123456789abcdef");
+        assert_eq!(pool.report().used, 16);
+        drop(frozen);
+        assert_eq!(pool.report().used, 0);
     }
 }
