@@ -66,7 +66,14 @@ impl Default for ClientConfig {
     }
 }
 
-type Waiters = Arc<Mutex<HashMap<u64, oneshot::Sender<Result<Response, ClientError>>>>>;
+#[derive(Default)]
+struct Pending {
+    /// Set once the connection is gone: later calls fail at once instead of waiting.
+    closed: bool,
+    map: HashMap<u64, oneshot::Sender<Result<Response, ClientError>>>,
+}
+
+type Waiters = Arc<Mutex<Pending>>;
 
 struct Conn {
     unit: usize,
@@ -560,13 +567,19 @@ async fn call_raw(
 ) -> Result<(u64, Response), ClientError> {
     let buf = proto::encode_frame(id, &req).map_err(|source| ClientError::Wire { unit, source })?;
     let (otx, orx) = oneshot::channel();
-    lock(waiters).insert(id, otx);
     let closed = || ClientError::Io {
         unit,
         source: std::io::Error::new(std::io::ErrorKind::ConnectionAborted, "connection closed"),
     };
+    {
+        let mut w = lock(waiters);
+        if w.closed {
+            return Err(closed());
+        }
+        w.map.insert(id, otx);
+    }
     if tx.send(buf).is_err() {
-        lock(waiters).remove(&id);
+        lock(waiters).map.remove(&id);
         return Err(closed());
     }
     match orx.await {
@@ -595,7 +608,9 @@ async fn read_loop(
     max: u64,
 ) {
     let fail_all = |waiters: &Waiters, why: &str| {
-        for (_, w) in lock(waiters).drain() {
+        let mut pending = lock(waiters);
+        pending.closed = true;
+        for (_, w) in pending.map.drain() {
             let _ = w.send(Err(ClientError::Io {
                 unit,
                 source: std::io::Error::new(std::io::ErrorKind::ConnectionAborted, why.to_owned()),
@@ -622,12 +637,12 @@ async fn read_loop(
         }
         match proto::decode_body::<Response>(&buf) {
             Ok((id, resp)) => {
-                if let Some(w) = lock(&waiters).remove(&id) {
+                if let Some(w) = lock(&waiters).map.remove(&id) {
                     let _ = w.send(Ok(resp));
                 }
             }
             Err((id, e)) => {
-                if let Some(w) = lock(&waiters).remove(&id) {
+                if let Some(w) = lock(&waiters).map.remove(&id) {
                     let _ = w.send(Err(ClientError::Wire { unit, source: e }));
                 }
             }

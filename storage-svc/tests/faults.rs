@@ -1,0 +1,306 @@
+//! Faults, load and hostile control messages. The unit runs as its own process; killed
+//! clients are real processes (the `tessera-storage` binary as a client).
+
+mod common;
+
+use std::io::{Read, Write};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{checksum, UnitProcess};
+use proptest::prelude::*;
+use tessera_storage::proto::{encode_frame, Request, Response};
+use tessera_storage::{Backend, Client, Stats, Value};
+
+const BIG: usize = 96 << 20;
+
+async fn stats(c: &Client) -> Stats {
+    c.stats().await.unwrap().remove(0)
+}
+
+/// Polls until `f` holds (at most ~60 s, then fails): a wait for the unit to notice a dead
+/// peer, never a speed assertion.
+async fn eventually(c: &Client, what: &str, f: impl Fn(&Stats) -> bool) -> Stats {
+    for _ in 0..600 {
+        let s = stats(c).await;
+        if f(&s) {
+            return s;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("{what}: {:?}", stats(c).await);
+}
+
+struct Kill(std::process::Child);
+impl Drop for Kill {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn client_process(unit: &UnitProcess, args: &[&str]) -> Kill {
+    Kill(
+        Command::new(env!("CARGO_BIN_EXE_tessera-storage"))
+            .args(args)
+            .args(["--unit", &unit.addr, "--backend", unit.backend.kind()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_killed_mid_put_and_mid_get_leaks_nothing() {
+    for backend in [Backend::Shm, Backend::Tcp] {
+        let unit = UnitProcess::start(backend, &[]);
+        let other = unit.client().await;
+        let base = stats(&other).await.pool.used;
+        let dir =
+            std::env::temp_dir().join(format!("tessera-storage-faults-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("big.bin");
+        std::fs::write(&file, vec![0x5au8; BIG]).unwrap();
+
+        // Mid-PUT: kill the client once its PUT holds a receive block (or once it is done).
+        let mut child = client_process(
+            &unit,
+            &[
+                "put",
+                "--partition",
+                "p",
+                "--index",
+                "1",
+                "--field",
+                "x",
+                "--file",
+                file.to_str().unwrap(),
+            ],
+        );
+        for _ in 0..600 {
+            let s = stats(&other).await;
+            if s.pending_puts > 0 || s.keys > 0 || child.0.try_wait().unwrap().is_some() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        drop(child);
+        other.clear("p", &[1]).await.unwrap();
+        eventually(&other, "after the killed PUT", |s| {
+            s.pending_puts == 0
+                && s.leased_bytes == 0
+                && s.quarantined_bytes == 0
+                && s.pool.used == base
+                && s.sessions == 1
+        })
+        .await;
+
+        // Mid-GET: store a big value, kill a client while the unit writes it.
+        other
+            .put(
+                "p",
+                &[2],
+                &[("x".into(), vec![Value::Bytes(vec![7u8; BIG].into())])],
+            )
+            .await
+            .unwrap();
+        let child = client_process(
+            &unit,
+            &[
+                "get",
+                "--partition",
+                "p",
+                "--index",
+                "2",
+                "--field",
+                "x",
+                "--out",
+                "/dev/null",
+            ],
+        );
+        for _ in 0..600 {
+            if stats(&other).await.pending_gets > 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        drop(child);
+        other.clear("p", &[2]).await.unwrap();
+        eventually(&other, "after the killed GET", |s| {
+            s.pending_gets == 0 && s.pool.used == base && s.sessions == 1
+        })
+        .await;
+        // Other clients carry on.
+        other
+            .put(
+                "p",
+                &[3],
+                &[("x".into(), vec![Value::Bytes(vec![1u8; 1 << 20].into())])],
+            )
+            .await
+            .unwrap();
+        let got = other.get("p", &[3], &["x"]).await.unwrap();
+        assert_eq!(got[0][0], Value::Bytes(vec![1u8; 1 << 20].into()));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_killed_mid_get_fails_the_get_and_frees_the_client_block() {
+    let mut unit = UnitProcess::start(Backend::Shm, &[]);
+    let client = Arc::new(unit.client().await);
+    client
+        .put(
+            "p",
+            &[1],
+            &[("x".into(), vec![Value::Bytes(vec![9u8; BIG].into())])],
+        )
+        .await
+        .unwrap();
+    let c = client.clone();
+    let get = tokio::spawn(async move { c.get("p", &[1], &["x"]).await });
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    unit.kill();
+    // Bounded by the connection closing, not by a timer: a hang fails via the outer guard.
+    let r = tokio::time::timeout(Duration::from_secs(120), get)
+        .await
+        .expect("GET hung")
+        .unwrap();
+    match r {
+        Ok(v) => assert_eq!(v[0][0], Value::Bytes(vec![9u8; BIG].into())),
+        Err(e) => assert!(
+            e.to_string().contains("closed") || e.to_string().contains("transport"),
+            "{e}"
+        ),
+    }
+    assert_eq!(client.recv_pool_used(), 0);
+    assert!(client.stats().await.is_err());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_32_clients_mixed_ops_with_checksums() {
+    let unit = UnitProcess::start(Backend::Shm, &[]);
+    let cfg = tessera_storage::ClientConfig {
+        recv_pool_bytes: 32 << 20,
+        ..unit.config()
+    };
+    let mut tasks = tokio::task::JoinSet::new();
+    for c in 0..32u64 {
+        let cfg = cfg.clone();
+        tasks.spawn(async move {
+            let client = Client::connect(cfg).await.unwrap();
+            let mut checked = 0u64;
+            for round in 0..6u64 {
+                let idx: Vec<u64> = (0..8).map(|k| c * 1000 + round * 10 + k).collect();
+                let vals: Vec<Value> = idx
+                    .iter()
+                    .map(|i| {
+                        let n = if i % 3 == 0 { 200_000 } else { 300 };
+                        Value::Bytes(
+                            (0..n)
+                                .map(|k| (k as u64 ^ i) as u8)
+                                .collect::<Vec<u8>>()
+                                .into(),
+                        )
+                    })
+                    .collect();
+                let sums: Vec<u64> = vals.iter().map(checksum).collect();
+                client
+                    .put("load", &idx, &[("v".into(), vals)])
+                    .await
+                    .unwrap();
+                let got = client.get("load", &idx, &["v"]).await.unwrap();
+                for (v, s) in got[0].iter().zip(&sums) {
+                    assert_eq!(checksum(v), *s);
+                    checked += 1;
+                }
+                if round % 2 == 1 {
+                    client.clear("load", &idx).await.unwrap();
+                }
+            }
+            checked
+        });
+    }
+    let mut total = 0;
+    while let Some(r) = tasks.join_next().await {
+        total += r.unwrap();
+    }
+    assert_eq!(total, 32 * 6 * 8);
+    let c = unit.client().await;
+    assert_eq!(stats(&c).await.keys, 32 * 3 * 8);
+    c.drop_partition("load").await.unwrap();
+    let s = stats(&c).await;
+    assert_eq!((s.keys, s.pool.used), (0, 0));
+}
+
+fn raw_roundtrip(sock: &mut std::net::TcpStream, bytes: &[u8]) -> Option<Response> {
+    sock.write_all(bytes).ok()?;
+    let mut prefix = [0u8; 4];
+    sock.read_exact(&mut prefix).ok()?;
+    let mut body = vec![0u8; u32::from_le_bytes(prefix) as usize];
+    sock.read_exact(&mut body).ok()?;
+    Some(
+        tessera_storage::proto::decode_body::<Response>(&body)
+            .ok()?
+            .1,
+    )
+}
+
+fn framed(body: &[u8]) -> Vec<u8> {
+    let mut v = (body.len() as u32).to_le_bytes().to_vec();
+    v.extend_from_slice(body);
+    v
+}
+
+/// Hostile bytes on one raw connection: each garbage frame is answered with an error and a
+/// valid request on the same connection still works; an oversized length closes only that
+/// connection.
+#[test]
+fn hostile_control_messages() {
+    let unit = UnitProcess::start(Backend::Shm, &["--max-message", "65536"]);
+    let mut sock = std::net::TcpStream::connect(&unit.addr).unwrap();
+    sock.set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let valid = encode_frame(5, &Request::Stats).unwrap();
+    let check = |sock: &mut std::net::TcpStream, body: &[u8]| {
+        let r = raw_roundtrip(sock, &framed(body)).expect("the unit answers");
+        assert!(matches!(r, Response::Error(_)), "{r:?}");
+    };
+    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig::with_cases(200));
+    let strat = prop_oneof![
+        proptest::collection::vec(any::<u8>(), 0..300),
+        (0usize..valid.len() - 4, any::<u8>()).prop_map(move |(at, b)| {
+            let mut v = encode_frame(5, &Request::Stats).unwrap()[4..].to_vec();
+            v[at] ^= b | 1;
+            v
+        }),
+    ];
+    let shared = std::sync::Mutex::new(sock.try_clone().unwrap());
+    runner
+        .run(&strat, |body| {
+            let r = raw_roundtrip(&mut shared.lock().unwrap(), &framed(&body))
+                .expect("the unit answers");
+            // A mutation may still be a valid Stats request (refused: no Hello yet).
+            prop_assert!(matches!(r, Response::Error(_)), "{:?}", r);
+            Ok(())
+        })
+        .unwrap();
+    check(&mut sock, &[0x93, 0x01]);
+    // An oversized length prefix: answered with an error and that connection closed.
+    let mut bad = std::net::TcpStream::connect(&unit.addr).unwrap();
+    bad.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let r = raw_roundtrip(&mut bad, &u32::MAX.to_le_bytes()).expect("error response");
+    assert!(matches!(r, Response::Error(_)));
+    // The unit keeps serving everyone else.
+    let r = raw_roundtrip(&mut sock, &valid).unwrap();
+    assert!(matches!(r, Response::Error(e) if e.kind == tessera_storage::ErrorKind::NoSession));
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let c = unit.client().await;
+        c.put("p", &[1], &[("x".into(), vec![Value::U64(1)])])
+            .await
+            .unwrap();
+    });
+}
