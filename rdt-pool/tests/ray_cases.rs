@@ -353,3 +353,24 @@ fn fetch_into_caller_buffers() {
         Err(FetchError::DestinationTooSmall { len: 6, needed: 48 })
     ));
 }
+
+#[test]
+fn fetch_is_a_future() {
+    use std::future::Future;
+    use std::task::{Context, Poll, Waker};
+    let p = pair(4096, 4096);
+    let a = pattern(9, 40);
+    let d = p
+        .sender
+        .put("f", &[TensorRef::new(DType::I32, &[10], &a).unwrap()])
+        .unwrap();
+    let mut fetch = Box::pin(p.receiver.fetch(&d, &p.peer).unwrap());
+    let mut cx = Context::from_waker(Waker::noop());
+    // The in-process engine completes before `fetch` returns.
+    match fetch.as_mut().poll(&mut cx) {
+        Poll::Ready(Ok(t)) => assert_eq!(&t[0].data()[..], &a[..]),
+        other => panic!("expected a ready fetch, got {other:?}"),
+    }
+    drop(fetch);
+    assert_eq!(p.receiver.report().used, 0);
+}
