@@ -4,6 +4,7 @@
 pub mod alloc;
 pub mod codec;
 pub mod plot;
+pub mod pool;
 pub mod report;
 pub mod timing;
 pub mod transport;
@@ -18,4 +19,5 @@ pub const SUITES: &[Suite] = &[
     ("alloc", alloc::run),
     ("codec", codec::run),
     ("transport", transport::run),
+    ("pool", pool::run),
 ];

@@ -1,7 +1,7 @@
 //! The object descriptor: everything a receiver needs to fetch and rebuild an object's tensors.
 
 use serde::{Deserialize, Serialize};
-use tessera_framecodec::{DType, Tensor};
+use tessera_framecodec::{DType, Dims, Tensor};
 use tessera_transport::RemoteDesc;
 
 use crate::error::DescriptorError;
@@ -45,8 +45,8 @@ pub struct TensorDesc {
     /// Element type.
     #[serde(with = "dtype_code")]
     pub dtype: DType,
-    /// Dimensions, row-major contiguous.
-    pub shape: Vec<u64>,
+    /// Dimensions, row-major contiguous (inline up to rank 4).
+    pub shape: Dims,
     /// Where its bytes are; `None` exactly when it has no bytes.
     pub place: Option<Place>,
 }
@@ -240,7 +240,7 @@ mod tests {
             tensors: vec![
                 TensorDesc {
                     dtype: DType::I8,
-                    shape: vec![3],
+                    shape: smallvec::smallvec![3],
                     place: Some(Place {
                         block: 0,
                         offset: 0,
@@ -248,7 +248,7 @@ mod tests {
                 },
                 TensorDesc {
                     dtype: DType::Complex128,
-                    shape: vec![2],
+                    shape: smallvec::smallvec![2],
                     place: Some(Place {
                         block: 0,
                         offset: 16,
@@ -256,7 +256,7 @@ mod tests {
                 },
                 TensorDesc {
                     dtype: DType::F32,
-                    shape: vec![0, 5],
+                    shape: smallvec::smallvec![0, 5],
                     place: None,
                 },
             ],
@@ -291,7 +291,7 @@ mod tests {
         });
         assert!(d.validate().is_err());
         let mut d = desc();
-        d.tensors[0].shape = vec![u64::MAX, 2];
+        d.tensors[0].shape = smallvec::smallvec![u64::MAX, 2];
         assert!(matches!(
             d.validate(),
             Err(DescriptorError::SizeOverflow { tensor: 0 })
@@ -321,7 +321,7 @@ mod tests {
         d.blocks[0].remote.offset = u64::MAX;
         assert!(d.validate().is_err());
         let mut d = desc();
-        d.tensors[0].shape = vec![1; 65];
+        d.tensors[0].shape = smallvec::smallvec![1; 65];
         assert!(d.validate().is_err());
     }
 

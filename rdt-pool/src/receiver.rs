@@ -398,12 +398,12 @@ impl Fetch {
             Some(t) => t.wait_timeout(timeout),
             None => Ok(()),
         };
-        match result {
-            Err(TransferError::Timeout { peer, after })
-                if p.transfer
-                    .as_ref()
-                    .is_some_and(|t| t.status() == Status::Pending) =>
-            {
+        let Err(TransferError::Timeout { peer, after }) = result else {
+            return self.finish(p, result);
+        };
+        // The transfer may have resolved between the timeout and now: then its outcome counts.
+        match p.transfer.as_ref().map(Transfer::status) {
+            Some(Status::Pending) => {
                 let quarantined = self.pool.quarantine(p);
                 Err(FetchError::Timeout {
                     peer,
@@ -411,7 +411,8 @@ impl Fetch {
                     quarantined,
                 })
             }
-            other => self.finish(p, other),
+            Some(Status::Failed(e)) => self.finish(p, Err(e)),
+            Some(Status::Done) | None => self.finish(p, Ok(())),
         }
     }
 
@@ -534,7 +535,7 @@ mod tests {
             let stats = Arc::new(Stats::default());
             let half = |offset| TensorDesc {
                 dtype: DType::U8,
-                shape: vec![16],
+                shape: smallvec::smallvec![16],
                 place: Some(Place { block: 0, offset }),
             };
             let desc = ObjectDescriptor {

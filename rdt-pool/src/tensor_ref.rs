@@ -1,7 +1,7 @@
 //! What a put takes: a byte view plus dtype, shape and optional strides.
 
 use bytes::Bytes;
-use tessera_framecodec::{DType, Tensor, TensorError};
+use tessera_framecodec::{DType, Dims, Tensor, TensorError};
 use tessera_transport::Registration;
 
 use crate::descriptor::tensor_bytes;
@@ -20,7 +20,7 @@ use crate::descriptor::tensor_bytes;
 #[derive(Debug, Clone)]
 pub struct TensorRef<'a> {
     pub(crate) dtype: DType,
-    pub(crate) shape: Vec<u64>,
+    pub(crate) shape: Dims,
     pub(crate) strides: Option<Vec<u64>>,
     pub(crate) source: Source<'a>,
     /// Bytes the view covers, contiguous.
@@ -78,7 +78,7 @@ impl<'a> TensorRef<'a> {
         exact(dtype, bytes, data.len() as u64)?;
         Ok(Self {
             dtype,
-            shape: shape.to_vec(),
+            shape: Dims::from_slice(shape),
             strides: None,
             source: Source::Borrowed(data),
             bytes,
@@ -113,7 +113,7 @@ impl<'a> TensorRef<'a> {
         }
         Ok(Self {
             dtype,
-            shape: shape.to_vec(),
+            shape: Dims::from_slice(shape),
             strides: Some(strides.to_vec()),
             source: Source::Borrowed(data),
             bytes,
@@ -139,7 +139,7 @@ impl<'a> TensorRef<'a> {
         }
         Ok(Self {
             dtype,
-            shape: shape.to_vec(),
+            shape: Dims::from_slice(shape),
             strides: None,
             source: Source::Registered(reg.clone(), offset),
             bytes,
@@ -152,7 +152,7 @@ impl TensorRef<'static> {
     pub fn from_tensor(tensor: &Tensor) -> Self {
         Self {
             dtype: tensor.dtype(),
-            shape: tensor.shape().to_vec(),
+            shape: Dims::from_slice(tensor.shape()),
             strides: tensor.strides().map(<[u64]>::to_vec),
             source: Source::Shared(tensor.data().clone()),
             // The tensor checked its byte size when it was built.

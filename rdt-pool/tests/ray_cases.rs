@@ -222,7 +222,7 @@ fn hostile_descriptors_allocate_nothing() {
     bad.blocks[0].align = 1 << 40;
     assert!(p.receiver.fetch(&bad, &p.peer).is_err());
     let mut bad = d;
-    bad.tensors[0].shape = vec![1 << 62, 1 << 62];
+    bad.tensors[0].shape = tessera_framecodec::Dims::from_slice(&[1 << 62, 1 << 62]);
     assert!(p.receiver.fetch(&bad, &p.peer).is_err());
     assert_eq!(p.receiver.report().used, 0);
 }
@@ -352,4 +352,25 @@ fn fetch_into_caller_buffers() {
         p.receiver.fetch_into_registered(&d, &p.peer, &reg, 4090),
         Err(FetchError::DestinationTooSmall { len: 6, needed: 48 })
     ));
+}
+
+#[test]
+fn fetch_is_a_future() {
+    use std::future::Future;
+    use std::task::{Context, Poll, Waker};
+    let p = pair(4096, 4096);
+    let a = pattern(9, 40);
+    let d = p
+        .sender
+        .put("f", &[TensorRef::new(DType::I32, &[10], &a).unwrap()])
+        .unwrap();
+    let mut fetch = Box::pin(p.receiver.fetch(&d, &p.peer).unwrap());
+    let mut cx = Context::from_waker(Waker::noop());
+    // The in-process engine completes before `fetch` returns.
+    match fetch.as_mut().poll(&mut cx) {
+        Poll::Ready(Ok(t)) => assert_eq!(&t[0].data()[..], &a[..]),
+        other => panic!("expected a ready fetch, got {other:?}"),
+    }
+    drop(fetch);
+    assert_eq!(p.receiver.report().used, 0);
 }

@@ -41,7 +41,7 @@ enum Cmd {
 }
 
 /// Crates with loom tests (`--cfg tessera_loom`), run in release in their own target dir.
-const LOOM_CRATES: &[&str] = &["tessera-alloc", "tessera-transport"];
+const LOOM_CRATES: &[&str] = &["tessera-alloc", "tessera-transport", "tessera-rdt-pool"];
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
