@@ -108,7 +108,11 @@ impl Procs {
         let mut unit_clean = true;
         for p in self.0.iter_mut().rev() {
             let how = match p.child.try_wait() {
-                Ok(Some(status)) => format!("had exited ({status})"),
+                Ok(Some(status)) => {
+                    // A unit stops only when told to.
+                    unit_clean &= p.name != "unit";
+                    format!("had exited ({status})")
+                }
                 _ if p.name == "unit" => {
                     p.stdin = None;
                     match tokio::time::timeout(grace, p.child.wait()).await {
