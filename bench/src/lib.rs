@@ -6,6 +6,7 @@ pub mod codec;
 pub mod plot;
 pub mod pool;
 pub mod report;
+pub mod storage;
 pub mod timing;
 pub mod transport;
 
@@ -20,4 +21,5 @@ pub const SUITES: &[Suite] = &[
     ("codec", codec::run),
     ("transport", transport::run),
     ("pool", pool::run),
+    ("storage", storage::run),
 ];

@@ -1,0 +1,373 @@
+//! The `storage` suite: a tessera-storage unit in a second process pinned to its own core, a
+//! client here, against a single-thread memcpy and a raw TCP stream between the same two
+//! processes, measured in the same run.
+//!
+//! The unit process is this very binary, started again with `TESSERA_BENCH_STORAGE_UNIT` set
+//! to the backend: it runs [`unit_main`] instead of the suites.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use tessera_storage::{
+    Backend, Client, ClientConfig, Server, ServerConfig, Tensor, UnitConfig, Value,
+};
+
+use crate::Report;
+
+const UNIT_ENV: &str = "TESSERA_BENCH_STORAGE_UNIT";
+const BIG: usize = 256 << 20;
+const RUNS_BIG: usize = 5;
+const RUNS_BATCH: usize = 10;
+const SMALL_N: usize = 2000;
+const CLIENT_CPU: usize = 0;
+const UNIT_CPU: usize = 1;
+const RAW_CHUNK: usize = 1 << 20;
+
+/// Runs the suite, or the unit process when started as one.
+pub fn run(report: &mut Report) -> Result<()> {
+    if let Ok(kind) = std::env::var(UNIT_ENV) {
+        let code = match unit_main(&kind) {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("storage bench unit: {e:#}");
+                1
+            }
+        };
+        std::process::exit(code);
+    }
+    let saved = affinity();
+    pin(CLIENT_CPU)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    let result = rt.block_on(suite(report));
+    drop(rt);
+    if let Some(mask) = saved {
+        restore_affinity(&mask);
+    }
+    result
+}
+
+fn gbps(bytes: u64, d: Duration) -> f64 {
+    bytes as f64 / d.as_secs_f64() / 1e9
+}
+
+fn best(mut runs: Vec<Duration>) -> Duration {
+    runs.sort();
+    runs[0]
+}
+
+async fn suite(report: &mut Report) -> Result<()> {
+    let pinned = format!("client pinned to cpu {CLIENT_CPU}, unit process to cpu {UNIT_CPU}");
+    // memcpy reference: two pre-touched 256 MiB buffers.
+    let src = vec![1u8; BIG];
+    let mut dst = vec![2u8; BIG];
+    let mut runs = Vec::new();
+    for _ in 0..RUNS_BIG {
+        let t = Instant::now();
+        dst.copy_from_slice(&src);
+        runs.push(t.elapsed());
+        std::hint::black_box(&dst);
+    }
+    drop(dst);
+    let memcpy = gbps(BIG as u64, best(runs));
+    report.put(
+        "memcpy_256m_gbps",
+        memcpy,
+        format!("single-thread memcpy of 256 MiB, pre-touched, best of {RUNS_BIG}"),
+    );
+
+    let payload = bytes::Bytes::from(src);
+    for backend in [Backend::Shm, Backend::Tcp] {
+        let k = backend.kind();
+        let mut unit = UnitProc::start(k)?;
+        let client = Client::connect(ClientConfig {
+            units: vec![unit.addr.clone()],
+            backend,
+            recv_pool_bytes: 1 << 30,
+            ..ClientConfig::default()
+        })
+        .await?;
+        let cols = vec![("x".to_string(), vec![Value::Bytes(payload.clone())])];
+        // Warm-up moves every page once (mappings, first touch of both pools, socket buffers).
+        client.put("big", &[0], &cols).await?;
+        drop(client.get("big", &[0], &["x"]).await?);
+        let mut put = Vec::new();
+        let mut get = Vec::new();
+        for _ in 0..RUNS_BIG {
+            let t = Instant::now();
+            client.put("big", &[0], &cols).await?;
+            put.push(t.elapsed());
+            let t = Instant::now();
+            let v = client.get("big", &[0], &["x"]).await?;
+            get.push(t.elapsed());
+            drop(v);
+        }
+        let (p, g) = (gbps(BIG as u64, best(put)), gbps(BIG as u64, best(get)));
+        report.put(&format!("{k}_put_256m_gbps"), p, format!("PUT of one 256 MiB value over {k} (PREPARE, scatter WRITE from the caller's memory, COMMIT), best of {RUNS_BIG}; {pinned}"));
+        report.put(&format!("{k}_get_256m_gbps"), g, format!("GET of one 256 MiB value over {k} (unit WRITEs into the client's pool), best of {RUNS_BIG}; {pinned}"));
+        if backend == Backend::Shm {
+            report.put(
+                "shm_put_vs_memcpy",
+                p / memcpy,
+                "shm_put_256m_gbps / memcpy_256m_gbps (goal >= 0.5)",
+            );
+            report.put(
+                "shm_get_vs_memcpy",
+                g / memcpy,
+                "shm_get_256m_gbps / memcpy_256m_gbps (goal >= 0.5)",
+            );
+            batch(&client, report, &pinned).await?;
+            small(&client, report, &pinned).await?;
+        } else {
+            let raw_addr = unit.raw.clone().context("raw sink address")?;
+            let raw =
+                tokio::task::spawn_blocking(move || raw_tcp(&raw_addr, payload_len())).await??;
+            report.put("raw_tcp_256m_gbps", raw, format!("256 MiB over a plain loopback TCP stream to the unit process, pre-touched, best of {RUNS_BIG}; {pinned}"));
+            report.put(
+                "tcp_put_vs_raw",
+                p / raw,
+                "tcp_put_256m_gbps / raw_tcp_256m_gbps (goal >= 0.8)",
+            );
+            report.put(
+                "tcp_get_vs_raw",
+                g / raw,
+                "tcp_get_256m_gbps / raw_tcp_256m_gbps (goal >= 0.8)",
+            );
+        }
+        drop(cols);
+        client.drop_partition("big").await?;
+        drop(client);
+        unit.stop();
+    }
+    Ok(())
+}
+
+fn payload_len() -> usize {
+    BIG
+}
+
+async fn batch(client: &Client, report: &mut Report, pinned: &str) -> Result<()> {
+    let n = 1000u64;
+    let indexes: Vec<u64> = (0..n).collect();
+    let vals: Vec<Value> = indexes
+        .iter()
+        .map(|i| Value::Tensor(Tensor::from_slice(&[4096], &vec![*i as u8; 4096]).expect("tensor")))
+        .collect();
+    let cols = vec![("x".to_string(), vals)];
+    client.put("batch", &indexes, &cols).await?;
+    drop(client.get("batch", &indexes, &["x"]).await?);
+    let (mut put, mut get) = (Vec::new(), Vec::new());
+    for _ in 0..RUNS_BATCH {
+        let t = Instant::now();
+        client.put("batch", &indexes, &cols).await?;
+        put.push(t.elapsed());
+        let t = Instant::now();
+        let v = client.get("batch", &indexes, &["x"]).await?;
+        get.push(t.elapsed());
+        drop(v);
+    }
+    let bytes = n * 4096;
+    let (p, g) = (gbps(bytes, best(put)), gbps(bytes, best(get)));
+    report.put("batch_put_gbps", p, format!("PUT of 1,000 separate 4 KiB tensors in one request over shm, best of {RUNS_BATCH}; {pinned}"));
+    report.put("batch_get_gbps", g, format!("GET of 1,000 separate 4 KiB tensors in one request over shm, best of {RUNS_BATCH}; {pinned}"));
+    report.put(
+        "batch_put_vs_goal",
+        p / 2.6,
+        "batch_put_gbps / 2.6 GB/s (goal >= 1)",
+    );
+    client.drop_partition("batch").await?;
+    Ok(())
+}
+
+async fn small(client: &Client, report: &mut Report, pinned: &str) -> Result<()> {
+    let cols = vec![(
+        "x".to_string(),
+        vec![Value::Tensor(
+            Tensor::from_slice(&[1], &[7i32]).expect("tensor"),
+        )],
+    )];
+    for _ in 0..100 {
+        client.put("small", &[0], &cols).await?;
+    }
+    let mut runs = Vec::with_capacity(SMALL_N);
+    for _ in 0..SMALL_N {
+        let t = Instant::now();
+        client.put("small", &[0], &cols).await?;
+        runs.push(t.elapsed());
+    }
+    runs.sort();
+    let median = runs[runs.len() / 2];
+    report.put(
+        "small_put_us",
+        median.as_secs_f64() * 1e6,
+        format!("round trip of a 4-byte PUT (inline), median of {SMALL_N}; {pinned} (goal <= 50)"),
+    );
+    client.drop_partition("small").await?;
+    Ok(())
+}
+
+fn raw_tcp(addr: &str, len: usize) -> Result<f64> {
+    let mut s = TcpStream::connect(addr)?;
+    s.set_nodelay(true)?;
+    let buf = vec![3u8; len];
+    let mut ack = [0u8; 1];
+    let mut runs = Vec::new();
+    for _ in 0..=RUNS_BIG {
+        let t = Instant::now();
+        for c in buf.chunks(RAW_CHUNK) {
+            s.write_all(c)?;
+        }
+        s.read_exact(&mut ack)?;
+        runs.push(t.elapsed());
+    }
+    runs.remove(0);
+    Ok(gbps(len as u64, best(runs)))
+}
+
+struct UnitProc {
+    child: Child,
+    addr: String,
+    raw: Option<String>,
+}
+
+impl UnitProc {
+    fn start(kind: &str) -> Result<Self> {
+        let mut child = Command::new(std::env::current_exe()?)
+            .arg("storage")
+            .env(UNIT_ENV, kind)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("starting the unit process")?;
+        let mut lines = BufReader::new(child.stdout.take().context("unit stdout")?).lines();
+        let mut next = || -> Result<String> {
+            lines
+                .next()
+                .ok_or_else(|| anyhow!("unit exited"))?
+                .map_err(Into::into)
+        };
+        let addr = next()?.strip_prefix("ADDR ").context("ADDR")?.to_owned();
+        let raw = next()?
+            .strip_prefix("RAW ")
+            .map(str::to_owned)
+            .filter(|a| a != "-");
+        Ok(Self { child, addr, raw })
+    }
+
+    fn stop(&mut self) {
+        drop(self.child.stdin.take());
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for UnitProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn unit_main(kind: &str) -> Result<()> {
+    pin(UNIT_CPU)?;
+    let backend = match kind {
+        "shm" => Backend::Shm,
+        "tcp" => Backend::Tcp,
+        other => bail!("unknown backend {other}"),
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let server = Server::start(ServerConfig {
+            bind: "127.0.0.1:0".into(),
+            backend,
+            pool_bytes: 1 << 30,
+            unit: UnitConfig {
+                capacity_bytes: 1 << 30,
+                ..UnitConfig::default()
+            },
+            ..ServerConfig::default()
+        })
+        .await?;
+        let raw = if backend == Backend::Tcp {
+            let l = TcpListener::bind("127.0.0.1:0")?;
+            let a = l.local_addr()?.to_string();
+            std::thread::spawn(move || raw_sink(l));
+            a
+        } else {
+            "-".into()
+        };
+        {
+            let mut out = std::io::stdout().lock();
+            writeln!(out, "ADDR {}", server.addr())?;
+            writeln!(out, "RAW {raw}")?;
+            out.flush()?;
+        }
+        // Serve until the parent closes stdin.
+        tokio::task::spawn_blocking(|| {
+            let mut sink = Vec::new();
+            let _ = std::io::stdin().read_to_end(&mut sink);
+        })
+        .await?;
+        server.shutdown().await;
+        Ok::<_, anyhow::Error>(())
+    })?;
+    Ok(())
+}
+
+/// Reads 256 MiB at a time into a pre-touched buffer and acknowledges each with one byte.
+fn raw_sink(listener: TcpListener) {
+    for s in listener.incoming() {
+        let Ok(mut s) = s else { return };
+        let _ = s.set_nodelay(true);
+        let mut buf = vec![1u8; BIG];
+        'outer: loop {
+            for chunk in buf.chunks_mut(RAW_CHUNK) {
+                if s.read_exact(chunk).is_err() {
+                    break 'outer;
+                }
+            }
+            if s.write_all(&[1]).is_err() {
+                break;
+            }
+        }
+    }
+}
+
+fn pin(cpu: usize) -> Result<()> {
+    let online = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let cpu = cpu % online.max(1);
+    // SAFETY: a zeroed cpu_set_t is an empty set; CPU_SET writes inside it; the call only
+    // reads the set.
+    let rc = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set)
+    };
+    if rc != 0 {
+        bail!(
+            "sched_setaffinity to cpu {cpu}: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+    Ok(())
+}
+
+fn affinity() -> Option<libc::cpu_set_t> {
+    // SAFETY: a zeroed cpu_set_t is valid; the call writes at most its size.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        (libc::sched_getaffinity(0, size_of::<libc::cpu_set_t>(), &mut set) == 0).then_some(set)
+    }
+}
+
+fn restore_affinity(set: &libc::cpu_set_t) {
+    // SAFETY: `set` is a valid cpu set; the call only reads it.
+    unsafe { libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), set) };
+}

@@ -1,0 +1,68 @@
+//! Arbitrary bytes as control messages: framing, envelope decoding and the protocol core
+//! must answer with errors, never panic. Each input is split into frames by its own length
+//! prefixes and fed to one session of a unit over vector memory.
+#![no_main]
+
+use std::time::Instant;
+
+use bytes::Bytes;
+use libfuzzer_sys::fuzz_target;
+use tessera_storage::core::{Memory, PoolStats, Unit, UnitConfig};
+use tessera_storage::proto::{decode_body, frame_len, Request};
+use tessera_transport::RemoteDesc;
+
+struct VecMem;
+
+impl Memory for VecMem {
+    type Block = Vec<u8>;
+    fn lease(&mut self, size: u64, _: u64) -> Result<Vec<u8>, String> {
+        if size > 1 << 20 {
+            return Err("too big".into());
+        }
+        Ok(vec![0; size as usize])
+    }
+    fn remote(&self, _: &Vec<u8>, offset: u64, len: u64) -> Result<RemoteDesc, String> {
+        Ok(RemoteDesc::new(1, offset, len))
+    }
+    fn freeze(&self, block: Vec<u8>, len: u64) -> Bytes {
+        Bytes::from(block).slice(..len as usize)
+    }
+    fn block_len(b: &Vec<u8>) -> u64 {
+        b.len() as u64
+    }
+    fn copy_in(&mut self, data: &[u8], _: u64) -> Result<Bytes, String> {
+        Ok(Bytes::copy_from_slice(data))
+    }
+    fn usage(&self) -> PoolStats {
+        PoolStats::default()
+    }
+}
+
+fuzz_target!(|data: &[u8]| {
+    let cfg = UnitConfig {
+        max_payload_bytes: 1 << 20,
+        inline_max: 4096,
+        ..UnitConfig::default()
+    };
+    let mut unit = Unit::new(cfg, VecMem);
+    unit.open_session(1);
+    let now = Instant::now();
+    let mut rest = data;
+    while rest.len() >= 4 {
+        let Ok(len) = frame_len(rest[..4].try_into().unwrap(), 1 << 16) else {
+            return;
+        };
+        rest = &rest[4..];
+        let body = &rest[..len.min(rest.len())];
+        rest = &rest[body.len()..];
+        if let Ok((id, req)) = decode_body::<Request>(body) {
+            let hello = matches!(req, Request::Hello { .. });
+            let _ = unit.handle(now, 1, id, req);
+            if hello {
+                unit.session_ready(1);
+            }
+        }
+    }
+    let _ = unit.handle_timeout(now + std::time::Duration::from_secs(3600));
+    unit.close_session(1);
+});

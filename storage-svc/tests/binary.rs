@@ -1,0 +1,191 @@
+//! The binary: TOML configuration, the Prometheus endpoint, and a raw session that prepares a
+//! PUT and vanishes.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::process::Command;
+use std::time::Duration;
+
+use common::UnitProcess;
+use serde_bytes::ByteBuf;
+use tessera_framecodec::encode;
+use tessera_storage::proto::{decode_body, encode_frame, Request, Response};
+use tessera_storage::{Backend, Value};
+
+fn exe() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_tessera-storage"))
+}
+
+#[test]
+fn config_file_round_trips_and_flags_override() {
+    let out = exe()
+        .args(["serve", "--print-config", "--capacity", "12345"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("capacity_bytes = 12345"), "{text}");
+    assert!(text.contains("bind = \"127.0.0.1:7470\""), "{text}");
+    let dir = std::env::temp_dir().join(format!("tessera-storage-cfg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("unit.toml");
+    std::fs::write(
+        &path,
+        text.replace("capacity_bytes = 12345", "capacity_bytes = 777"),
+    )
+    .unwrap();
+    let out = exe()
+        .args([
+            "serve",
+            "--print-config",
+            "--config",
+            path.to_str().unwrap(),
+            "--backend",
+            "tcp",
+        ])
+        .output()
+        .unwrap();
+    let again = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        again.contains("capacity_bytes = 777") && again.contains("backend = \"tcp\""),
+        "{again}"
+    );
+    std::fs::write(&path, "no_such_key = 1\n").unwrap();
+    let out = exe()
+        .args(["serve", "--config", path.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_endpoint_and_cli_round_trip() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let metrics = format!("127.0.0.1:{port}");
+    let unit = UnitProcess::start(Backend::Shm, &["--metrics", &metrics]);
+    let put = exe()
+        .args([
+            "put",
+            "--unit",
+            &unit.addr,
+            "--partition",
+            "p",
+            "--index",
+            "4",
+            "--field",
+            "x",
+            "--value",
+            "hello",
+        ])
+        .status()
+        .unwrap();
+    assert!(put.success());
+    let got = exe()
+        .args([
+            "get",
+            "--unit",
+            &unit.addr,
+            "--partition",
+            "p",
+            "--index",
+            "4",
+            "--field",
+            "x",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8(got.stdout).unwrap().trim(), "bytes[5]");
+    let c = unit.client().await;
+    let _ = c.get("p", &[99], &["x"]).await.unwrap_err();
+    // The stats gauges are refreshed by the unit's timer; poll the endpoint for a while.
+    let mut body = String::new();
+    for _ in 0..100 {
+        body.clear();
+        if let Ok(mut s) = std::net::TcpStream::connect(&metrics) {
+            let _ = write!(s, "GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n");
+            let _ = s.read_to_string(&mut body);
+        }
+        if body.contains("tessera_storage_pool_used_bytes") && body.contains("kind=\"missing\"") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for name in [
+        "tessera_storage_request_seconds",
+        "tessera_storage_errors_total",
+        "tessera_storage_registered_bytes",
+        "tessera_storage_idle_bytes",
+        "tessera_storage_leased_bytes",
+        "tessera_storage_quarantined_bytes",
+        "tessera_storage_bytes_in",
+    ] {
+        assert!(body.contains(name), "{name} missing from {body}");
+    }
+}
+
+fn roundtrip(s: &mut std::net::TcpStream, id: u64, req: &Request) -> Response {
+    s.write_all(&encode_frame(id, req).unwrap()).unwrap();
+    let mut prefix = [0u8; 4];
+    s.read_exact(&mut prefix).unwrap();
+    let mut body = vec![0u8; u32::from_le_bytes(prefix) as usize];
+    s.read_exact(&mut body).unwrap();
+    decode_body::<Response>(&body).unwrap().1
+}
+
+/// A session that prepares a PUT (its block is exposed) and disconnects: the unit releases
+/// the block when the session ends, and other clients carry on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_lost_after_prepare_releases_its_block() {
+    let unit = UnitProcess::start(Backend::Shm, &[]);
+    let agent = Backend::Shm.agent("raw").unwrap();
+    let other = unit.client().await;
+    let mut s = std::net::TcpStream::connect(&unit.addr).unwrap();
+    let hello = Request::Hello {
+        token: None,
+        agent: agent.metadata(),
+    };
+    let (mut s, welcome) = tokio::task::spawn_blocking(move || {
+        let r = roundtrip(&mut s, 0, &hello);
+        (s, r)
+    })
+    .await
+    .unwrap();
+    assert!(matches!(welcome, Response::Welcome { .. }), "{welcome:?}");
+    let frames = encode(&Value::List(vec![Value::List(vec![Value::Bytes(
+        vec![1u8; 8 << 20].into(),
+    )])]))
+    .unwrap();
+    let req = Request::Put {
+        partition: "p".into(),
+        indexes: vec![1],
+        fields: vec!["x".into()],
+        meta: ByteBuf::from(frames.meta.to_vec()),
+        inline: None,
+    };
+    let r = roundtrip(&mut s, 1, &req);
+    assert!(matches!(r, Response::PutReady { .. }), "{r:?}");
+    let st = &other.stats().await.unwrap()[0];
+    assert!(st.leased_bytes >= 8 << 20 && st.pending_puts == 1, "{st:?}");
+    drop(s);
+    let mut last = None;
+    for _ in 0..300 {
+        let st = other.stats().await.unwrap().remove(0);
+        if st.leased_bytes == 0 && st.pending_puts == 0 && st.pool.used == 0 {
+            last = None;
+            break;
+        }
+        last = Some(st);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(last.is_none(), "{last:?}");
+    other
+        .put("p", &[2], &[("x".into(), vec![Value::U64(2)])])
+        .await
+        .unwrap();
+}

@@ -1,0 +1,97 @@
+//! Copy counting: a PUT and a GET of an N-byte payload allocate no payload-sized buffer
+//! anywhere in the process (unit and client share it here, over `inproc`), the stored value
+//! and the returned value live in registered memory (the unit's pool, the client's receive
+//! pool), and the bytes moved by the payload plane are N each way: the transport's one copy.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use tessera_storage::{Backend, Client, ClientConfig, Server, ServerConfig, Tensor, Value};
+
+struct Counting;
+
+static LARGE: AtomicU64 = AtomicU64::new(0);
+const LARGE_AT: usize = 1 << 20;
+
+// SAFETY: forwards to the system allocator unchanged; only counts.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        if l.size() >= LARGE_AT {
+            LARGE.fetch_add(l.size() as u64, Ordering::SeqCst);
+        }
+        // SAFETY: the caller's obligations are the system allocator's.
+        unsafe { System.alloc(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        // SAFETY: as above.
+        unsafe { System.dealloc(p, l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
+        if new >= LARGE_AT {
+            LARGE.fetch_add(new as u64, Ordering::SeqCst);
+        }
+        // SAFETY: as above.
+        unsafe { System.realloc(p, l, new) }
+    }
+}
+
+#[global_allocator]
+static ALLOC: Counting = Counting;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn put_and_get_copy_the_payload_once_in_the_transport() {
+    const N: usize = 64 << 20;
+    let server = Server::start(ServerConfig {
+        bind: "127.0.0.1:0".into(),
+        backend: Backend::Inproc,
+        pool_bytes: 256 << 20,
+        ..ServerConfig::default()
+    })
+    .await
+    .unwrap();
+    let client = Client::connect(ClientConfig {
+        units: vec![server.addr().to_owned()],
+        backend: Backend::Inproc,
+        recv_pool_bytes: 256 << 20,
+        ..ClientConfig::default()
+    })
+    .await
+    .unwrap();
+    let data: Vec<f32> = (0..N / 4).map(|i| i as f32).collect();
+    let tensor = Tensor::from_slice(&[(N / 4) as u64], &data).unwrap();
+    drop(data);
+    let cols = vec![("x".to_string(), vec![Value::Tensor(tensor.clone())])];
+    // Warm-up: first-use allocations of the runtime and the codec.
+    client.put("p", &[0], &cols).await.unwrap();
+    drop(client.get("p", &[0], &["x"]).await.unwrap());
+    let before = server.stats();
+
+    LARGE.store(0, Ordering::SeqCst);
+    client.put("p", &[0], &cols).await.unwrap();
+    let got = client.get("p", &[0], &["x"]).await.unwrap();
+    let large = LARGE.load(Ordering::SeqCst);
+    assert_eq!(large, 0, "payload-sized allocations during PUT + GET");
+
+    let after = server.stats();
+    let moved_in = after.bytes_in - before.bytes_in;
+    let moved_out = after.bytes_out - before.bytes_out;
+    assert!(
+        moved_in >= N as u64 && moved_in < N as u64 + 4096,
+        "{moved_in}"
+    );
+    assert!(
+        moved_out >= N as u64 && moved_out < N as u64 + 4096,
+        "{moved_out}"
+    );
+    assert_eq!(after.compacted_bytes, 0);
+    let t = got[0][0].as_tensor().unwrap();
+    // The GET's tensor is a view into the client's registered receive pool.
+    assert!(client
+        .agent()
+        .find_registered(t.data().as_ptr(), N as u64)
+        .is_some());
+    assert_eq!(t.data(), tensor.data());
+    drop(got);
+    assert_eq!(client.recv_pool_used(), 0);
+    server.shutdown().await;
+}
