@@ -16,7 +16,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::core::{decode_inline, Stats};
 use crate::error::{ClientError, ErrorKind, RemoteError};
-use crate::plane::{freeze, source_desc, Backend};
+use crate::plane::{freeze, source_descs, Backend};
 use crate::proto::{self, Request, Response};
 
 /// Which unit holds an index. TransferQueue's placement is [`Modulo`].
@@ -171,7 +171,9 @@ impl Client {
     }
 
     /// Stores `columns` (one `(field, values)` per field, one value per index) at `indexes`.
-    /// Each unit replaces its keys atomically; tensors travel from the caller's memory.
+    /// The units are asked concurrently; each unit replaces its keys atomically (a PUT that
+    /// fails on one unit may have been stored on another). Tensors travel from the caller's
+    /// memory.
     pub async fn put(
         &self,
         partition: &str,
@@ -184,6 +186,7 @@ impl Client {
             ));
         }
         let fields: Vec<String> = columns.iter().map(|(f, _)| f.clone()).collect();
+        let mut work = Vec::new();
         for (unit, positions) in self.split(indexes).into_iter().enumerate() {
             if positions.is_empty() {
                 continue;
@@ -197,10 +200,10 @@ impl Client {
                     })
                     .collect(),
             );
-            self.put_unit(unit, partition, idx, fields.clone(), &value)
-                .await?;
+            let fields = fields.clone();
+            work.push(async move { self.put_unit(unit, partition, idx, fields, &value).await });
         }
-        Ok(())
+        join_all(work).await.into_iter().collect()
     }
 
     async fn put_unit(
@@ -262,7 +265,7 @@ impl Client {
         if descs.len() != frames.payloads.len() {
             return Err(terr("READY descriptors do not match the frames".into()));
         }
-        let mut locals = Vec::with_capacity(descs.len());
+        let mut sources = Vec::with_capacity(descs.len());
         let mut remotes = Vec::with_capacity(descs.len());
         for (f, d) in frames.payloads.iter().zip(descs) {
             if f.is_empty() {
@@ -271,9 +274,10 @@ impl Client {
             if d.len != f.len() as u64 {
                 return Err(terr("READY descriptor length mismatch".into()));
             }
-            locals.push(source_desc(&self.agent, f).map_err(terr)?);
+            sources.push(f);
             remotes.push(*d);
         }
+        let locals = source_descs(&self.agent, sources).map_err(terr)?;
         let t = conn
             .peer
             .write(&locals, &remotes, None)
@@ -295,12 +299,20 @@ impl Client {
     ) -> Result<Vec<Vec<Value>>, ClientError> {
         let fields: Vec<String> = fields.iter().map(|f| (*f).to_owned()).collect();
         let mut out: Vec<Vec<Option<Value>>> = vec![vec![None; indexes.len()]; fields.len()];
+        let mut work = Vec::new();
         for (unit, positions) in self.split(indexes).into_iter().enumerate() {
             if positions.is_empty() {
                 continue;
             }
             let idx: Vec<u64> = positions.iter().map(|p| indexes[*p]).collect();
-            let cols = self.get_unit(unit, partition, idx, fields.clone()).await?;
+            let fields = fields.clone();
+            work.push(async move {
+                let cols = self.get_unit(unit, partition, idx, fields).await?;
+                Ok::<_, ClientError>((positions, cols))
+            });
+        }
+        for r in join_all(work).await {
+            let (positions, cols) = r?;
             for (f, col) in cols.into_iter().enumerate() {
                 for (p, v) in positions.iter().zip(col) {
                     out[f][*p] = Some(v);
@@ -648,6 +660,30 @@ async fn read_loop(
             }
         }
     }
+}
+
+/// Runs `futs` concurrently on the current task and returns their outputs in order.
+async fn join_all<F: std::future::Future>(futs: Vec<F>) -> Vec<F::Output> {
+    let mut futs: Vec<std::pin::Pin<Box<F>>> = futs.into_iter().map(Box::pin).collect();
+    let mut out: Vec<Option<F::Output>> = futs.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (f, slot) in futs.iter_mut().zip(out.iter_mut()) {
+            if slot.is_none() {
+                match f.as_mut().poll(cx) {
+                    std::task::Poll::Ready(v) => *slot = Some(v),
+                    std::task::Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(())
+        }
+    })
+    .await;
+    out.into_iter().flatten().collect()
 }
 
 /// Builds a [`RemoteError`] for tests and tools.

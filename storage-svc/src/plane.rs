@@ -113,14 +113,34 @@ impl Memory for PoolMemory {
     }
 }
 
-/// A local descriptor of `frame` for a WRITE: memory that already lives in a registration of
+/// Local descriptors of `frames` for a WRITE: memory that already lives in a registration of
 /// `agent` (a pool block, a received buffer) reuses it; other memory is registered in place,
-/// the registration owning a reference to the frame. Never copies.
-pub(crate) fn source_desc(agent: &Agent, frame: &Bytes) -> Result<LocalDesc, String> {
+/// each registration owning a reference to its frame. Never copies. All lookups run before
+/// any frame is registered, so a batch of many frames never searches its own registrations.
+pub(crate) fn source_descs<'a>(
+    agent: &Agent,
+    frames: impl IntoIterator<Item = &'a Bytes>,
+) -> Result<Vec<LocalDesc>, String> {
+    let found: Vec<(&Bytes, Option<LocalDesc>)> = frames
+        .into_iter()
+        .map(|f| {
+            let d = agent
+                .find_registered(f.as_ptr(), f.len() as u64)
+                .and_then(|reg| reg.desc(0, f.len() as u64).ok());
+            (f, d)
+        })
+        .collect();
+    found
+        .into_iter()
+        .map(|(f, d)| match d {
+            Some(d) => Ok(d),
+            None => register_in_place(agent, f),
+        })
+        .collect()
+}
+
+fn register_in_place(agent: &Agent, frame: &Bytes) -> Result<LocalDesc, String> {
     let len = frame.len() as u64;
-    if let Some(reg) = agent.find_registered(frame.as_ptr(), len) {
-        return reg.desc(0, len).map_err(|e| e.to_string());
-    }
     let ptr = NonNull::new(frame.as_ptr() as *mut u8).ok_or("null frame")?;
     // SAFETY: `ptr..ptr + len` is the frame's memory, kept alive by the clone of the `Bytes`
     // that the region owns until the region, its registration and every transfer using it are

@@ -18,7 +18,7 @@ use tracing::Instrument;
 
 use crate::core::{Output, SessionId, Stats, Unit, UnitConfig};
 use crate::error::ErrorKind;
-use crate::plane::{source_desc, Backend, PoolMemory};
+use crate::plane::{source_descs, Backend, PoolMemory};
 use crate::proto::{self, Request, Response};
 
 /// Configuration of a unit's server.
@@ -514,10 +514,7 @@ async fn write(
     frames: &[Bytes],
     descs: &[RemoteDesc],
 ) -> Result<(), String> {
-    let locals = frames
-        .iter()
-        .map(|f| source_desc(&shared.agent, f))
-        .collect::<Result<Vec<_>, _>>()?;
+    let locals = source_descs(&shared.agent, frames)?;
     let t = peer
         .write(&locals, descs, None)
         .map_err(|e| e.to_string())?;
