@@ -4,8 +4,10 @@
 use tessera_alloc::AllocError;
 use tessera_transport::{DescError, RegionError, TransferError};
 
-/// Why a [`SenderPool::put`](crate::SenderPool::put) failed. Nothing is left allocated, and the
-/// object id keeps what it held before unless [`PutError::OutOfMemory`] says otherwise.
+/// Why a [`SenderPool::put`](crate::SenderPool::put) failed. Nothing is left allocated for the
+/// put. A re-put's id keeps its previous object, except when [`PutError::OutOfMemory`] says it
+/// was released to make room, or when a copy into the previous object's own reused blocks
+/// failed (then the id is left free).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum PutError {
@@ -114,6 +116,9 @@ pub enum FetchError {
         /// Bytes needed.
         needed: u64,
     },
+    /// The fetch was polled again after it resolved (caller misuse).
+    #[error("the fetch already resolved")]
+    AlreadyResolved,
     /// The engine still held a receive block after the transfer resolved.
     #[error("the transfer engine still holds a receive block after completion")]
     StillHeld,

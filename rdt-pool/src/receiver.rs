@@ -53,7 +53,7 @@ struct Quarantined {
 const _: () = {
     const fn assert_send_sync<T: Send + Sync>() {}
     assert_send_sync::<ReceiverPool>();
-    assert_send_sync::<Fetch>();
+    assert_send_sync::<Fetch<'static>>();
 };
 
 /// What keeps a receive block leased: the owner of the `Bytes` every view of it slices.
@@ -161,7 +161,11 @@ impl ReceiverPool {
     /// leases receive blocks (one best-fit block for the whole object when a free range
     /// holds it) and posts one READ with one descriptor per remote block. Await the
     /// [`Fetch`], or call [`Fetch::wait`] / [`Fetch::wait_timeout`].
-    pub fn fetch(&self, desc: &ObjectDescriptor, peer: &Peer) -> Result<Fetch, FetchError> {
+    pub fn fetch<'d>(
+        &self,
+        desc: &'d ObjectDescriptor,
+        peer: &Peer,
+    ) -> Result<Fetch<'d>, FetchError> {
         desc.validate()?;
         self.sweep();
         let layouts = desc
@@ -201,7 +205,7 @@ impl ReceiverPool {
                 transfer,
                 group,
                 at,
-                desc: desc.clone(),
+                desc,
             }),
             pool: self.inner.clone(),
         })
@@ -366,20 +370,20 @@ impl fmt::Debug for ReceiverPool {
 /// blocks until the transfer resolves: they are never handed out while a late write could
 /// land in them.
 #[must_use = "a fetch quarantines its blocks if dropped before it resolves"]
-pub struct Fetch {
-    pending: Option<Pending>,
+pub struct Fetch<'d> {
+    pending: Option<Pending<'d>>,
     pool: Arc<Inner>,
 }
 
-struct Pending {
+struct Pending<'d> {
     transfer: Option<Transfer>,
     group: Group<PoolBlock>,
     /// For each descriptor block: its receive block and offset there.
     at: Vec<(usize, u64)>,
-    desc: ObjectDescriptor,
+    desc: &'d ObjectDescriptor,
 }
 
-impl Fetch {
+impl<'d> Fetch<'d> {
     /// Blocks the thread until the fetch resolves.
     pub fn wait(mut self) -> Result<Vec<Tensor>, FetchError> {
         let p = self.take();
@@ -421,7 +425,7 @@ impl Fetch {
         self.pending.as_ref().map_or(0, |p| p.desc.bytes())
     }
 
-    fn take(&mut self) -> Pending {
+    fn take(&mut self) -> Pending<'d> {
         match self.pending.take() {
             Some(p) => p,
             // `pending` is only taken by the consuming methods and `poll` after `Ready`.
@@ -431,7 +435,7 @@ impl Fetch {
 
     fn finish(
         &self,
-        p: Pending,
+        p: Pending<'d>,
         result: Result<(), TransferError>,
     ) -> Result<Vec<Tensor>, FetchError> {
         let Pending {
@@ -444,7 +448,7 @@ impl Fetch {
         // On failure `group` drops: the engine released its hold before reporting, so the
         // blocks are free again at once.
         result.map_err(FetchError::Transfer)?;
-        views(group, &desc, &at, &self.pool.stats)
+        views(group, desc, &at, &self.pool.stats)
     }
 }
 
@@ -458,7 +462,7 @@ fn wait_forever(t: &Transfer) -> Result<(), TransferError> {
 }
 
 impl Inner {
-    fn quarantine(&self, p: Pending) -> u64 {
+    fn quarantine(&self, p: Pending<'_>) -> u64 {
         let bytes = p.group.blocks.iter().map(PoolBlock::len).sum();
         if let Some(transfer) = p.transfer {
             lock(&self.quarantine).push(Quarantined {
@@ -471,12 +475,12 @@ impl Inner {
     }
 }
 
-impl Future for Fetch {
+impl Future for Fetch<'_> {
     type Output = Result<Vec<Tensor>, FetchError>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let Some(p) = self.pending.as_mut() else {
-            return Poll::Ready(Err(FetchError::StillHeld));
+            return Poll::Ready(Err(FetchError::AlreadyResolved));
         };
         let result = match p.transfer.as_mut() {
             Some(t) => match Pin::new(t).poll(cx) {
@@ -490,7 +494,7 @@ impl Future for Fetch {
     }
 }
 
-impl Drop for Fetch {
+impl Drop for Fetch<'_> {
     fn drop(&mut self) {
         if let Some(p) = self.pending.take() {
             if p.transfer
@@ -503,7 +507,7 @@ impl Drop for Fetch {
     }
 }
 
-impl fmt::Debug for Fetch {
+impl fmt::Debug for Fetch<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Fetch")
             .field("bytes", &self.bytes())
@@ -586,6 +590,77 @@ mod tests {
             assert!(pool.lease(32, 8).is_ok());
             assert_eq!(stats.leased.load(Ordering::Acquire), 0);
             assert_eq!(stats.live_objects.load(Ordering::Acquire), 0);
+        });
+    }
+}
+
+#[cfg(test)]
+mod fetch_loom {
+    use super::*;
+    use crate::sync::{model, thread};
+    use crate::{SenderPool, TensorRef};
+    use tessera_framecodec::DType;
+    use tessera_transport::Inproc;
+
+    /// The whole path: fetched views dropped on two threads while the receiver fetches the
+    /// same object again into a pool that holds only one copy. A second fetch either finds
+    /// the pool full or gets memory no live view points into, and it always reads the right
+    /// bytes.
+    #[test]
+    fn loom_fetch_again_while_views_drop_on_threads() {
+        model(|| {
+            let tx = Arc::new(Agent::new("tx", Inproc::new()).unwrap());
+            let rx = Arc::new(Agent::new("rx", Inproc::new()).unwrap());
+            let sender = SenderPool::new(tx.clone(), 64).unwrap();
+            let receiver = ReceiverPool::new(rx.clone(), 32).unwrap();
+            let peer = rx.add_remote(&tx.metadata()).unwrap();
+            let data: Vec<u8> = (0..32).collect();
+            let desc = sender
+                .put(
+                    "o",
+                    &[
+                        TensorRef::new(DType::U8, &[16], &data[..16]).unwrap(),
+                        TensorRef::new(DType::U8, &[16], &data[16..]).unwrap(),
+                    ],
+                )
+                .unwrap();
+            let mut views = receiver.fetch(&desc, &peer).unwrap().wait().unwrap();
+            let range = |b: &Bytes| b.as_ptr() as usize..b.as_ptr() as usize + b.len();
+            let second = views.pop().unwrap().into_data();
+            let first = views.pop().unwrap().into_data().slice(2..6);
+            let viewed = Arc::new(Mutex::new(vec![range(&first), range(&second)]));
+            let spawn = |view: Bytes, expect: Vec<u8>| {
+                let viewed = viewed.clone();
+                thread::spawn(move || {
+                    assert_eq!(&view[..], &expect[..], "viewed bytes changed");
+                    let r = view.as_ptr() as usize..view.as_ptr() as usize + view.len();
+                    lock(&viewed).retain(|v| *v != r);
+                    drop(view);
+                })
+            };
+            let a = spawn(first, data[2..6].to_vec());
+            let b = spawn(second, data[16..].to_vec());
+            match receiver.fetch(&desc, &peer) {
+                Ok(fetch) => {
+                    let again = fetch.wait().unwrap();
+                    for t in &again {
+                        let got = range(t.data());
+                        assert!(
+                            lock(&viewed)
+                                .iter()
+                                .all(|v| got.end <= v.start || v.end <= got.start),
+                            "a fetch landed in a block that is still viewed"
+                        );
+                    }
+                    assert_eq!(&again[1].data()[..], &data[16..]);
+                }
+                Err(FetchError::OutOfMemory { .. }) => {}
+                Err(e) => panic!("unexpected {e}"),
+            }
+            a.join().unwrap();
+            b.join().unwrap();
+            let r = receiver.report();
+            assert_eq!((r.used, r.leased, r.live_objects), (0, 0, 0));
         });
     }
 }

@@ -12,6 +12,7 @@ use crate::error::{FreeError, PutError};
 use crate::report::PoolReport;
 use crate::sync::{lock, Arc, Mutex};
 use crate::tensor_ref::{Source, TensorRef};
+use tessera_framecodec::Dims;
 
 /// The sender side: one region registered once with an agent, holding put objects until they
 /// are freed. Cloning is cheap and shares the pool.
@@ -32,7 +33,7 @@ struct Object {
     _keep: Vec<Keep>,
     pool_bytes: u64,
     in_place: u64,
-    desc: ObjectDescriptor,
+    desc: Arc<ObjectDescriptor>,
 }
 
 /// Held, never read: dropping it is what releases the memory.
@@ -159,7 +160,7 @@ impl SenderPool {
         &self,
         id: impl AsRef<[u8]>,
         tensors: &[TensorRef<'_>],
-    ) -> Result<ObjectDescriptor, PutError> {
+    ) -> Result<Arc<ObjectDescriptor>, PutError> {
         self.put_with(id.as_ref(), tensors, |block, offset, data| {
             block.write_at(offset, data).map_err(PutError::from)
         })
@@ -170,7 +171,7 @@ impl SenderPool {
         id: &[u8],
         tensors: &[TensorRef<'_>],
         mut write: impl FnMut(&PoolBlock, u64, &[u8]) -> Result<(), PutError>,
-    ) -> Result<ObjectDescriptor, PutError> {
+    ) -> Result<Arc<ObjectDescriptor>, PutError> {
         if tensors.len() > MAX_TENSORS {
             return Err(PutError::TooManyTensors {
                 count: tensors.len(),
@@ -298,7 +299,7 @@ impl SenderPool {
             .enumerate()
             .map(|(index, (t, route))| TensorDesc {
                 dtype: t.dtype,
-                shape: t.shape.clone(),
+                shape: Dims::from_slice(&t.shape),
                 place: match *route {
                     Route::Empty => None,
                     Route::Copy(j) => group.placements[j].map(|p| Place {
@@ -312,7 +313,7 @@ impl SenderPool {
                 },
             })
             .collect();
-        let desc = ObjectDescriptor { blocks, tensors };
+        let desc = Arc::new(ObjectDescriptor { blocks, tensors });
         let _ = previous_released;
         let object = Object {
             blocks: kept,
@@ -419,7 +420,7 @@ impl SenderPool {
     }
 
     /// The descriptor of a live object.
-    pub fn descriptor(&self, id: impl AsRef<[u8]>) -> Option<ObjectDescriptor> {
+    pub fn descriptor(&self, id: impl AsRef<[u8]>) -> Option<Arc<ObjectDescriptor>> {
         lock(&self.inner.objects)
             .get(id.as_ref())
             .map(|o| o.desc.clone())
@@ -532,6 +533,33 @@ mod tests {
             .is_err());
         assert_eq!(p.descriptor("x"), Some(before));
         assert_eq!(p.report().used, used);
+    }
+
+    /// A put copies each covered byte once and nothing else: a transposed view of a larger
+    /// storage moves exactly its elements, never the storage.
+    #[test]
+    fn a_put_copies_exactly_the_covered_bytes_once() {
+        let p = pool(1 << 20);
+        let storage: Vec<u8> = (0..=255).cycle().take(64 * 64 * 4).collect();
+        let refs = [
+            TensorRef::strided(DType::F32, &[16, 8], &[1, 64], &storage).unwrap(),
+            TensorRef::new(DType::U8, &[100], &storage[..100]).unwrap(),
+            TensorRef::new(DType::F64, &[0], &[]).unwrap(),
+        ];
+        let mut copied = 0u64;
+        let mut calls = 0u64;
+        p.put_with(b"c", &refs, |block, at, data| {
+            copied += data.len() as u64;
+            calls += 1;
+            block.write_at(at, data).map_err(PutError::from)
+        })
+        .unwrap();
+        assert_eq!(copied, 16 * 8 * 4 + 100);
+        assert_eq!(
+            calls,
+            16 * 8 + 1,
+            "one run per gathered element, one for the contiguous view"
+        );
     }
 
     #[test]

@@ -99,7 +99,8 @@ proptest! {
                         continue;
                     };
                     let desc = p.sender.descriptor([id]).unwrap();
-                    match p.receiver.fetch(&desc, &p.peer) {
+                    let fetched = p.receiver.fetch(&desc, &p.peer);
+                    match fetched {
                         Ok(f) => {
                             let got: Vec<Tensor> = f.wait().unwrap();
                             prop_assert_eq!(got.len(), want.len());

@@ -149,7 +149,7 @@ fn failure_after_allocation_leaks_nothing() {
 
     // A READ that fails (a registration the peer never announced) frees its blocks at once.
     let d = p.sender.put("x", &refs[..1]).unwrap();
-    let mut bad = d.clone();
+    let mut bad = (*d).clone();
     bad.blocks[0].remote = RemoteDesc::new(999_999, 0, 64);
     assert!(matches!(
         p.receiver.fetch(&bad, &p.peer),
@@ -209,7 +209,7 @@ fn hostile_descriptors_allocate_nothing() {
         .sender
         .put("h", &[TensorRef::new(DType::U8, &[32], &a).unwrap()])
         .unwrap();
-    let mut bad = d.clone();
+    let mut bad = (*d).clone();
     bad.tensors[0].place = Some(Place {
         block: 0,
         offset: u64::MAX,
@@ -218,10 +218,10 @@ fn hostile_descriptors_allocate_nothing() {
         p.receiver.fetch(&bad, &p.peer),
         Err(FetchError::Descriptor(DescriptorError::OutsideBlock { .. }))
     ));
-    let mut bad = d.clone();
+    let mut bad = (*d).clone();
     bad.blocks[0].align = 1 << 40;
     assert!(p.receiver.fetch(&bad, &p.peer).is_err());
-    let mut bad = d;
+    let mut bad = (*d).clone();
     bad.tensors[0].shape = tessera_framecodec::Dims::from_slice(&[1 << 62, 1 << 62]);
     assert!(p.receiver.fetch(&bad, &p.peer).is_err());
     assert_eq!(p.receiver.report().used, 0);
@@ -371,6 +371,10 @@ fn fetch_is_a_future() {
         Poll::Ready(Ok(t)) => assert_eq!(&t[0].data()[..], &a[..]),
         other => panic!("expected a ready fetch, got {other:?}"),
     }
+    assert!(matches!(
+        fetch.as_mut().poll(&mut cx),
+        Poll::Ready(Err(FetchError::AlreadyResolved))
+    ));
     drop(fetch);
     assert_eq!(p.receiver.report().used, 0);
 }

@@ -291,6 +291,13 @@ fn round_trip(kind: &str) {
         2 * desc.bytes(),
         "never handed out while a late write could land"
     );
+    // A fetch dropped while its READ is in flight is quarantined the same way.
+    drop(pool.fetch(&desc, &peer).unwrap());
+    let r = pool.report();
+    assert_eq!(
+        (r.quarantined, r.used),
+        (2 * desc.bytes(), 3 * desc.bytes())
+    );
     child.signal("-CONT");
     let guard = std::time::Instant::now();
     while pool.report().quarantined > 0 {
