@@ -1,5 +1,5 @@
 //! `cargo xtask`: the project's automation. CI runs `cargo xtask test` and nothing else, so what
-//! passes here passes there.
+//! passes here passes there. `cargo xtask demo` is the first command of the README.
 
 mod deps;
 
@@ -28,6 +28,16 @@ enum Cmd {
         /// Suites to run (default: all).
         suites: Vec<String>,
     },
+    /// Run the end-to-end demo in release: a storage unit, a producer and a consumer as
+    /// separate processes, RL rollouts then a weight sync, every byte checked.
+    Demo {
+        /// Payload engine: shm (default, one host, no system library), tcp, ucx or nixl.
+        #[arg(long, default_value = "shm")]
+        backend: String,
+        /// A few steps and a small weight set: a few seconds.
+        #[arg(long)]
+        short: bool,
+    },
 }
 
 /// Crates with loom tests (`--cfg tessera_loom`), run in release in their own target dir.
@@ -45,6 +55,7 @@ fn main() -> Result<()> {
             Ok(())
         }
         Cmd::Bench { suites } => bench(&suites),
+        Cmd::Demo { backend, short } => demo(&backend, short),
     }
 }
 
@@ -134,6 +145,33 @@ fn bench(suites: &[String]) -> Result<()> {
     ]);
     cmd.args(suites);
     step("benchmarks", cmd)
+}
+
+/// Replaces this process with `cargo run --release -p tessera-demo -- run ...`, so that a
+/// Ctrl-C reaches the demo alone and its exit status is ours. The demo itself refuses a
+/// backend the storage crate does not offer, before starting anything.
+fn demo(backend: &str, short: bool) -> Result<()> {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = cargo(&[
+        "run",
+        "--release",
+        "--locked",
+        "-p",
+        "tessera-demo",
+        "--",
+        "run",
+        "--backend",
+        backend,
+    ]);
+    if short {
+        cmd.arg("--short");
+    }
+    println!(
+        "==> tessera-demo run --backend {backend}{}",
+        if short { " --short" } else { "" }
+    );
+    let err = cmd.exec();
+    Err(err).context("starting cargo run -p tessera-demo")
 }
 
 fn cargo(args: &[&str]) -> Command {

@@ -1,0 +1,70 @@
+//! `tessera-demo`: Tessera end to end on one machine, as `cargo xtask demo` runs it.
+//!
+//! `run` starts a storage unit, a consumer (a trainer) and a producer (a rollout worker) as
+//! separate processes of this binary. The producer PUTs RL rollouts step by step; the consumer
+//! GETs, verifies and CLEARs them as they become ready; then the trainer syncs an LLM-shaped
+//! weight set to the rollout worker through a sender and a receiver pool (tessera-rdt-pool).
+//! Every byte is checked against a CRC32 its sender computed, and the run ends with a summary
+//! of throughput, latency, pool usage and copies. The other subcommands are the roles `run`
+//! spawns.
+//!
+//! It never falls back to another engine: a backend the storage crate does not offer is an
+//! error before anything starts.
+
+mod events;
+mod orchestrator;
+mod roles;
+mod summary;
+mod workload;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "tessera-demo",
+    about = "Tessera end to end: a storage unit, a producer and a consumer as processes"
+)]
+struct Cli {
+    #[command(subcommand)]
+    role: Role,
+}
+
+#[derive(Subcommand)]
+enum Role {
+    /// Run the demo: start the unit, the consumer and the producer, print the summary.
+    Run(orchestrator::RunArgs),
+    /// The storage unit (started by `run`; stops when its stdin closes).
+    Unit(roles::ServeArgs),
+    /// The producer, a rollout worker (started by `run`).
+    Producer(roles::WorkerArgs),
+    /// The consumer, a trainer (started by `run`).
+    Consumer(roles::WorkerArgs),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let code = match run(cli) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            1
+        }
+    };
+    std::process::exit(code)
+}
+
+fn run(cli: Cli) -> Result<i32> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        match cli.role {
+            Role::Run(a) => orchestrator::run(a).await,
+            Role::Unit(a) => roles::serve(a).await.map(|()| 0),
+            Role::Producer(a) => roles::producer(a).await.map(|()| 0),
+            Role::Consumer(a) => roles::consumer(a).await.map(|()| 0),
+        }
+    })
+}

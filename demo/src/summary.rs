@@ -1,0 +1,497 @@
+//! The summary table printed at the end of `run`.
+
+use std::fmt::Write;
+use std::time::Duration;
+
+use tessera_storage::Stats;
+
+use crate::events::{ConsumerReport, PoolUse, ProducerReport};
+use crate::workload::Workload;
+
+/// Everything the summary is made of.
+pub(crate) struct Outcome<'a> {
+    pub(crate) workload: &'a Workload,
+    pub(crate) backend: &'a str,
+    pub(crate) producer: &'a ProducerReport,
+    pub(crate) consumer: &'a ConsumerReport,
+    pub(crate) before: &'a Stats,
+    pub(crate) after: &'a Stats,
+    pub(crate) peak_pool_used: u64,
+    pub(crate) unit_clean: bool,
+    pub(crate) wall: Duration,
+}
+
+/// Bytes with a binary unit: `1.00 GiB`.
+pub(crate) fn fmt_bytes(b: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.2} {}", UNITS[u])
+    }
+}
+
+/// Decimal gigabytes per second, as NCCL and NIXL report bandwidth.
+fn gbps(bytes: u64, secs: f64) -> String {
+    if secs <= 0.0 {
+        return "-".into();
+    }
+    format!("{:.2}", bytes as f64 / secs / 1e9)
+}
+
+fn fmt_secs(s: f64) -> String {
+    if s < 1.0 {
+        format!("{:.1} ms", s * 1e3)
+    } else {
+        format!("{s:.2} s")
+    }
+}
+
+fn fmt_us(us: u64) -> String {
+    if us < 1000 {
+        format!("{us} µs")
+    } else {
+        format!("{:.2} ms", us as f64 / 1e3)
+    }
+}
+
+/// Nearest-rank percentile of `sorted`.
+pub(crate) fn percentile(sorted: &[u64], p: f64) -> u64 {
+    if sorted.is_empty() {
+        return 0;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() {
+        0.0
+    } else {
+        v[v.len() / 2]
+    }
+}
+
+/// A table: a header row and rows, columns left-aligned except those named numeric.
+struct Table {
+    header: Vec<String>,
+    rows: Vec<Vec<String>>,
+    right: Vec<bool>,
+}
+
+impl Table {
+    fn new(header: &[&str], right: &[bool]) -> Table {
+        Table {
+            header: header.iter().map(|s| (*s).to_owned()).collect(),
+            rows: Vec::new(),
+            right: right.to_vec(),
+        }
+    }
+
+    fn row(&mut self, cells: Vec<String>) {
+        self.rows.push(cells);
+    }
+
+    fn render(&self, out: &mut String) {
+        let n = self.header.len();
+        let width: Vec<usize> = (0..n)
+            .map(|c| {
+                std::iter::once(&self.header)
+                    .chain(&self.rows)
+                    .map(|r| r.get(c).map_or(0, |s| s.chars().count()))
+                    .max()
+                    .unwrap_or(0)
+            })
+            .collect();
+        let line = |cells: &[String], out: &mut String| {
+            let mut s = String::new();
+            for (c, w) in width.iter().enumerate() {
+                let cell = cells.get(c).map_or("", String::as_str);
+                let pad = w - cell.chars().count();
+                if c > 0 {
+                    s.push_str("  ");
+                }
+                if self.right.get(c).copied().unwrap_or(false) {
+                    s.push_str(&" ".repeat(pad));
+                    s.push_str(cell);
+                } else {
+                    s.push_str(cell);
+                    s.push_str(&" ".repeat(pad));
+                }
+            }
+            let _ = writeln!(out, "  {}", s.trim_end());
+        };
+        line(&self.header, out);
+        let total: usize = width.iter().sum::<usize>() + 2 * (n - 1);
+        let _ = writeln!(out, "  {}", "-".repeat(total));
+        for r in &self.rows {
+            line(r, out);
+        }
+    }
+}
+
+fn used(p: PoolUse) -> String {
+    format!("{} of {}", fmt_bytes(p.used), fmt_bytes(p.capacity))
+}
+
+/// Prints the summary on stdout and returns the number of errors it found.
+pub(crate) fn print(o: &Outcome<'_>) -> u64 {
+    let (w, p, c) = (o.workload, o.producer, o.consumer);
+    let (ws, wr) = (&c.weights, &p.weights);
+    let mut errors = Vec::<String>::new();
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "\nSummary · backend {} · {} rollouts in {} steps · {} of weights × {} syncs · wall {}\n",
+        o.backend,
+        w.total_rollouts(),
+        w.steps,
+        fmt_bytes(w.weight_bytes),
+        w.weight_syncs,
+        fmt_secs(o.wall.as_secs_f64()),
+    );
+
+    // Throughput.
+    let mut t = Table::new(
+        &["phase", "bytes", "time", "GB/s", "what is timed"],
+        &[false, true, true, true, false],
+    );
+    let put_busy = p.puts.busy_secs();
+    let get_busy = c.gets.busy_secs();
+    t.row(vec![
+        "rollouts PUT".into(),
+        fmt_bytes(p.puts.bytes),
+        fmt_secs(put_busy),
+        gbps(p.puts.bytes, put_busy),
+        format!(
+            "{} PUTs of {} rollouts, time inside put()",
+            p.puts.latencies_us.len(),
+            w.micro_batch
+        ),
+    ]);
+    t.row(vec![
+        "rollouts produced".into(),
+        fmt_bytes(p.puts.bytes),
+        fmt_secs(p.produce_wall_secs),
+        gbps(p.puts.bytes, p.produce_wall_secs),
+        "producer wall time, generating the data included".into(),
+    ]);
+    t.row(vec![
+        "rollouts GET".into(),
+        fmt_bytes(c.gets.bytes),
+        fmt_secs(get_busy),
+        gbps(c.gets.bytes, get_busy),
+        format!(
+            "{} GETs of {} rollouts, time inside get()",
+            c.gets.latencies_us.len(),
+            w.micro_batch
+        ),
+    ]);
+    t.row(vec![
+        "rollouts consumed".into(),
+        fmt_bytes(c.gets.bytes),
+        fmt_secs(c.consume_wall_secs),
+        gbps(c.gets.bytes, c.consume_wall_secs),
+        "consumer wall time: waiting, GET, checksums, CLEAR".into(),
+    ]);
+    let pack = median(&ws.pack_secs);
+    t.row(vec![
+        "weights pack".into(),
+        fmt_bytes(ws.bytes),
+        fmt_secs(pack),
+        gbps(ws.bytes, pack),
+        format!(
+            "SenderPool::put, {} tensors into {} block(s), median of {}",
+            ws.tensors,
+            ws.blocks,
+            ws.pack_secs.len()
+        ),
+    ]);
+    if let Some(first) = wr.fetch_secs.first() {
+        t.row(vec![
+            "weights fetch, first".into(),
+            fmt_bytes(wr.bytes_per_sync),
+            fmt_secs(*first),
+            gbps(wr.bytes_per_sync, *first),
+            "ReceiverPool::fetch, one READ; fresh pages on both sides".into(),
+        ]);
+    }
+    if wr.fetch_secs.len() > 1 {
+        let warm = median(&wr.fetch_secs[1..]);
+        t.row(vec![
+            "weights fetch, warm".into(),
+            fmt_bytes(wr.bytes_per_sync),
+            fmt_secs(warm),
+            gbps(wr.bytes_per_sync, warm),
+            format!(
+                "the same, median of the {} later syncs",
+                wr.fetch_secs.len() - 1
+            ),
+        ]);
+    }
+    let sync = median(&ws.sync_secs);
+    t.row(vec![
+        "weights sync".into(),
+        fmt_bytes(ws.bytes),
+        fmt_secs(sync),
+        gbps(ws.bytes, sync),
+        format!(
+            "publish descriptor → fetch → verify {} checksums → ack, median",
+            ws.tensors
+        ),
+    ]);
+    let _ = writeln!(out, "Throughput");
+    t.render(&mut out);
+
+    // Latency.
+    let mut t = Table::new(
+        &["request", "n", "p50", "p90", "p99", "max"],
+        &[false, true, true, true, true, true],
+    );
+    for (name, lat) in [
+        (
+            format!("PUT ({} rollouts)", w.micro_batch),
+            &p.puts.latencies_us,
+        ),
+        (
+            format!("GET ({} rollouts)", w.micro_batch),
+            &c.gets.latencies_us,
+        ),
+        (
+            format!("CLEAR ({} indexes)", w.micro_batch),
+            &c.clears.latencies_us,
+        ),
+    ] {
+        let mut s = lat.clone();
+        s.sort_unstable();
+        t.row(vec![
+            name,
+            s.len().to_string(),
+            fmt_us(percentile(&s, 50.0)),
+            fmt_us(percentile(&s, 90.0)),
+            fmt_us(percentile(&s, 99.0)),
+            fmt_us(s.last().copied().unwrap_or(0)),
+        ]);
+    }
+    let _ = writeln!(out, "\nLatency (client side, one request each)");
+    t.render(&mut out);
+
+    // Pools.
+    let mut t = Table::new(
+        &["pool", "before", "peak / holding", "after"],
+        &[false, true, true, true],
+    );
+    let unit = |s: &Stats| PoolUse {
+        capacity: s.pool.capacity,
+        used: s.pool.used,
+    };
+    t.row(vec![
+        "storage unit (STATS)".into(),
+        used(unit(o.before)),
+        used(PoolUse {
+            capacity: o.before.pool.capacity,
+            used: o.peak_pool_used,
+        }),
+        used(unit(o.after)),
+    ]);
+    t.row(vec![
+        "trainer SenderPool".into(),
+        used(ws.pool_before),
+        used(ws.pool_holding),
+        used(ws.pool_after),
+    ]);
+    t.row(vec![
+        "rollout ReceiverPool".into(),
+        used(wr.pool_before),
+        used(wr.pool_holding),
+        used(wr.pool_after),
+    ]);
+    let _ = writeln!(
+        out,
+        "\nRegistered pools (peak: STATS sampled every 100 ms; holding: while a version is live)"
+    );
+    t.render(&mut out);
+    let leaks = [
+        ("storage unit keys", o.after.keys),
+        ("storage unit pool", o.after.pool.used),
+        ("storage unit leased", o.after.leased_bytes),
+        ("storage unit quarantined", o.after.quarantined_bytes),
+        ("trainer sender pool", ws.pool_after.used),
+        ("rollout receiver pool", wr.pool_after.used),
+        ("consumer's GET pool", c.recv_pool_after),
+    ];
+    for (what, n) in leaks {
+        if n != 0 {
+            errors.push(format!("{what}: {n} left after the run"));
+        }
+    }
+
+    // Copies.
+    let s = o.after;
+    let mut t = Table::new(
+        &["payload", "bytes", "copies", "counted from"],
+        &[false, true, true, false],
+    );
+    let payload = p.puts.bytes + c.gets.bytes;
+    let copied = s.bytes_in + s.bytes_out + s.compacted_bytes;
+    t.row(vec![
+        "rollouts PUT".into(),
+        fmt_bytes(p.puts.bytes),
+        ratio(s.bytes_in, p.puts.bytes),
+        format!(
+            "unit STATS bytes_in {}: the client's WRITE into the unit's block",
+            fmt_bytes(s.bytes_in)
+        ),
+    ]);
+    t.row(vec![
+        "rollouts GET".into(),
+        fmt_bytes(c.gets.bytes),
+        ratio(s.bytes_out, c.gets.bytes),
+        format!(
+            "unit STATS bytes_out {}: the unit's WRITE into the client's block",
+            fmt_bytes(s.bytes_out)
+        ),
+    ]);
+    t.row(vec![
+        "unit compaction".into(),
+        fmt_bytes(s.compacted_bytes),
+        String::new(),
+        "unit STATS compacted_bytes".into(),
+    ]);
+    t.row(vec![
+        "rollouts, all".into(),
+        fmt_bytes(payload),
+        ratio(copied, payload),
+        "(bytes_in + bytes_out + compacted) / payload".into(),
+    ]);
+    let synced = ws.bytes * ws.pack_secs.len() as u64;
+    t.row(vec![
+        "weights pack".into(),
+        fmt_bytes(synced),
+        ratio(synced - ws.in_place.min(synced), synced),
+        format!(
+            "SenderPool::put copies each view once ({} described in place)",
+            fmt_bytes(ws.in_place)
+        ),
+    ]);
+    t.row(vec![
+        "weights fetch".into(),
+        fmt_bytes(wr.bytes_per_sync * wr.fetch_secs.len() as u64),
+        "1.00".into(),
+        "the transport's READ into the receive block".into(),
+    ]);
+    t.row(vec![
+        "weights on receive".into(),
+        String::new(),
+        "0".into(),
+        format!(
+            "{}/{} tensors are views of the receive pool",
+            wr.views_in_pool,
+            wr.tensors_verified + wr.mismatches
+        ),
+    ]);
+    let _ = writeln!(out, "\nCopies (per payload byte)");
+    t.render(&mut out);
+    let _ = writeln!(
+        out,
+        "  GET results: {}/{} tensors are views of the consumer's registered receive pool",
+        c.views_in_pool, c.tensors_received
+    );
+
+    // Checks.
+    let expected_rollouts = w.total_rollouts();
+    if c.rollouts_verified != expected_rollouts {
+        errors.push(format!(
+            "{} of {expected_rollouts} rollouts verified",
+            c.rollouts_verified
+        ));
+    }
+    if c.mismatches > 0 {
+        errors.push(format!(
+            "{} rollouts differ from their checksums",
+            c.mismatches
+        ));
+    }
+    let expected_weights = ws.tensors * w.weight_syncs;
+    if wr.tensors_verified != expected_weights {
+        errors.push(format!(
+            "{} of {expected_weights} weight tensors verified",
+            wr.tensors_verified
+        ));
+    }
+    if wr.mismatches > 0 {
+        errors.push(format!(
+            "{} weight tensors differ from their checksums",
+            wr.mismatches
+        ));
+    }
+    if !o.unit_clean {
+        errors.push("the storage unit did not shut down in order".into());
+    }
+    let _ = writeln!(out, "\nChecks");
+    let _ = writeln!(
+        out,
+        "  checksums (CRC32): {}/{} rollouts, {}/{} weight tensors",
+        c.rollouts_verified, expected_rollouts, wr.tensors_verified, expected_weights
+    );
+    let _ = writeln!(
+        out,
+        "  readiness: {} marker polls found a step not ready yet; {} PUTs waited for capacity",
+        c.marker_polls, p.backpressure_retries
+    );
+    let _ = writeln!(
+        out,
+        "  after the run: {} keys, {} used in the unit's pool; storage unit {}",
+        o.after.keys,
+        fmt_bytes(o.after.pool.used),
+        if o.unit_clean {
+            "shut down in order"
+        } else {
+            "did NOT shut down in order"
+        }
+    );
+    for e in &errors {
+        let _ = writeln!(out, "  error: {e}");
+    }
+    let _ = writeln!(out, "  errors: {}", errors.len());
+    print!("{out}");
+    errors.len() as u64
+}
+
+fn ratio(copied: u64, payload: u64) -> String {
+    if payload == 0 {
+        return "-".into();
+    }
+    format!("{:.2}", copied as f64 / payload as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_are_nearest_rank() {
+        let v: Vec<u64> = (1..=100).collect();
+        assert_eq!(percentile(&v, 50.0), 50);
+        assert_eq!(percentile(&v, 90.0), 90);
+        assert_eq!(percentile(&v, 99.0), 99);
+        assert_eq!(percentile(&[7], 99.0), 7);
+        assert_eq!(percentile(&[], 50.0), 0);
+    }
+
+    #[test]
+    fn bytes_read_as_people_write_them() {
+        assert_eq!(fmt_bytes(0), "0 B");
+        assert_eq!(fmt_bytes(1023), "1023 B");
+        assert_eq!(fmt_bytes(1 << 30), "1.00 GiB");
+        assert_eq!(fmt_bytes(3 << 19), "1.50 MiB");
+    }
+}
