@@ -2,6 +2,7 @@
 //! passes here passes there.
 
 mod deps;
+mod two_node;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -23,6 +24,9 @@ enum Cmd {
     Test,
     /// Install what the `ucx` and `nixl` backends need (idempotent) and print the shell env.
     Deps,
+    /// As root: two agents in two network namespaces joined by a veth pair move 1 GiB each
+    /// way over `tcp`, `ucx` and `nixl`, survive a killed target, and clean up.
+    TwoNodeTest,
     /// Run benchmark suites, print their tables and write target/tessera-bench/<suite>.json.
     Bench {
         /// Suites to run (default: all).
@@ -44,7 +48,8 @@ fn main() -> Result<()> {
             deps::print_env(&layout);
             Ok(())
         }
-        Cmd::Bench { suites } => bench(&suites),
+        Cmd::TwoNodeTest => two_node::run(&root),
+        Cmd::Bench { suites } => bench(&root, &suites),
     }
 }
 
@@ -116,12 +121,23 @@ fn test(root: &Path) -> Result<()> {
         cmd.envs(deps::TEST_ENV.iter().copied());
         step(&format!("{feature} backend tests"), cmd)?;
     }
+    if is_root() {
+        println!("==> two-node test (root: network namespaces)");
+        two_node::run(root).context("cargo xtask two-node-test")?;
+    } else {
+        println!(
+            "==> two-node test NOT run: it needs root to create network namespaces \
+             (CI runs as root; run `sudo cargo xtask two-node-test`)"
+        );
+    }
     println!("xtask test: all steps passed");
     Ok(())
 }
 
-/// The harness binary knows the suites and rejects unknown names.
-fn bench(suites: &[String]) -> Result<()> {
+/// The harness binary knows the suites and rejects unknown names. The `transport` suite
+/// also measures the UCX and NIXL backends: their deps are installed and their bandwidth
+/// examples built first, in release, one feature at a time (never both in one process).
+fn bench(root: &Path, suites: &[String]) -> Result<()> {
     let mut cmd = cargo(&[
         "run",
         "--release",
@@ -133,7 +149,47 @@ fn bench(suites: &[String]) -> Result<()> {
         "--",
     ]);
     cmd.args(suites);
+    if suites.is_empty() || suites.iter().any(|s| s == "transport") {
+        let layout = deps::install(root)
+            .context("installing the backends' dependencies (cargo xtask deps)")?;
+        for (feature, example) in [("ucx", "ucx_agent_bw"), ("nixl", "nixl_agent_bw")] {
+            step(
+                &format!("building the {example} example"),
+                cargo(&[
+                    "build",
+                    "--release",
+                    "--locked",
+                    "-p",
+                    "tessera-transport",
+                    "--features",
+                    feature,
+                    "--example",
+                    example,
+                ]),
+            )?;
+        }
+        let examples = root.join("target/release/examples");
+        let ucx = layout.ucx_dir();
+        cmd.env("TESSERA_BENCH_UCX_BW", examples.join("ucx_agent_bw"))
+            .env("TESSERA_BENCH_NIXL_BW", examples.join("nixl_agent_bw"))
+            .env("TESSERA_BENCH_PERFTEST", ucx.join("bin/ucx_perftest"))
+            .env(
+                "TESSERA_BENCH_UCX_LIBS",
+                format!(
+                    "{}:{}",
+                    ucx.join("lib").display(),
+                    layout.ucx_extra_libs().display()
+                ),
+            );
+    }
     step("benchmarks", cmd)
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
 }
 
 fn cargo(args: &[&str]) -> Command {

@@ -3,7 +3,7 @@
 //!
 //! It makes an agent named NAME (default `peer`) on BACKEND (`shm`, `tcp`, and with the
 //! features `ucx` (transports from `UCX_TLS`; `TESSERA_UCX_ERR_MODE=none` drops peer error
-//! handling) and `nixl`), registers a SIZE-byte region, fills it with `pattern(1)` (regions
+//! handling) and `nixl`; `tcp` binds `TESSERA_PEER_TCP_BIND` when set), registers a SIZE-byte region, fills it with `pattern(1)` (regions
 //! over 64 MiB are left zeroed: use `FILL`), prints `META <hex>` and `REG <id>`, then answers
 //! one command per line on stdin:
 //!
@@ -30,7 +30,16 @@ const PATTERN_LIMIT: u64 = 64 << 20;
 fn agent(kind: &str, name: &str) -> Option<Result<Agent, AgentError>> {
     Some(match kind {
         "shm" => Agent::new(name, Shm::new()),
-        "tcp" => Agent::new(name, Tcp::new()),
+        "tcp" => match std::env::var("TESSERA_PEER_TCP_BIND") {
+            Ok(addr) => match addr.parse() {
+                Ok(addr) => Agent::new(name, Tcp::bind(addr)),
+                Err(_) => {
+                    eprintln!("TESSERA_PEER_TCP_BIND={addr:?} is not a socket address");
+                    std::process::exit(2);
+                }
+            },
+            Err(_) => Agent::new(name, Tcp::new()),
+        },
         #[cfg(feature = "ucx")]
         "ucx" => {
             use tessera_transport::ucx::{ErrorHandling, Ucx, UcxConfig};
