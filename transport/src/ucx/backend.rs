@@ -28,6 +28,8 @@ use crate::error::{BackendError, RegisterError, Side, TransferError};
 use crate::transfer::Completion;
 
 const KIND: &str = "ucx";
+/// How long [`Transport::connect`] waits for the peer to answer.
+const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -133,6 +135,22 @@ impl Transport for Ucx {
                 .connect(&peer.name, &peer.address)
                 .map_err(backend_error)?
         };
+        // Wait for the connection before returning: two agents connecting to each other at
+        // once otherwise race their tcp wireups, and UCX 1.22 then lost puts posted on the
+        // losing connection (flushed as done ~20 s later, the bytes never written).
+        let mut flushed = ep.flush().map_err(backend_error)?;
+        match flushed.wait_timeout(CONNECT_TIMEOUT) {
+            Some(Ok(())) => {}
+            Some(Err(e)) => {
+                return Err(backend_error(format!("connecting to {:?}: {e}", peer.name)))
+            }
+            None => {
+                return Err(backend_error(format!(
+                    "{:?} did not answer within {CONNECT_TIMEOUT:?}",
+                    peer.name
+                )))
+            }
+        }
         let conn = UcxConnection {
             peer: peer.name.clone(),
             ep: Mutex::new(Some(Arc::new(ep))),

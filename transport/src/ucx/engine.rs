@@ -22,6 +22,8 @@ use super::{ErrorHandling, NotifyFn, RmaKind, Side, UcxConfig, UcxError};
 const AM_NOTIFY: u32 = 0x7e55;
 /// How long shutdown lets in-flight transfers finish before it cancels them.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
+/// How long a worker must stay quiet at shutdown before it is destroyed.
+const QUIET: Duration = Duration::from_millis(100);
 
 type Done = Box<dyn FnOnce(Result<(), UcxError>) + Send>;
 /// A completed transfer: its callback, outcome and the memory it held.
@@ -1036,7 +1038,7 @@ impl UcxEngine {
         // closed by us, and UCX 1.22 crashes purging such replies when the worker is
         // destroyed with some still queued. A worker that does not flush in time is leaked
         // rather than destroyed.
-        if !self.flush_worker() {
+        if !self.flush_worker() || !self.drain_worker() {
             self.inner.leak_worker.store(true, Ordering::Relaxed);
         }
         // Whatever is still pending cannot be proven finished: report it failed but keep its
@@ -1050,6 +1052,42 @@ impl UcxEngine {
 }
 
 impl UcxEngine {
+    /// Progresses the worker until it has been quiet (no progress, no event on its fd) for
+    /// [`QUIET`], for at most [`SHUTDOWN_GRACE`]: replies UCX still owes peers on endpoints
+    /// of its own (software-emulated GETs over tcp) are not covered by a worker flush, and
+    /// destroying the worker with some queued crashes UCX 1.22. Whether it became quiet.
+    fn drain_worker(&self) -> bool {
+        let start = Instant::now();
+        loop {
+            let armed = {
+                let st = lock(&self.inner.state);
+                // SAFETY: live worker, lock held.
+                let busy = unsafe { sys::ucp_worker_progress(st.worker) } != 0;
+                // SAFETY: live worker, lock held, right after progress.
+                !busy && unsafe { sys::ucp_worker_arm(st.worker) } == sys::UCS_OK
+            };
+            if armed {
+                let mut evs = [libc::epoll_event { events: 0, u64: 0 }; 2];
+                // SAFETY: `epoll` is the engine's open epoll fd; `evs` holds 2 events.
+                let n = unsafe {
+                    libc::epoll_wait(
+                        self.inner.epoll.as_raw_fd(),
+                        evs.as_mut_ptr(),
+                        2,
+                        QUIET.as_millis() as i32,
+                    )
+                };
+                self.inner.drain_wake();
+                if n == 0 {
+                    return true;
+                }
+            }
+            if start.elapsed() >= SHUTDOWN_GRACE {
+                return false;
+            }
+        }
+    }
+
     /// `ucp_worker_flush_nbx`, progressed for at most [`SHUTDOWN_GRACE`]. Whether it
     /// completed (with any status: a failed peer fails it, which is as final).
     fn flush_worker(&self) -> bool {
@@ -1396,7 +1434,36 @@ impl UcxEndpoint {
         notify: Option<Vec<u8>>,
         done: impl FnOnce(Result<(), UcxError>) + Send + 'static,
     ) -> Result<(), UcxError> {
-        if ops.is_empty() && notify.is_none() {
+        self.post_inner(kind, ops, notify, done, false)
+    }
+
+    /// An endpoint flush alone: completes once everything posted before it completed and
+    /// the endpoint's connection is established (UCX wires endpoints up lazily).
+    pub fn flush(&self) -> Result<Pending, UcxError> {
+        let slot: Arc<Slot> = Arc::default();
+        let s = slot.clone();
+        self.post_inner(
+            RmaKind::Put,
+            &[],
+            None,
+            move |r| {
+                *lock(&s.result) = Some(r);
+                s.cv.notify_all();
+            },
+            true,
+        )?;
+        Ok(Pending { slot })
+    }
+
+    fn post_inner(
+        &self,
+        kind: RmaKind,
+        ops: &[RmaOp<'_>],
+        notify: Option<Vec<u8>>,
+        done: impl FnOnce(Result<(), UcxError>) + Send + 'static,
+        flush_only: bool,
+    ) -> Result<(), UcxError> {
+        if ops.is_empty() && notify.is_none() && !flush_only {
             return Err(UcxError::Invalid(
                 "a transfer needs at least one op or a notification".into(),
             ));
