@@ -352,8 +352,8 @@ fn push_checked(from: &mut Node, to: &mut Node, src: u64, dst: u64, len: u64) ->
 fn backend(kind: &str, bin: &Path) -> Result<String> {
     let mut a = Node::spawn(bin, kind, NS_A, "node-a")?;
     let mut b = Node::spawn(bin, kind, NS_B, "node-b")?;
-    a.expect("FILL 1", "FILLED")?;
-    b.expect("FILL 2", "FILLED")?;
+    a.expect(&format!("FILL 1 {GIB}"), "FILLED")?;
+    b.expect(&format!("FILL 2 {GIB}"), "FILLED")?;
     introduce(&mut a, &mut b)?;
     let ab = push_checked(&mut a, &mut b, 0, GIB, GIB)?;
     let ba = push_checked(&mut b, &mut a, 0, GIB, GIB)?;

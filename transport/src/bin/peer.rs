@@ -9,7 +9,8 @@
 //!
 //! - `ADD <hex>`: add the parent's metadata; answers `ADDED`.
 //! - `CHECK <offset> <len> <seed>`: answers `OK` if the region holds `pattern(seed)` there.
-//! - `FILL <seed>`: fills the whole region with a fast word pattern of `seed`; answers `FILLED`.
+//! - `FILL <seed> [len]`: fills the region's first `len` bytes (all by default) with a fast
+//!   word pattern of `seed`; answers `FILLED`.
 //! - `SUM <offset> <len>`: answers `SUM <hex>`, a checksum of those bytes.
 //! - `NOTE`: waits for a notification; answers `NOTE <from> <msg>`.
 //! - `PUSH <reg> <offset> <len>`: writes its region's first `len` bytes to the parent's
@@ -59,12 +60,13 @@ fn agent(kind: &str, name: &str) -> Option<Result<Agent, AgentError>> {
 }
 
 /// The word pattern of `FILL`: cheap enough for a GiB in a debug build.
-fn fill_words(region: &Region, seed: u64) -> Result<(), tessera_transport::RegionError> {
+fn fill_words(region: &Region, seed: u64, len: u64) -> Result<(), tessera_transport::RegionError> {
     const BLOCK: usize = 1 << 20;
     let mut buf = vec![0u8; BLOCK];
     let mut off = 0u64;
-    while off < region.len() {
-        let n = (region.len() - off).min(BLOCK as u64) as usize;
+    let len = len.min(region.len());
+    while off < len {
+        let n = (len - off).min(BLOCK as u64) as usize;
         for (i, w) in buf[..n].chunks_mut(8).enumerate() {
             let x = (off / 8 + i as u64)
                 .wrapping_add(seed)
@@ -167,7 +169,11 @@ fn main() {
                     Err(e) => format!("ERR {e}"),
                 }
             }
-            Some("FILL") => match fill_words(&region, num(1)) {
+            Some("FILL") => match fill_words(
+                &region,
+                num(1),
+                words.get(2).map_or(region.len(), |_| num(2)),
+            ) {
                 Ok(()) => "FILLED".to_owned(),
                 Err(e) => format!("ERR {e}"),
             },
