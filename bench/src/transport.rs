@@ -193,6 +193,209 @@ fn suite(report: &mut Report) -> Result<()> {
         s,
         format!("1,000 x 4 KiB scattered descriptors in one WRITE over TCP, per descriptor, best of {RUNS_SMALL}"),
     );
+    drop(tcp);
+    engines(report)
+}
+
+/// Where `cargo xtask bench` put the engine tools (it installs the deps and builds them).
+struct EngineTools {
+    ucx_bw: String,
+    nixl_bw: String,
+    perftest: String,
+    ucx_libs: String,
+}
+
+impl EngineTools {
+    fn from_env() -> Result<Self> {
+        let var = |k: &str| {
+            std::env::var(k).map_err(|_| {
+                anyhow!(
+                    "{k} is not set: the ucx and nixl keys need the UCX and NIXL deps and the \
+                     engine examples; run the suite through `cargo xtask bench transport`, which \
+                     installs and builds them"
+                )
+            })
+        };
+        Ok(Self {
+            ucx_bw: var("TESSERA_BENCH_UCX_BW")?,
+            nixl_bw: var("TESSERA_BENCH_NIXL_BW")?,
+            perftest: var("TESSERA_BENCH_PERFTEST")?,
+            ucx_libs: var("TESSERA_BENCH_UCX_LIBS")?,
+        })
+    }
+}
+
+const ENGINE_ITERS: u32 = 5;
+const ENGINE_ROUNDS: usize = 2;
+const ENGINE_ENV: &[(&str, &str)] = &[("UCX_MODULES", "^ib"), ("UCX_NET_DEVICES", "lo")];
+
+/// One run of an `*_agent_bw` example: the average GB/s of `ENGINE_ITERS` 256 MiB writes.
+fn agent_bw(bin: &str, env: &[(&str, &str)]) -> Result<f64> {
+    let out = Command::new(bin)
+        .args(["256", &ENGINE_ITERS.to_string()])
+        .envs(ENGINE_ENV.iter().copied())
+        .envs(env.iter().copied())
+        .stdin(Stdio::null())
+        .output()
+        .with_context(|| format!("running {bin}"))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        bail!(
+            "{bin} failed ({}): {}{}",
+            out.status,
+            text,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    text.lines()
+        .find_map(|l| l.strip_prefix("GBPS "))
+        .and_then(|v| v.trim().parse().ok())
+        .ok_or_else(|| anyhow!("{bin} printed no GBPS line: {text}"))
+}
+
+/// One `ucx_perftest -t ucp_put_bw` of 256 MiB, server pinned to cpu 1 and client to cpu 0.
+fn perftest(tools: &EngineTools, tls: &str, errors: bool, port: u16) -> Result<f64> {
+    let size = BIG.to_string();
+    let iters = ENGINE_ITERS.to_string();
+    let port = port.to_string();
+    let mut args = vec![
+        "-t",
+        "ucp_put_bw",
+        "-s",
+        &size,
+        "-n",
+        &iters,
+        "-w",
+        "1",
+        "-f",
+        "-p",
+        &port,
+    ];
+    if errors {
+        args.push("-e");
+    }
+    let run = |cpu: &str, extra: Option<&str>| {
+        let mut cmd = Command::new("taskset");
+        cmd.args(["-c", cpu, &tools.perftest])
+            .args(extra)
+            .args(&args)
+            .envs(ENGINE_ENV.iter().copied())
+            .env("UCX_TLS", tls)
+            .env("LD_LIBRARY_PATH", &tools.ucx_libs)
+            .stdin(Stdio::null());
+        cmd
+    };
+    let mut server = run(&PEER_CPU.to_string(), None)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("starting ucx_perftest (server)")?;
+    let mut last_err = None;
+    let mut result = None;
+    for _ in 0..20 {
+        std::thread::sleep(Duration::from_millis(250));
+        let out = run(&PARENT_CPU.to_string(), Some("127.0.0.1"))
+            .output()
+            .context("running ucx_perftest (client)")?;
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        if out.status.success() {
+            result = Some(text);
+            break;
+        }
+        last_err = Some(format!("{text}{}", String::from_utf8_lossy(&out.stderr)));
+    }
+    let _ = server.kill();
+    let _ = server.wait();
+    let text = result.ok_or_else(|| {
+        anyhow!(
+            "ucx_perftest client failed: {}",
+            last_err.unwrap_or_default()
+        )
+    })?;
+    // The final line: iterations, latency (3 columns), bandwidth average and overall in MB/s
+    // (MiB/s), message rate.
+    let fields: Vec<f64> = text
+        .lines()
+        .rev()
+        .find_map(|l| {
+            let f: Vec<f64> = l
+                .split_whitespace()
+                .filter_map(|w| w.parse().ok())
+                .collect();
+            (f.len() >= 6).then_some(f)
+        })
+        .ok_or_else(|| anyhow!("no result line in ucx_perftest output: {text}"))?;
+    Ok(fields[4] * 1_048_576.0 / 1e9)
+}
+
+/// The UCX and NIXL backends against `ucx_perftest` of the same UCX build, same run.
+fn engines(report: &mut Report) -> Result<()> {
+    let tools = EngineTools::from_env()?;
+    let port = 20_000 + (std::process::id() % 20_000) as u16;
+    let how = format!(
+        "{ENGINE_ITERS} back-to-back 256 MiB WRITEs through Agent (ucx backend, ucx_agent_bw \
+         example) after one untimed, initiator pinned to cpu {PARENT_CPU}, target to cpu \
+         {PEER_CPU}, both regions pre-touched, average; best of {ENGINE_ROUNDS} rounds \
+         interleaved with ucx_perftest"
+    );
+    let perf_how = format!(
+        "ucx_perftest -t ucp_put_bw -s 256MiB -n {ENGINE_ITERS} -w 1 of the same UCX 1.22 \
+         build (.deps/ucx), taskset server cpu {PEER_CPU} / client cpu {PARENT_CPU}, average \
+         bandwidth; best of {ENGINE_ROUNDS} rounds"
+    );
+    let mut ucx_tcp = 0.0;
+    for (label, tls, errors) in [("tcp", "tcp", true), ("shm", "posix,cma", false)] {
+        let mut env = vec![("UCX_TLS", tls)];
+        if !errors {
+            env.push(("TESSERA_UCX_ERR_MODE", "none"));
+        }
+        let (mut ours, mut theirs) = (0.0f64, 0.0f64);
+        for _ in 0..ENGINE_ROUNDS {
+            ours = ours.max(agent_bw(&tools.ucx_bw, &env)?);
+            theirs = theirs.max(perftest(&tools, tls, errors, port)?);
+        }
+        let mode = if errors {
+            "peer error handling (ours: UCP_ERR_HANDLING_MODE_PEER; perftest: -e)"
+        } else {
+            "no error handling (ours: ErrorHandling::None; perftest: without -e), which cma needs"
+        };
+        report.put(
+            &format!("ucx_{label}_put_256m_gbps"),
+            ours,
+            format!("{how}; UCX_TLS={tls}, {mode}"),
+        );
+        report.put(
+            &format!("ucx_perftest_{label}_put_256m_gbps"),
+            theirs,
+            format!("{perf_how}; UCX_TLS={tls}, {mode}"),
+        );
+        report.put(
+            &format!("ucx_{label}_vs_perftest"),
+            ours / theirs,
+            format!("ucx_{label}_put_256m_gbps / ucx_perftest_{label}_put_256m_gbps, same run"),
+        );
+        if label == "tcp" {
+            ucx_tcp = ours;
+        }
+    }
+    let mut nixl = 0.0f64;
+    for _ in 0..ENGINE_ROUNDS {
+        nixl = nixl.max(agent_bw(&tools.nixl_bw, &[("UCX_TLS", "tcp")])?);
+    }
+    report.put(
+        "nixl_write_256m_gbps",
+        nixl,
+        format!(
+            "{ENGINE_ITERS} back-to-back 256 MiB WRITEs through Agent (nixl backend: NIXL 1.5.1 \
+             with its UCX backend and bundled UCX 1.23, peer error handling), UCX_TLS=tcp, \
+             pinned cpu {PARENT_CPU} / {PEER_CPU}, pre-touched, average; best of {ENGINE_ROUNDS}"
+        ),
+    );
+    report.put(
+        "nixl_vs_ucx",
+        nixl / ucx_tcp,
+        "nixl_write_256m_gbps / ucx_tcp_put_256m_gbps (both UCX_TLS=tcp with peer error handling), same run",
+    );
     Ok(())
 }
 

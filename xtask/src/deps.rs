@@ -64,7 +64,7 @@ impl Layout {
     }
 
     /// Helper libraries the UCX tools need besides UCX's own (libgomp).
-    fn ucx_extra_libs(&self) -> PathBuf {
+    pub(crate) fn ucx_extra_libs(&self) -> PathBuf {
         self.deps.join("ucx/libucx_cu12.libs")
     }
 }

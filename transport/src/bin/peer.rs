@@ -1,14 +1,21 @@
-//! `tessera-transport-peer BACKEND SIZE`: the second process of the two-process tests.
+//! `tessera-transport-peer BACKEND SIZE [NAME]`: the second process of the two-process tests
+//! and one agent of `cargo xtask two-node-test`.
 //!
-//! It makes an agent named `peer` on BACKEND (`shm` or `tcp`), registers a SIZE-byte region
-//! filled with `pattern(1)`, prints `META <hex>` and `REG <id>`, then answers one command per
-//! line on stdin:
+//! It makes an agent named NAME (default `peer`) on BACKEND (`shm`, `tcp`, and with the
+//! features `ucx` (transports from `UCX_TLS`; `TESSERA_UCX_ERR_MODE=none` drops peer error
+//! handling) and `nixl`; `tcp` binds `TESSERA_PEER_TCP_BIND` when set), registers a SIZE-byte region, fills it with `pattern(1)` (regions
+//! over 64 MiB are left zeroed: use `FILL`), prints `META <hex>` and `REG <id>`, then answers
+//! one command per line on stdin:
 //!
 //! - `ADD <hex>`: add the parent's metadata; answers `ADDED`.
 //! - `CHECK <offset> <len> <seed>`: answers `OK` if the region holds `pattern(seed)` there.
+//! - `FILL <seed> [len]`: fills the region's first `len` bytes (all by default) with a fast
+//!   word pattern of `seed`; answers `FILLED`.
+//! - `SUM <offset> <len>`: answers `SUM <hex>`, a checksum of those bytes.
 //! - `NOTE`: waits for a notification; answers `NOTE <from> <msg>`.
 //! - `PUSH <reg> <offset> <len>`: writes its region's first `len` bytes to the parent's
 //!   registration `reg` at `offset`, with notification `pushed`; answers `PUSHED` or `ERR ...`.
+//! - `PUSHFROM <local offset> <reg> <offset> <len>`: the same from `local offset`.
 //! - `FLOOD <reg> <offset> <len>`: posts 64 such writes without waiting, answers `FLOODING`
 //!   and leaves them in flight (for killing this process mid-transfer).
 //! - `EXIT`: exits.
@@ -17,7 +24,82 @@ use std::io::{BufRead, Write};
 use std::time::Duration;
 
 use tessera_transport::testing::pattern;
-use tessera_transport::{shm::Shm, tcp::Tcp, Agent, Peer, Region, RemoteDesc};
+use tessera_transport::{shm::Shm, tcp::Tcp, Agent, AgentError, Peer, Region, RemoteDesc};
+
+const PATTERN_LIMIT: u64 = 64 << 20;
+
+fn agent(kind: &str, name: &str) -> Option<Result<Agent, AgentError>> {
+    Some(match kind {
+        "shm" => Agent::new(name, Shm::new()),
+        "tcp" => match std::env::var("TESSERA_PEER_TCP_BIND") {
+            Ok(addr) => match addr.parse() {
+                Ok(addr) => Agent::new(name, Tcp::bind(addr)),
+                Err(_) => {
+                    eprintln!("TESSERA_PEER_TCP_BIND={addr:?} is not a socket address");
+                    std::process::exit(2);
+                }
+            },
+            Err(_) => Agent::new(name, Tcp::new()),
+        },
+        #[cfg(feature = "ucx")]
+        "ucx" => {
+            use tessera_transport::ucx::{ErrorHandling, Ucx, UcxConfig};
+            let mut config = UcxConfig::new(name);
+            if std::env::var("TESSERA_UCX_ERR_MODE").is_ok_and(|m| m == "none") {
+                config.error_handling = ErrorHandling::None;
+            }
+            Agent::new(name, Ucx::new(config))
+        }
+        #[cfg(feature = "nixl")]
+        "nixl" => {
+            use tessera_transport::nixl::{Nixl, NixlConfig};
+            Agent::new(name, Nixl::new(NixlConfig::new(name)))
+        }
+        _ => return None,
+    })
+}
+
+/// The word pattern of `FILL`: cheap enough for a GiB in a debug build.
+fn fill_words(region: &Region, seed: u64, len: u64) -> Result<(), tessera_transport::RegionError> {
+    const BLOCK: usize = 1 << 20;
+    let mut buf = vec![0u8; BLOCK];
+    let mut off = 0u64;
+    let len = len.min(region.len());
+    while off < len {
+        let n = (len - off).min(BLOCK as u64) as usize;
+        for (i, w) in buf[..n].chunks_mut(8).enumerate() {
+            let x = (off / 8 + i as u64)
+                .wrapping_add(seed)
+                .wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            let b = (x ^ (x >> 29)).to_le_bytes();
+            w.copy_from_slice(&b[..w.len()]);
+        }
+        region.write_at(off, &buf[..n])?;
+        off += n as u64;
+    }
+    Ok(())
+}
+
+/// A checksum of `len` bytes at `offset` (word-wise multiply-xor; not cryptographic).
+fn checksum(region: &Region, offset: u64, len: u64) -> Result<u64, tessera_transport::RegionError> {
+    const BLOCK: usize = 1 << 20;
+    let mut buf = vec![0u8; BLOCK];
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ len;
+    let mut done = 0u64;
+    while done < len {
+        let n = (len - done).min(BLOCK as u64) as usize;
+        region.read_at(offset + done, &mut buf[..n])?;
+        for w in buf[..n].chunks(8) {
+            let mut b = [0u8; 8];
+            b[..w.len()].copy_from_slice(w);
+            h = (h ^ u64::from_le_bytes(b))
+                .wrapping_mul(0x0100_0000_01b3)
+                .rotate_left(5);
+        }
+        done += n as u64;
+    }
+    Ok(h)
+}
 
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
@@ -36,22 +118,21 @@ fn main() {
         args.first(),
         args.get(1).and_then(|s| s.parse::<u64>().ok()),
     ) else {
-        eprintln!("usage: tessera-transport-peer shm|tcp SIZE");
+        eprintln!("usage: tessera-transport-peer shm|tcp|ucx|nixl SIZE [NAME]");
         std::process::exit(2);
     };
-    let agent = match kind.as_str() {
-        "shm" => Agent::new("peer", Shm::new()),
-        "tcp" => Agent::new("peer", Tcp::new()),
-        other => {
-            eprintln!("unknown backend {other}");
-            std::process::exit(2);
-        }
-    }
-    .expect("agent starts");
+    let name = args.get(2).map_or("peer", String::as_str);
+    let Some(agent) = agent(kind, name) else {
+        eprintln!("unknown (or not built in) backend {kind}");
+        std::process::exit(2);
+    };
+    let agent = agent.expect("agent starts");
     let region = Region::new(size).expect("region");
-    region
-        .write_at(0, &pattern(1, size as usize))
-        .expect("fill");
+    if size <= PATTERN_LIMIT {
+        region
+            .write_at(0, &pattern(1, size as usize))
+            .expect("fill");
+    }
     let reg = agent.register(&region).expect("register");
     let mut out = std::io::stdout().lock();
     writeln!(out, "META {}", hex(&agent.metadata())).unwrap();
@@ -86,6 +167,34 @@ fn main() {
                     Ok(()) if got == pattern(seed, len as usize) => "OK".to_owned(),
                     Ok(()) => "BAD".to_owned(),
                     Err(e) => format!("ERR {e}"),
+                }
+            }
+            Some("FILL") => match fill_words(
+                &region,
+                num(1),
+                words.get(2).map_or(region.len(), |_| num(2)),
+            ) {
+                Ok(()) => "FILLED".to_owned(),
+                Err(e) => format!("ERR {e}"),
+            },
+            Some("SUM") => match checksum(&region, num(1), num(2)) {
+                Ok(h) => format!("SUM {h:016x}"),
+                Err(e) => format!("ERR {e}"),
+            },
+            Some("PUSHFROM") => {
+                let (from, r, off, len) = (num(1), num(2), num(3), num(4));
+                match (&parent, reg.desc(from, len)) {
+                    (Some(p), Ok(local)) => {
+                        match p.write(&[local], &[RemoteDesc::new(r, off, len)], Some(b"pushed")) {
+                            Ok(t) => match t.wait() {
+                                Ok(()) => "PUSHED".to_owned(),
+                                Err(e) => format!("ERR {e}"),
+                            },
+                            Err(e) => format!("ERR {e}"),
+                        }
+                    }
+                    (None, _) => "ERR no parent".to_owned(),
+                    (_, Err(e)) => format!("ERR {e}"),
                 }
             }
             Some("NOTE") => match agent.wait_notification(Duration::from_secs(60)) {

@@ -38,6 +38,10 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+mod backend;
+
+pub use backend::Nixl;
+
 use nixl_sys::{
     Agent, AgentConfig, Backend, MemType, MemoryRegion, NixlDescriptor, NixlError, NotificationMap,
     OptArgs, RegistrationHandle, XferDescList, XferOp, XferRequest, XferStatus,
@@ -545,6 +549,22 @@ impl NixlEngine {
     /// (transfers in flight, including quarantined ones, hold clones). Peers may write it at
     /// any time while it is registered and they hold its key.
     pub unsafe fn register(&self, ptr: *mut u8, len: u64) -> Result<NixlRegion, NixlEngineError> {
+        // SAFETY: forwarded: the caller upholds this function's contract.
+        unsafe { self.register_owned(ptr, len, None) }
+    }
+
+    /// Like [`NixlEngine::register`], also holding `owner` (what keeps the memory mapped)
+    /// until the registrations are released, including from quarantine.
+    ///
+    /// # Safety
+    /// As for [`NixlEngine::register`]; holding `owner` must be enough to keep the range
+    /// mapped, or the caller must keep it mapped otherwise.
+    pub(crate) unsafe fn register_owned(
+        &self,
+        ptr: *mut u8,
+        len: u64,
+        owner: Option<Box<dyn Send + Sync>>,
+    ) -> Result<NixlRegion, NixlEngineError> {
         if ptr.is_null() || len == 0 {
             return Err(NixlEngineError::Invalid(
                 "cannot register an empty range".into(),
@@ -592,6 +612,7 @@ impl NixlEngine {
                 base: ptr as usize,
                 len,
                 chunks,
+                _owner: owner,
             }),
         })
     }
@@ -599,15 +620,50 @@ impl NixlEngine {
     /// Loads a peer's metadata (`loadRemoteMD`) and returns a handle on it. The peer's
     /// metadata is invalidated when its last handle is dropped and its transfers are done.
     pub fn load_remote(&self, metadata: &[u8]) -> Result<NixlPeer, NixlEngineError> {
+        self.load_remote_named(metadata, None)
+    }
+
+    /// Like [`NixlEngine::load_remote`] for metadata that must be of peer `expected`; if
+    /// NIXL refuses it because a previous instance of that peer is still loaded (the peer
+    /// restarted), that instance is invalidated and the metadata loaded again.
+    pub fn load_remote_named(
+        &self,
+        metadata: &[u8],
+        expected: Option<&str>,
+    ) -> Result<NixlPeer, NixlEngineError> {
         let mut st = lock(&self.inner.state);
         if st.stopped {
             return Err(NixlEngineError::Shutdown(self.inner.name.clone()));
         }
-        let name = self
-            .inner
-            .agent
-            .load_remote_md(metadata)
-            .map_err(nixl("loadRemoteMD"))?;
+        let name = match self.inner.agent.load_remote_md(metadata) {
+            Ok(name) => name,
+            Err(first) => match expected {
+                // A peer that restarted under the same name: NIXL still holds the dead
+                // one's connection. Forget it, then load the new metadata.
+                Some(peer) if st.peers.contains_key(peer) => {
+                    let _ = self.inner.agent.invalidate_remote_md(peer);
+                    if let Some(p) = st.peers.get_mut(peer) {
+                        p.regs.clear();
+                    }
+                    self.inner
+                        .agent
+                        .load_remote_md(metadata)
+                        .map_err(nixl("loadRemoteMD"))?
+                }
+                _ => {
+                    return Err(NixlEngineError::Nixl {
+                        call: "loadRemoteMD",
+                        source: first,
+                    })
+                }
+            },
+        };
+        if expected.is_some_and(|e| e != name) {
+            return Err(NixlEngineError::Invalid(format!(
+                "metadata of {name:?} given for peer {:?}",
+                expected.unwrap_or_default()
+            )));
+        }
         st.peers.entry(name.clone()).or_default().handles += 1;
         Ok(NixlPeer {
             engine: self.inner.clone(),
@@ -753,6 +809,8 @@ struct RegInner {
     len: u64,
     /// (start offset, length) of each chunk.
     chunks: Vec<(u64, u64)>,
+    /// Keeps the memory mapped; dropped after the handles are deregistered.
+    _owner: Option<Box<dyn Send + Sync>>,
 }
 
 impl Drop for RegInner {
@@ -922,6 +980,28 @@ impl NixlPeer {
             .regs
             .insert(id, reg);
         Ok(())
+    }
+
+    /// Sends a notification alone (`genNotif`), through the engine's UCX backend.
+    pub fn notify(&self, msg: &[u8]) -> Result<(), NixlEngineError> {
+        if msg.len() > self.engine.max_notification {
+            return Err(NixlEngineError::Invalid(format!(
+                "a notification of {} bytes exceeds the limit of {}",
+                msg.len(),
+                self.engine.max_notification
+            )));
+        }
+        let st = lock(&self.engine.state);
+        if st.stopped {
+            return Err(NixlEngineError::Shutdown(self.engine.name.clone()));
+        }
+        self.engine
+            .agent
+            .send_notification(&self.name, msg, Some(&self.engine.backend))
+            .map_err(|source| NixlEngineError::TransferFailed {
+                peer: self.name.clone(),
+                source,
+            })
     }
 
     /// Forgets the peer's registration `id`.

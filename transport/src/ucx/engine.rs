@@ -9,7 +9,7 @@ use std::collections::{HashMap, VecDeque};
 use std::ffi::{c_void, CStr, CString};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::ptr;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -22,6 +22,8 @@ use super::{ErrorHandling, NotifyFn, RmaKind, Side, UcxConfig, UcxError};
 const AM_NOTIFY: u32 = 0x7e55;
 /// How long shutdown lets in-flight transfers finish before it cancels them.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
+/// How long a worker must stay quiet at shutdown before it is destroyed.
+const QUIET: Duration = Duration::from_millis(100);
 
 type Done = Box<dyn FnOnce(Result<(), UcxError>) + Send>;
 /// A completed transfer: its callback, outcome and the memory it held.
@@ -177,6 +179,8 @@ struct Inner {
     busy_poll: Duration,
     /// Live `MemInner`s of this engine.
     live_mem: AtomicUsize,
+    /// Set when the worker could not be flushed at shutdown: it is then never destroyed.
+    leak_worker: AtomicBool,
 }
 
 impl Inner {
@@ -728,6 +732,7 @@ impl UcxEngine {
             error_handling: config.error_handling,
             busy_poll: config.busy_poll,
             live_mem: AtomicUsize::new(0),
+            leak_worker: AtomicBool::new(false),
         });
 
         let am = sys::ucp_am_handler_param_t {
@@ -785,6 +790,23 @@ impl UcxEngine {
     /// their key is valid: the caller must not rely on its contents during that time except
     /// through completed transfers.
     pub unsafe fn register(&self, ptr: *mut u8, len: u64) -> Result<MemRegion, UcxError> {
+        // SAFETY: forwarded: the caller upholds this function's contract.
+        unsafe { self.register_owned(ptr, len, None) }
+    }
+
+    /// Like [`UcxEngine::register`], also holding `owner` (what keeps the memory mapped)
+    /// until the memory handles are unmapped: a transfer that UCX may still be running after
+    /// it was reported keeps both.
+    ///
+    /// # Safety
+    /// As for [`UcxEngine::register`]; holding `owner` must be enough to keep the range
+    /// mapped, or the caller must keep it mapped otherwise.
+    pub(crate) unsafe fn register_owned(
+        &self,
+        ptr: *mut u8,
+        len: u64,
+        owner: Option<Box<dyn Send + Sync>>,
+    ) -> Result<MemRegion, UcxError> {
         if ptr.is_null() || len == 0 {
             return Err(UcxError::Invalid("cannot register an empty range".into()));
         }
@@ -858,6 +880,7 @@ impl UcxEngine {
                 len,
                 chunks,
                 key,
+                _owner: owner,
             }),
         })
     }
@@ -1010,12 +1033,95 @@ impl UcxEngine {
             }
             self.inner.sleep(10);
         }
+        // Then flush the worker itself. Endpoints UCX made on its own for peers that reached
+        // us (the replies of software-emulated GETs over tcp go out on those) cannot be
+        // closed by us, and UCX 1.22 crashes purging such replies when the worker is
+        // destroyed with some still queued. A worker that does not flush in time is leaked
+        // rather than destroyed.
+        if !self.flush_worker() || !self.drain_worker() {
+            self.inner.leak_worker.store(true, Ordering::Relaxed);
+        }
         // Whatever is still pending cannot be proven finished: report it failed but keep its
         // memory registered forever rather than risk a use after free.
         let leftovers = std::mem::take(&mut lock(&self.inner.state).ops);
         for op in leftovers {
             std::mem::forget(op.keep);
             (op.done)(Err(UcxError::Shutdown(self.inner.name.clone())));
+        }
+    }
+}
+
+impl UcxEngine {
+    /// Progresses the worker until it has been quiet (no progress, no event on its fd) for
+    /// [`QUIET`], for at most [`SHUTDOWN_GRACE`]: replies UCX still owes peers on endpoints
+    /// of its own (software-emulated GETs over tcp) are not covered by a worker flush, and
+    /// destroying the worker with some queued crashes UCX 1.22. Whether it became quiet.
+    fn drain_worker(&self) -> bool {
+        let start = Instant::now();
+        loop {
+            let armed = {
+                let st = lock(&self.inner.state);
+                // SAFETY: live worker, lock held.
+                let busy = unsafe { sys::ucp_worker_progress(st.worker) } != 0;
+                // SAFETY: live worker, lock held, right after progress.
+                !busy && unsafe { sys::ucp_worker_arm(st.worker) } == sys::UCS_OK
+            };
+            if armed {
+                let mut evs = [libc::epoll_event { events: 0, u64: 0 }; 2];
+                // SAFETY: `epoll` is the engine's open epoll fd; `evs` holds 2 events.
+                let n = unsafe {
+                    libc::epoll_wait(
+                        self.inner.epoll.as_raw_fd(),
+                        evs.as_mut_ptr(),
+                        2,
+                        QUIET.as_millis() as i32,
+                    )
+                };
+                self.inner.drain_wake();
+                if n == 0 {
+                    return true;
+                }
+            }
+            if start.elapsed() >= SHUTDOWN_GRACE {
+                return false;
+            }
+        }
+    }
+
+    /// `ucp_worker_flush_nbx`, progressed for at most [`SHUTDOWN_GRACE`]. Whether it
+    /// completed (with any status: a failed peer fails it, which is as final).
+    fn flush_worker(&self) -> bool {
+        let r = {
+            let st = lock(&self.inner.state);
+            let param = sys::ucp_request_param_t::default();
+            // SAFETY: live worker, lock held, valid param.
+            unsafe { sys::ucp_worker_flush_nbx(st.worker, &param) }
+        };
+        if !sys::ptr_is_ptr(r) {
+            return true;
+        }
+        let start = Instant::now();
+        loop {
+            let finished = {
+                let st = lock(&self.inner.state);
+                // SAFETY: live worker, lock held; `r` is the live flush request, freed once
+                // below when it completed.
+                unsafe {
+                    while sys::ucp_worker_progress(st.worker) != 0 {}
+                    sys::ucp_request_check_status(r) != sys::UCS_INPROGRESS
+                }
+            };
+            if finished {
+                let _st = lock(&self.inner.state);
+                // SAFETY: completed request, released exactly once; lock held.
+                unsafe { sys::ucp_request_free(r) };
+                return true;
+            }
+            if start.elapsed() >= SHUTDOWN_GRACE {
+                // The request goes with the leaked worker.
+                return false;
+            }
+            self.inner.sleep(10);
         }
     }
 }
@@ -1071,6 +1177,10 @@ impl Drop for Inner {
             // An endpoint that never finished closing keeps its argument (leaked on purpose):
             // the worker destroy below may still call its error callback.
         }
+        if self.leak_worker.load(Ordering::Relaxed) {
+            // The worker could not be flushed: destroying it could crash inside UCX.
+            return;
+        }
         // SAFETY: last reference: no endpoint handle, memory handle or progress thread is
         // left, so this is the last use of the worker and then of the context, in the order
         // UCX requires.
@@ -1107,6 +1217,8 @@ struct MemInner {
     len: u64,
     chunks: Vec<LocalChunk>,
     key: Vec<u8>,
+    /// Keeps the memory mapped; dropped after the chunks are unmapped.
+    _owner: Option<Box<dyn Send + Sync>>,
 }
 
 // SAFETY: the memory handles are only passed to UCP with the engine's state lock held; `base`
@@ -1322,8 +1434,39 @@ impl UcxEndpoint {
         notify: Option<Vec<u8>>,
         done: impl FnOnce(Result<(), UcxError>) + Send + 'static,
     ) -> Result<(), UcxError> {
-        if ops.is_empty() {
-            return Err(UcxError::Invalid("a transfer needs at least one op".into()));
+        self.post_inner(kind, ops, notify, done, false)
+    }
+
+    /// An endpoint flush alone: completes once everything posted before it completed and
+    /// the endpoint's connection is established (UCX wires endpoints up lazily).
+    pub fn flush(&self) -> Result<Pending, UcxError> {
+        let slot: Arc<Slot> = Arc::default();
+        let s = slot.clone();
+        self.post_inner(
+            RmaKind::Put,
+            &[],
+            None,
+            move |r| {
+                *lock(&s.result) = Some(r);
+                s.cv.notify_all();
+            },
+            true,
+        )?;
+        Ok(Pending { slot })
+    }
+
+    fn post_inner(
+        &self,
+        kind: RmaKind,
+        ops: &[RmaOp<'_>],
+        notify: Option<Vec<u8>>,
+        done: impl FnOnce(Result<(), UcxError>) + Send + 'static,
+        flush_only: bool,
+    ) -> Result<(), UcxError> {
+        if ops.is_empty() && notify.is_none() && !flush_only {
+            return Err(UcxError::Invalid(
+                "a transfer needs at least one op or a notification".into(),
+            ));
         }
         if let Some(n) = &notify {
             if n.len() > self.engine.max_notification {

@@ -34,6 +34,7 @@
 //! The peer's address and keys are framed and checksummed by us and checked before UCX sees
 //! them; they must still come from a peer you trust, as UCX cannot validate their contents.
 
+mod backend;
 mod engine;
 mod key;
 #[allow(clippy::all)]
@@ -43,6 +44,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
+pub use backend::Ucx;
 pub use engine::{MemRegion, Pending, RmaOp, UcxEndpoint, UcxEngine, UcxProbe, UcxReport};
 
 /// Direction of a transfer, seen from the initiator.

@@ -1,0 +1,14 @@
+//! WRITE bandwidth of the `nixl` backend through `Agent`, between two pinned processes.
+//!
+//! `cargo run --release --features nixl --example nixl_agent_bw [SIZE_MIB] [ITERS]`; NIXL's
+//! UCX backend takes its transports from `UCX_TLS`.
+
+#[path = "bw_common/mod.rs"]
+mod bw_common;
+
+use tessera_transport::nixl::{Nixl, NixlConfig};
+use tessera_transport::Agent;
+
+fn main() {
+    bw_common::main(|name| Agent::new(name, Nixl::new(NixlConfig::new(name))).expect("agent"));
+}
