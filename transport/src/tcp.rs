@@ -134,11 +134,23 @@ impl Links {
         }
     }
 
+    /// Files `link` under `name`, unless a live link to the same incarnation of the peer (same
+    /// advertised address) is there already. A live link to an older incarnation is retired.
     fn file(&self, name: &str, link: &Arc<Link>) {
         let mut map = lock(&self.by_name);
-        let keep_old = map.get(name).is_some_and(|l| l.dead().is_none());
-        if !keep_old {
-            map.insert(name.to_owned(), link.clone());
+        let stale = match map.get(name) {
+            Some(old) if old.dead().is_none() => {
+                if old.addr == link.addr {
+                    return;
+                }
+                Some(old.clone())
+            }
+            _ => None,
+        };
+        map.insert(name.to_owned(), link.clone());
+        drop(map);
+        if let Some(old) = stale {
+            old.die("the peer restarted at a new address");
         }
     }
 
@@ -267,7 +279,15 @@ impl Transport for Tcp {
             return Err(backend("shut down"));
         }
         if let Some(link) = self.inner.links.live(&peer.name) {
-            return Ok(Arc::new(TcpConnection { link }));
+            if link.addr == peer.address {
+                return Ok(Arc::new(TcpConnection { link }));
+            }
+            // Same name, new address: the peer restarted, and this link may not have seen the
+            // old process die yet. Writing on it would fail; retire it and dial the new one.
+            link.die("the peer restarted at a new address");
+        }
+        if peer.address.len() > 255 {
+            return Err(backend("address longer than 255 bytes"));
         }
         let text = std::str::from_utf8(&peer.address).map_err(|_| backend("malformed address"))?;
         let addr = text
@@ -293,10 +313,13 @@ impl Transport for Tcp {
         harden(std_stream.as_raw_fd());
         // Introduce ourselves and wait until the target has filed the link under our name, so
         // that its own `connect` to us, if it comes next, finds and shares this link.
+        let mine = self.address();
         let mut hello = vec![0u8; HEADER];
         hello[0] = KIND_HELLO;
         hello[8..12].copy_from_slice(&(me.len() as u32).to_le_bytes());
+        hello[12..16].copy_from_slice(&(mine.len() as u32).to_le_bytes());
         hello.extend_from_slice(me.as_bytes());
+        hello.extend_from_slice(&mine);
         let handshake = (|| {
             io::Write::write_all(&mut &std_stream, &hello)?;
             std_stream.set_read_timeout(Some(CONNECT_TIMEOUT))?;
@@ -317,6 +340,7 @@ impl Transport for Tcp {
             &handle,
             stream,
             peer.name.clone(),
+            peer.address.clone(),
             host,
             self.inner.stop.subscribe(),
         );
@@ -353,6 +377,9 @@ impl Drop for Inner {
 /// One connection to a peer, used in both directions.
 struct Link {
     peer: String,
+    /// The address the peer advertises (its metadata's, or its `HELLO`'s): a peer that comes
+    /// back under the same name at another address is a new incarnation, not this link.
+    addr: Vec<u8>,
     jobs: mpsc::UnboundedSender<Job>,
     /// Requests this agent wrote (or is writing), oldest first; responses come back in order.
     pending: Mutex<VecDeque<Xfer>>,
@@ -427,12 +454,14 @@ fn spawn_link(
     handle: &tokio::runtime::Handle,
     stream: TcpStream,
     peer: String,
+    addr: Vec<u8>,
     host: Host,
     stop: watch::Receiver<bool>,
 ) -> Arc<Link> {
     let (tx, rx) = mpsc::unbounded_channel();
     let link = Arc::new(Link {
         peer,
+        addr,
         jobs: tx,
         pending: Mutex::new(VecDeque::new()),
         dead: Mutex::new(None),
@@ -920,21 +949,26 @@ async fn greet(mut stream: TcpStream, host: Host, links: Arc<Links>, stop: watch
     let hello = tokio::time::timeout(CONNECT_TIMEOUT, async {
         stream.read_exact(&mut head).await?;
         let len = u32::from_le_bytes([head[8], head[9], head[10], head[11]]) as usize;
-        if head[0] != KIND_HELLO || len == 0 || len > 255 {
+        let addr_len = u32::from_le_bytes([head[12], head[13], head[14], head[15]]) as usize;
+        if head[0] != KIND_HELLO || len == 0 || len > 255 || addr_len > 255 {
             return Err(malformed("expected HELLO"));
         }
         let mut name = vec![0u8; len];
         stream.read_exact(&mut name).await?;
-        String::from_utf8(name).map_err(|_| malformed("name is not UTF-8"))
+        let mut addr = vec![0u8; addr_len];
+        stream.read_exact(&mut addr).await?;
+        let name = String::from_utf8(name).map_err(|_| malformed("name is not UTF-8"))?;
+        Ok((name, addr))
     })
     .await;
-    let Ok(Ok(peer)) = hello else {
+    let Ok(Ok((peer, addr))) = hello else {
         return;
     };
     let link = spawn_link(
         &tokio::runtime::Handle::current(),
         stream,
         peer.clone(),
+        addr,
         host,
         stop,
     );
