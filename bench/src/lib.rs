@@ -3,6 +3,7 @@
 
 pub mod alloc;
 pub mod codec;
+mod cpu;
 pub mod plot;
 pub mod pool;
 pub mod report;
