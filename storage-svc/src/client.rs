@@ -48,8 +48,9 @@ pub struct ClientConfig {
     pub recv_pool_bytes: u64,
     /// Largest control message accepted from a unit.
     pub max_message_bytes: u64,
-    /// How long a PUT's WRITE or a GET's completion may take before the client gives up
-    /// (the outcome is then unknown and not retried).
+    /// How long a unit's answer to any request, a PUT's WRITE or a GET's completion may take
+    /// before the client gives up ([`ClientError::Timeout`]; the outcome is then unknown and
+    /// not retried).
     pub timeout: Duration,
 }
 
@@ -83,6 +84,7 @@ struct Conn {
     peer: Peer,
     inline_max: u64,
     align: u64,
+    timeout: Duration,
 }
 
 /// A client of one or more units. Cheap to share behind an `Arc`; requests are pipelined.
@@ -513,7 +515,7 @@ impl Conn {
             token: cfg.token.clone(),
             agent: agent.metadata(),
         };
-        let (_, resp) = call_raw(unit, &tx, &waiters, 0, hello).await?;
+        let (_, resp) = call_raw(unit, &tx, &waiters, 0, hello, cfg.timeout).await?;
         let Response::Welcome {
             agent: md,
             backend,
@@ -554,12 +556,13 @@ impl Conn {
             peer,
             inline_max,
             align,
+            timeout: cfg.timeout,
         })
     }
 
     async fn call(&self, req: Request) -> Result<(u64, Response), ClientError> {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
-        call_raw(self.unit, &self.tx, &self.waiters, id, req).await
+        call_raw(self.unit, &self.tx, &self.waiters, id, req, self.timeout).await
     }
 
     fn unexpected(&self, resp: Response) -> ClientError {
@@ -576,6 +579,7 @@ async fn call_raw(
     waiters: &Waiters,
     id: u64,
     req: Request,
+    timeout: Duration,
 ) -> Result<(u64, Response), ClientError> {
     let buf = proto::encode_frame(id, &req).map_err(|source| ClientError::Wire { unit, source })?;
     let (otx, orx) = oneshot::channel();
@@ -594,7 +598,16 @@ async fn call_raw(
         lock(waiters).map.remove(&id);
         return Err(closed());
     }
-    match orx.await {
+    // A unit that never answers (stopped, or a session task that died) must not hold the
+    // caller forever.
+    let Ok(answer) = tokio::time::timeout(timeout, orx).await else {
+        lock(waiters).map.remove(&id);
+        return Err(ClientError::Timeout {
+            unit,
+            after: timeout,
+        });
+    };
+    match answer {
         Ok(Ok(Response::Error(source))) => Err(ClientError::Remote { unit, source }),
         Ok(Ok(r)) => Ok((id, r)),
         Ok(Err(e)) => Err(e),

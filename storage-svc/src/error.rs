@@ -149,6 +149,15 @@ pub enum ClientError {
     /// The client's receive pool cannot hold the values requested.
     #[error("client receive pool: {0}")]
     OutOfMemory(String),
+    /// The unit did not answer within the client's timeout; the outcome is unknown and the
+    /// request is not retried.
+    #[error("unit {unit}: no answer within {after:?}")]
+    Timeout {
+        /// Which unit.
+        unit: usize,
+        /// The timeout that passed.
+        after: std::time::Duration,
+    },
 }
 
 impl ClientError {
