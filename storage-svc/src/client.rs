@@ -42,6 +42,9 @@ pub struct ClientConfig {
     pub units: Vec<String>,
     /// Payload backend; must be the units' backend.
     pub backend: Backend,
+    /// `tcp` backend: the address of this host the client's payload engine listens on and
+    /// advertises to units (port 0 picks one). Unset: 127.0.0.1, for units on this host.
+    pub payload_addr: Option<std::net::SocketAddr>,
     /// Shared secret, if the units require one.
     pub token: Option<String>,
     /// Bytes of the client's registered receive pool (GETs land here).
@@ -59,6 +62,7 @@ impl Default for ClientConfig {
         Self {
             units: vec!["127.0.0.1:7470".into()],
             backend: Backend::Shm,
+            payload_addr: None,
             token: None,
             recv_pool_bytes: 1 << 30,
             max_message_bytes: 256 << 20,
@@ -118,9 +122,12 @@ impl Client {
             return Err(ClientError::ApiMisuse("no units".into()));
         }
         let backend = cfg.backend;
+        let payload_addr = cfg.payload_addr;
         let bytes = cfg.recv_pool_bytes;
         let (agent, pool) = tokio::task::spawn_blocking(move || {
-            let agent = backend.agent("client").map_err(|e| e.to_string())?;
+            let agent = backend
+                .agent_at("client", payload_addr)
+                .map_err(|e| e.to_string())?;
             let pool = RegisteredPool::new(&agent, bytes).map_err(|e| e.to_string())?;
             Ok::<_, String>((Arc::new(agent), pool))
         })

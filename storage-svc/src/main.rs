@@ -77,6 +77,9 @@ struct Conn {
     backend: Backend,
     #[arg(long)]
     token: Option<String>,
+    /// tcp backend: this host's address for the client's payload engine (default 127.0.0.1).
+    #[arg(long)]
+    payload_addr: Option<std::net::SocketAddr>,
 }
 
 #[derive(Args)]
@@ -88,6 +91,10 @@ struct Serve {
     bind: Option<String>,
     #[arg(long, value_enum)]
     backend: Option<Backend>,
+    /// tcp backend: this host's address that clients reach the payload engine on (port 0
+    /// picks one; default 127.0.0.1, this host only).
+    #[arg(long)]
+    payload_addr: Option<std::net::SocketAddr>,
     /// Logical bytes stored at most.
     #[arg(long)]
     capacity: Option<u64>,
@@ -132,6 +139,7 @@ async fn client(c: Conn) -> Result<Client> {
         units: c.unit,
         backend: c.backend,
         token: c.token,
+        payload_addr: c.payload_addr,
         ..ClientConfig::default()
     })
     .await?)
@@ -225,6 +233,9 @@ async fn serve(s: Serve) -> Result<()> {
     }
     if let Some(v) = s.backend {
         cfg.backend = v;
+    }
+    if let Some(v) = s.payload_addr {
+        cfg.payload_addr = Some(v);
     }
     if let Some(v) = s.capacity {
         cfg.unit.capacity_bytes = v;

@@ -35,18 +35,35 @@ impl Backend {
         }
     }
 
-    /// A fresh agent of this backend with a name unique on this host.
+    /// A fresh agent of this backend with a name unique across hosts (host name, process id
+    /// and a counter).
     pub fn agent(self, role: &str) -> Result<Agent, tessera_transport::AgentError> {
+        self.agent_at(role, None)
+    }
+
+    /// Like [`Self::agent`]; for `tcp`, the payload engine listens on and advertises
+    /// `payload_addr` (an address of this host that peers can reach, port 0 for any) instead
+    /// of 127.0.0.1. Other backends ignore it.
+    pub fn agent_at(
+        self,
+        role: &str,
+        payload_addr: Option<std::net::SocketAddr>,
+    ) -> Result<Agent, tessera_transport::AgentError> {
         static NEXT: AtomicU64 = AtomicU64::new(0);
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
         let name = format!(
-            "tessera-{role}-{}-{}",
+            "tessera-{role}-{}-{}-{}",
+            host.trim(),
             std::process::id(),
             NEXT.fetch_add(1, Ordering::Relaxed)
         );
         match self {
             Backend::Inproc => Agent::new(&name, tessera_transport::Inproc::new()),
             Backend::Shm => Agent::new(&name, tessera_transport::shm::Shm::new()),
-            Backend::Tcp => Agent::new(&name, tessera_transport::tcp::Tcp::new()),
+            Backend::Tcp => match payload_addr {
+                Some(addr) => Agent::new(&name, tessera_transport::tcp::Tcp::bind(addr)),
+                None => Agent::new(&name, tessera_transport::tcp::Tcp::new()),
+            },
         }
     }
 }

@@ -29,6 +29,10 @@ pub struct ServerConfig {
     pub bind: String,
     /// Payload backend.
     pub backend: Backend,
+    /// `tcp` backend: the address of this host the payload engine listens on and advertises
+    /// to clients (port 0 picks one). Unset: 127.0.0.1, reachable from this host only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub payload_addr: Option<std::net::SocketAddr>,
     /// Bytes of registered memory (the receive pool, registered once; idle memory is the
     /// part of it not leased, so this is also the idle limit).
     pub pool_bytes: u64,
@@ -63,6 +67,7 @@ impl Default for ServerConfig {
         Self {
             bind: "127.0.0.1:7470".into(),
             backend: Backend::Shm,
+            payload_addr: None,
             pool_bytes: 2 << 30,
             max_message_bytes: 256 << 20,
             transfer_timeout: Duration::from_secs(60),
@@ -130,9 +135,12 @@ impl Server {
     /// Creates the agent and its registered pool, binds the control socket and starts serving.
     pub async fn start(cfg: ServerConfig) -> Result<Server, ServerError> {
         let backend = cfg.backend;
+        let payload_addr = cfg.payload_addr;
         let pool_bytes = cfg.pool_bytes;
         let (agent, pool) = tokio::task::spawn_blocking(move || {
-            let agent = backend.agent("unit").map_err(|e| e.to_string())?;
+            let agent = backend
+                .agent_at("unit", payload_addr)
+                .map_err(|e| e.to_string())?;
             let pool = RegisteredPool::new(&agent, pool_bytes).map_err(|e| e.to_string())?;
             Ok::<_, String>((Arc::new(agent), pool))
         })
