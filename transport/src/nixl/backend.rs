@@ -166,7 +166,7 @@ fn transfer_error(
         },
         NixlEngineError::Timeout { after, .. } => TransferError::Timeout { peer, after },
         NixlEngineError::OutOfRange {
-            side: super::Side::Remote,
+            side: Side::Remote,
             index,
             offset,
             len,

@@ -60,23 +60,8 @@ pub enum XferKind {
     Read,
 }
 
-/// Which side of a transfer a descriptor is on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Side {
-    /// This engine's memory.
-    Local,
-    /// The peer's memory.
-    Remote,
-}
-
-impl fmt::Display for Side {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Side::Local => "local",
-            Side::Remote => "remote",
-        })
-    }
-}
+/// Which side of a transfer a descriptor is on: the crate's one [`Side`](crate::Side).
+pub use crate::Side;
 
 /// Receives notifications: `(sender agent name, message)`, on the waiter thread.
 pub type NotifyFn = Arc<dyn Fn(&str, Vec<u8>) + Send + Sync>;

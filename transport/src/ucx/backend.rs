@@ -191,7 +191,7 @@ fn transfer_error(peer: &str, e: UcxError, remote_reg: impl Fn(usize) -> u64) ->
             detail: "the endpoint or this agent's engine is shut down".into(),
         },
         UcxError::OutOfRange {
-            side: super::Side::Remote,
+            side: Side::Remote,
             index,
             offset,
             len,
