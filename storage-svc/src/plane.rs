@@ -131,27 +131,23 @@ impl Memory for PoolMemory {
 }
 
 /// Local descriptors of `frames` for a WRITE: memory that already lives in a registration of
-/// `agent` (a pool block, a received buffer) reuses it; other memory is registered in place,
-/// each registration owning a reference to its frame. Never copies. All lookups run before
-/// any frame is registered, so a batch of many frames never searches its own registrations.
+/// `agent` (a pool block, a received buffer, a frame registered earlier in the batch) reuses
+/// it; other memory is registered in place, each registration owning a reference to its
+/// frame. Never copies.
 pub(crate) fn source_descs<'a>(
     agent: &Agent,
     frames: impl IntoIterator<Item = &'a Bytes>,
 ) -> Result<Vec<LocalDesc>, String> {
-    let found: Vec<(&Bytes, Option<LocalDesc>)> = frames
+    frames
         .into_iter()
         .map(|f| {
-            let d = agent
+            let found = agent
                 .find_registered(f.as_ptr(), f.len() as u64)
                 .and_then(|reg| reg.desc(0, f.len() as u64).ok());
-            (f, d)
-        })
-        .collect();
-    found
-        .into_iter()
-        .map(|(f, d)| match d {
-            Some(d) => Ok(d),
-            None => register_in_place(agent, f),
+            match found {
+                Some(d) => Ok(d),
+                None => register_in_place(agent, f),
+            }
         })
         .collect()
 }

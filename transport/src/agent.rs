@@ -1,6 +1,6 @@
 //! Agents, the registration cache, peers and notifications.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
@@ -12,6 +12,7 @@ use crate::desc::{KeepAlive, LocalDesc, RemoteDesc};
 use crate::error::{
     AgentError, ConnectError, DescError, RegisterError, RejectReason, TransferError,
 };
+use crate::interval::IntervalIndex;
 use crate::metadata;
 use crate::sync::{lock, next_id, Arc, AtomicBool, AtomicUsize, Condvar, Mutex, Ordering, Weak};
 use crate::transfer::{Prepared, Transfer};
@@ -387,22 +388,33 @@ pub(crate) struct Registry {
 #[derive(Default)]
 struct Table {
     by_id: HashMap<u64, Weak<RegEntry>>,
-    /// (region id, offset, registration id) -> length.
-    by_range: BTreeMap<(u64, u64, u64), u64>,
-    /// (first address, registration id) -> length.
-    by_addr: BTreeMap<(usize, u64), u64>,
+    /// Ranges of regions, as `region id << 64 | offset`: a region is under 2^64 bytes, so no
+    /// range crosses into the next region's key space.
+    by_range: IntervalIndex,
+    /// Ranges of addresses.
+    by_addr: IntervalIndex,
+    /// Bytes the live registrations cover.
+    bytes: u64,
+}
+
+fn range_key(region: u64, offset: u64) -> u128 {
+    (u128::from(region) << 64) | u128::from(offset)
+}
+
+impl Table {
+    /// Entry `id` if it is live (one whose last owner is dropping it is not).
+    fn live(&self, id: u64) -> Option<Arc<RegEntry>> {
+        self.by_id.get(&id).and_then(Weak::upgrade)
+    }
 }
 
 impl Registry {
     /// A live registration of `region` covering `offset..offset + len`.
     fn find(&self, region: u64, offset: u64, len: u64) -> Option<Arc<RegEntry>> {
         let t = lock(&self.table);
-        let end = offset + len;
+        let lo = range_key(region, offset);
         t.by_range
-            .range((region, 0, 0)..=(region, offset, u64::MAX))
-            .rev()
-            .filter(|(&(_, start, _), &l)| start + l >= end)
-            .find_map(|(&(_, _, id), _)| t.by_id.get(&id).and_then(Weak::upgrade))
+            .find_covering(lo, lo + u128::from(len), |id| t.live(id))
     }
 
     pub(crate) fn lookup(&self, id: u64) -> Option<(Region, u64, u64)> {
@@ -414,29 +426,31 @@ impl Registry {
     fn insert(&self, entry: &Arc<RegEntry>) {
         let mut t = lock(&self.table);
         t.by_id.insert(entry.id, Arc::downgrade(entry));
-        t.by_range
-            .insert((entry.region.id(), entry.offset, entry.id), entry.len);
+        let lo = range_key(entry.region.id(), entry.offset);
+        t.by_range.insert(lo, lo + u128::from(entry.len), entry.id);
+        let base = entry.base() as usize as u128;
         t.by_addr
-            .insert((entry.base() as usize, entry.id), entry.len);
+            .insert(base, base + u128::from(entry.len), entry.id);
+        t.bytes += entry.len;
     }
 
     fn remove(&self, entry: &RegEntry) {
         let mut t = lock(&self.table);
         t.by_id.remove(&entry.id);
-        t.by_range
-            .remove(&(entry.region.id(), entry.offset, entry.id));
-        t.by_addr.remove(&(entry.base() as usize, entry.id));
+        if t.by_range
+            .remove(range_key(entry.region.id(), entry.offset), entry.id)
+        {
+            t.bytes -= entry.len;
+        }
+        t.by_addr.remove(entry.base() as usize as u128, entry.id);
     }
 
     /// A live registration covering `addr..addr + len`.
     fn find_addr(&self, addr: usize, len: u64) -> Option<Arc<RegEntry>> {
-        let end = (addr as u64).checked_add(len)?;
+        let lo = addr as u128;
         let t = lock(&self.table);
         t.by_addr
-            .range(..=(addr, u64::MAX))
-            .rev()
-            .filter(|(&(base, _), &l)| base as u64 + l >= end)
-            .find_map(|(&(_, id), _)| t.by_id.get(&id).and_then(Weak::upgrade))
+            .find_covering(lo, lo + u128::from(len), |id| t.live(id))
     }
 
     fn remote_regs(&self) -> Vec<RemoteReg> {
@@ -458,7 +472,7 @@ impl Registry {
 
     fn stats(&self) -> (usize, u64) {
         let t = lock(&self.table);
-        (t.by_range.len(), t.by_range.values().sum())
+        (t.by_range.len(), t.bytes)
     }
 
     /// Pins every span's registration into `grant`. Never drops an `Arc<RegEntry>` while the
@@ -847,6 +861,11 @@ mod tests {
         DropGuard(usize),
         Desc(usize),
         DropDesc(usize),
+        Find {
+            region: usize,
+            offset: u64,
+            len: u64,
+        },
     }
 
     fn cache_op() -> impl proptest::strategy::Strategy<Value = CacheOp> {
@@ -860,6 +879,13 @@ mod tests {
             any::<usize>().prop_map(CacheOp::DropGuard),
             any::<usize>().prop_map(CacheOp::Desc),
             any::<usize>().prop_map(CacheOp::DropDesc),
+            (0usize..2, 0u64..4096, 1u64..4096).prop_map(|(region, offset, len)| {
+                CacheOp::Find {
+                    region,
+                    offset,
+                    len: len.min(4096 - offset).max(1),
+                }
+            }),
         ]
     }
 
@@ -904,6 +930,21 @@ mod tests {
                     }
                     CacheOp::DropDesc(i) if !descs.is_empty() => {
                         descs.swap_remove(i % descs.len());
+                    }
+                    CacheOp::Find { region, offset, len } => {
+                        let covering: Vec<u64> = model
+                            .iter()
+                            .filter(|(_, &(r, s, l))| r == region && s <= offset && offset + len <= s + l)
+                            .map(|(&id, _)| id)
+                            .collect();
+                        let ptr = regions[region].as_ptr().wrapping_add(offset as usize);
+                        match agent.find_registered(ptr, len) {
+                            Some(found) => {
+                                proptest::prop_assert!(covering.contains(&found.id()));
+                                proptest::prop_assert_eq!(found.as_ptr(), ptr);
+                            }
+                            None => proptest::prop_assert!(covering.is_empty(), "lookup missed"),
+                        }
                     }
                     _ => {}
                 }

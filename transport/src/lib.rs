@@ -6,6 +6,7 @@ mod backend;
 mod desc;
 mod error;
 pub mod inproc;
+mod interval;
 mod metadata;
 #[cfg(feature = "nixl")]
 pub mod nixl;
