@@ -200,6 +200,12 @@ impl Server {
         lock(&self.shared.unit).stats()
     }
 
+    /// The unit's transport agent (its [`report`](Agent::report) counts the payload bytes
+    /// its engine copied).
+    pub fn agent(&self) -> &Agent {
+        &self.shared.agent
+    }
+
     /// Registered memory the unit holds, in bytes.
     pub fn registered_bytes(&self) -> u64 {
         self.pool.capacity()

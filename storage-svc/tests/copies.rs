@@ -1,7 +1,9 @@
 //! Copy counting: a PUT and a GET of an N-byte payload allocate no payload-sized buffer
 //! anywhere in the process (unit and client share it here, over `inproc`), the stored value
 //! and the returned value live in registered memory (the unit's pool, the client's receive
-//! pool), and the bytes moved by the payload plane are N each way: the transport's one copy.
+//! pool), and the transport's engines copy exactly N bytes for each, once: the PUT's WRITE
+//! from the client's frame into the unit's pool, the GET's WRITE from the unit's pool into
+//! the client's receive pool.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -65,12 +67,34 @@ async fn put_and_get_copy_the_payload_once_in_the_transport() {
     client.put("p", &[0], &cols).await.unwrap();
     drop(client.get("p", &[0], &["x"]).await.unwrap());
     let before = server.stats();
+    // Bytes the transport's engines copied, both agents together: (WRITE, READ).
+    let copied = || {
+        let (c, u) = (client.agent().report(), server.agent().report());
+        (
+            c.copied_write_bytes + u.copied_write_bytes,
+            c.copied_read_bytes + u.copied_read_bytes,
+        )
+    };
+    let start = copied();
 
     LARGE.store(0, Ordering::SeqCst);
     client.put("p", &[0], &cols).await.unwrap();
+    let after_put = copied();
     let got = client.get("p", &[0], &["x"]).await.unwrap();
+    let after_get = copied();
     let large = LARGE.load(Ordering::SeqCst);
     assert_eq!(large, 0, "payload-sized allocations during PUT + GET");
+    assert_eq!(
+        after_put.0 - start.0,
+        N as u64,
+        "bytes the transport copied for the PUT"
+    );
+    assert_eq!(
+        after_get.0 - after_put.0,
+        N as u64,
+        "bytes the transport copied for the GET"
+    );
+    assert_eq!(after_get.1, start.1, "no READs");
 
     let after = server.stats();
     let moved_in = after.bytes_in - before.bytes_in;

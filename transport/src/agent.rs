@@ -14,7 +14,9 @@ use crate::error::{
 };
 use crate::interval::IntervalIndex;
 use crate::metadata;
-use crate::sync::{lock, next_id, Arc, AtomicBool, AtomicUsize, Condvar, Mutex, Ordering, Weak};
+use crate::sync::{
+    lock, next_id, Arc, AtomicBool, AtomicUsize, Condvar, Counter, Mutex, Ordering, Weak,
+};
 use crate::transfer::{Prepared, Transfer};
 use crate::Region;
 
@@ -45,6 +47,10 @@ pub(crate) struct HostShared {
     pub(crate) registry: Registry,
     pub(crate) notifications: Notifications,
     pub(crate) closed: AtomicBool,
+    /// Payload bytes this agent's engine copied into WRITE destinations.
+    pub(crate) copied_write: Counter,
+    /// Payload bytes this agent's engine copied into READ destinations.
+    pub(crate) copied_read: Counter,
 }
 
 /// Occupancy of an agent.
@@ -59,6 +65,14 @@ pub struct AgentReport {
     pub peers: usize,
     /// Transfers posted and not yet completed.
     pub in_flight: usize,
+    /// Payload bytes of WRITEs this agent's engine copied into their destination since the
+    /// agent started. Engines that copy on the initiator (`inproc`, `shm`: one `memcpy`)
+    /// count at the writer; `tcp` counts where the bytes land (the target of the WRITE), so
+    /// summed over both agents each byte moved counts once. `ucx` and `nixl` hand the copy to
+    /// their library and count nothing.
+    pub copied_write_bytes: u64,
+    /// The same for READs (`tcp`: counted at the reader, where the bytes land).
+    pub copied_read_bytes: u64,
 }
 
 const _: () = {
@@ -88,6 +102,8 @@ impl Agent {
             registry: Registry::default(),
             notifications: Notifications::default(),
             closed: AtomicBool::new(false),
+            copied_write: Counter::default(),
+            copied_read: Counter::default(),
         });
         transport.start(Host {
             shared: host.clone(),
@@ -286,6 +302,8 @@ impl Agent {
             registered_bytes,
             peers,
             in_flight: self.core.in_flight.load(Ordering::Acquire),
+            copied_write_bytes: self.core.host.copied_write.get(),
+            copied_read_bytes: self.core.host.copied_read.get(),
         }
     }
 }

@@ -218,6 +218,16 @@ impl Host {
         self.shared.notifications.push(from.to_owned(), msg);
     }
 
+    /// Counts `bytes` of payload this engine copied into the destination of an `op`, for the
+    /// agent's [`report`](crate::Agent::report). Count each byte once, where it lands (or
+    /// where the one copy runs); a relaxed atomic add.
+    pub fn count_copied(&self, op: Op, bytes: u64) {
+        match op {
+            Op::Write => self.shared.copied_write.add(bytes),
+            Op::Read => self.shared.copied_read.add(bytes),
+        }
+    }
+
     /// Whether the agent is shutting down.
     pub fn is_closed(&self) -> bool {
         self.shared.closed.load(Ordering::Acquire)

@@ -86,14 +86,15 @@ impl Transport for Inproc {
             .get(&address)
             .cloned()
             .ok_or_else(|| BackendError::new(KIND, "no such agent in this process"))?;
-        let from = self
+        let local = self
             .node
             .get()
-            .map(|n| n.host.name().to_owned())
+            .map(|n| n.host.clone())
             .ok_or_else(|| BackendError::new(KIND, "not started"))?;
         Ok(Arc::new(InprocConnection {
             target,
-            from,
+            from: local.name().to_owned(),
+            local,
             peer: peer.name.clone(),
         }))
     }
@@ -108,6 +109,8 @@ impl Transport for Inproc {
 
 struct InprocConnection {
     target: Weak<Node>,
+    /// The initiating agent, which counts the copies.
+    local: Host,
     from: String,
     peer: String,
 }
@@ -150,6 +153,7 @@ impl InprocConnection {
             // stay mapped; `copy` tolerates overlap (two registrations may map the same pages).
             unsafe { std::ptr::copy(src, dst, len as usize) };
         }
+        self.local.count_copied(xfer.plan().op(), grant.bytes());
         drop(grant);
         if let Some(msg) = &xfer.notify {
             target.host.notify(&self.from, msg.clone());

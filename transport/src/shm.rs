@@ -139,6 +139,7 @@ impl Transport for Shm {
             .get()
             .ok_or_else(|| backend("not started"))?;
         let conn = Arc::new(ShmConnection {
+            local: host.clone(),
             peer: peer.name.clone(),
             writer: Mutex::new(Vec::with_capacity(4096)),
             stream: stream.clone(),
@@ -369,6 +370,8 @@ struct State {
 }
 
 struct ShmConnection {
+    /// The initiating agent, which runs the copy and counts it.
+    local: Host,
     peer: String,
     stream: Arc<UnixStream>,
     writer: Mutex<Vec<u8>>,
@@ -488,6 +491,7 @@ impl ShmConnection {
 
     fn copy(&self, xfer: &Xfer) -> Result<(), TransferError> {
         let plan = xfer.plan();
+        let mut copied = 0u64;
         let mut current: Option<(u64, Arc<Mapped>)> = None;
         for seg in plan.segments() {
             let m = match &current {
@@ -529,7 +533,9 @@ impl ShmConnection {
             // was checked against the mapping (sealed, so never truncated) and the target
             // pinned its registration for this transfer. `copy` tolerates overlap.
             unsafe { std::ptr::copy(src, dst, seg.len as usize) };
+            copied += seg.len;
         }
+        self.local.count_copied(plan.op(), copied);
         Ok(())
     }
 }

@@ -18,6 +18,23 @@ pub(crate) use std::sync::{
 /// counts, completion) use the primitives above and are what loom checks.
 pub(crate) use std::sync::{Arc, Weak};
 
+use std::sync::atomic::Ordering::Relaxed as StdRelaxed;
+
+/// A statistics counter (relaxed, so an add costs one uncontended atomic): counts are not part
+/// of any model-checked protocol, so std's atomic serves under loom too.
+#[derive(Default)]
+pub(crate) struct Counter(std::sync::atomic::AtomicU64);
+
+impl Counter {
+    pub(crate) fn add(&self, n: u64) {
+        self.0.fetch_add(n, StdRelaxed);
+    }
+
+    pub(crate) fn get(&self) -> u64 {
+        self.0.load(StdRelaxed)
+    }
+}
+
 /// For process-wide tables built in statics, which loom primitives cannot be.
 pub(crate) use std::sync::Mutex as StaticMutex;
 

@@ -790,7 +790,7 @@ async fn serve(
         }
         let kind = head[0];
         if kind == KIND_RESP {
-            receive_response(r, link, head[1], head[2], &mut spans).await?;
+            receive_response(r, link, host, head[1], head[2], &mut spans).await?;
             continue;
         }
         let (has_note, n, note_len) = (
@@ -839,6 +839,7 @@ async fn serve(
                     // registration contract, registered memory may be written by transfers
                     // at any time and its owner reaches it only through raw-pointer copies.
                     unsafe { read_spans(r, &spans) }.await?;
+                    host.count_copied(Op::Write, grant.bytes());
                     grant.clear();
                     lock(&link.spare).push(grant);
                     if let Some(note) = note {
@@ -887,6 +888,7 @@ fn respond(
 async fn receive_response(
     r: &mut OwnedReadHalf,
     link: &Link,
+    host: &Host,
     status: u8,
     reason: u8,
     spans: &mut Vec<(usize, u64)>,
@@ -916,6 +918,7 @@ async fn receive_response(
                 .complete(Err(link.gone(&format!("receiving a payload: {e}"))));
             return Err(e);
         }
+        host.count_copied(Op::Read, spans.iter().map(|s| s.1).sum());
     }
     xfer.done.complete(Ok(()));
     Ok(())

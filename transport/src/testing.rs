@@ -222,6 +222,53 @@ pub fn write_then_read(make: Factory<'_>) {
     assert_eq!(a.report().in_flight, 0);
 }
 
+/// The agents' copy counters (`AgentReport::copied_write_bytes`, `copied_read_bytes`), for
+/// engines that count their copies: a WRITE and a READ of `n` bytes each add exactly `n` to
+/// the two agents together, once; a rejected transfer adds nothing.
+pub fn copies_are_counted(make: Factory<'_>) {
+    let (a, b, a_to_b, _b_to_a) = pair(make);
+    let ra = Region::new(1 << 20).unwrap();
+    let rb = Region::new(1 << 20).unwrap();
+    let ga = a.register(&ra).unwrap();
+    let gb = b.register(&rb).unwrap();
+    let a_to_b = a.add_remote(&b.metadata()).unwrap_or(a_to_b);
+    let copied = || {
+        let (ra, rb) = (a.report(), b.report());
+        (
+            ra.copied_write_bytes + rb.copied_write_bytes,
+            ra.copied_read_bytes + rb.copied_read_bytes,
+        )
+    };
+    assert_eq!(copied(), (0, 0));
+    let n = 300_001u64;
+    // Three scattered segments of one WRITE.
+    let local = [
+        ga.desc(0, 1).unwrap(),
+        ga.desc(4096, 100_000).unwrap(),
+        ga.desc(200_000, n - 100_001).unwrap(),
+    ];
+    let remote = [
+        gb.remote(7, 1).unwrap(),
+        gb.remote(10_000, 100_000).unwrap(),
+        gb.remote(500_000, n - 100_001).unwrap(),
+    ];
+    finish(a_to_b.write(&local, &remote, None).unwrap()).unwrap();
+    assert_eq!(copied(), (n, 0));
+    finish(a_to_b.read(&local, &remote, None).unwrap()).unwrap();
+    assert_eq!(copied(), (n, n));
+    // Out of the target's range: refused before a byte moves.
+    let bad = a_to_b
+        .write(
+            &[ga.desc(0, 64).unwrap()],
+            &[RemoteDesc::new(gb.id(), (1 << 20) - 32, 64)],
+            None,
+        )
+        .map_err(|_| ())
+        .and_then(|t| finish(t).map_err(|_| ()));
+    assert!(bad.is_err());
+    assert_eq!(copied(), (n, n));
+}
+
 /// One transfer of 1,000 scattered 4 KiB descriptors, written in a shuffled order and read
 /// back gathered into one contiguous range.
 pub fn scatter_gather_1000(make: Factory<'_>) {
