@@ -32,6 +32,9 @@ pub enum ErrorKind {
     Transfer,
     /// The unit is shutting down.
     ShuttingDown,
+    /// The unit failed while handling the request (a bug, isolated to the session): the
+    /// session is closed and what it held released; other sessions carry on. Reconnect.
+    Internal,
 }
 
 impl ErrorKind {
@@ -50,6 +53,7 @@ impl ErrorKind {
             ErrorKind::UnknownTransfer => "unknown_transfer",
             ErrorKind::Transfer => "transfer",
             ErrorKind::ShuttingDown => "shutting_down",
+            ErrorKind::Internal => "internal",
         }
     }
 }

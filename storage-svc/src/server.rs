@@ -2,9 +2,13 @@
 //! the protocol core, and runs each peer's WRITEs on that peer's own executor.
 
 use std::collections::HashMap;
+use std::future::Future;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -262,7 +266,7 @@ async fn accept_loop(shared: Arc<Shared>, listener: Listener, mut stop: watch::R
                 let sid = shared.next_session.fetch_add(1, Ordering::Relaxed);
                 let s = shared.clone();
                 let span = tracing::info_span!("session", id = sid, %from);
-                lock(&shared.tasks).spawn(session(s, sid, r, w).instrument(span));
+                lock(&shared.tasks).spawn(guarded_session(s, sid, r, w).instrument(span));
             }
             Err(e) => {
                 tracing::warn!(error = %e, "accept failed");
@@ -289,6 +293,52 @@ async fn timer_loop(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
         let out = lock(&shared.unit).handle_timeout(Instant::now());
         dispatch(&shared, out);
         crate::metrics::record_stats(&lock(&shared.unit).stats());
+    }
+}
+
+/// A panic's message, for the log and the error answered.
+fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic".to_owned())
+}
+
+/// A future whose panics, in any poll, become `Err(message)` (what a tokio `JoinHandle`
+/// reports for a task, without a task of its own, so the caller keeps what the future
+/// borrowed from it). The future is not polled again after a panic.
+struct CatchUnwind<F>(Pin<Box<F>>);
+
+impl<F: Future> Future for CatchUnwind<F> {
+    type Output = Result<F::Output, String>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match catch_unwind(AssertUnwindSafe(|| self.0.as_mut().poll(cx))) {
+            Ok(Poll::Pending) => Poll::Pending,
+            Ok(Poll::Ready(v)) => Poll::Ready(Ok(v)),
+            Err(p) => Poll::Ready(Err(panic_message(&*p))),
+        }
+    }
+}
+
+/// Runs a session; if it panics anywhere outside a request's handling (which answers the
+/// request itself), its connection is closed and what it held in the core released, as an
+/// ordinary teardown would. Other sessions never notice.
+async fn guarded_session(
+    shared: Arc<Shared>,
+    sid: SessionId,
+    r: Box<dyn AsyncRead + Send + Unpin>,
+    w: Box<dyn AsyncWrite + Send + Unpin>,
+) {
+    let run = CatchUnwind(Box::pin(session(shared.clone(), sid, r, w))).await;
+    if let Err(what) = run {
+        tracing::error!(panic = %what, "session task panicked; closing it and releasing what it held");
+        crate::metrics::error(ErrorKind::Internal);
+        // Release first; then dropping the handle ends the reply writer, which closes the
+        // connection, and the executor sees its queue close.
+        let handle = lock(&shared.sessions).remove(&sid);
+        lock(&shared.unit).close_session(sid);
+        drop(handle);
     }
 }
 
@@ -352,7 +402,39 @@ async fn session(
                 let span = tracing::debug_span!("request", id, op);
                 let _g = span.enter();
                 let started = Instant::now();
-                let out = lock(&shared.unit).handle(started, sid, id, req);
+                let handled = {
+                    let mut unit = lock(&shared.unit);
+                    // Caught inside the lock's scope: the lock is not poisoned, and the
+                    // session is closed below, which releases what it held in the core.
+                    catch_unwind(AssertUnwindSafe(|| {
+                        #[cfg(test)]
+                        fault::before_handle(sid, id, &req);
+                        unit.handle(started, sid, id, req)
+                    }))
+                };
+                let out = match handled {
+                    Ok(out) => out,
+                    Err(p) => {
+                        let what = panic_message(&*p);
+                        tracing::error!(id, op, panic = %what, "request handling panicked; closing the session");
+                        crate::metrics::error(ErrorKind::Internal);
+                        send(
+                            &shared,
+                            sid,
+                            id,
+                            &Response::error(
+                                ErrorKind::Internal,
+                                format!(
+                                    "the unit failed handling this {op} request ({what}); \
+                                     the session is closed, reconnect"
+                                ),
+                            ),
+                        );
+                        break;
+                    }
+                };
+                #[cfg(test)]
+                fault::after_handle(op);
                 crate::metrics::request(op, started.elapsed(), &out);
                 dispatch(&shared, out);
             }
@@ -368,12 +450,13 @@ async fn session(
             }
         }
     }
-    // Teardown of the session: no more replies, cancel queued WRITEs, wait for the one in
-    // flight, then release what the session held in the core.
+    // Teardown of the session: no more replies, cancel queued WRITEs, release what the
+    // session held in the core, then let the writer flush and close the connection (so a
+    // client that sees the connection close finds the session released).
     let handle = lock(&shared.sessions).remove(&sid);
+    lock(&shared.unit).close_session(sid);
     drop(handle);
     let _ = writer.await;
-    lock(&shared.unit).close_session(sid);
     tracing::debug!("session closed");
 }
 
@@ -512,7 +595,17 @@ async fn executor(
     let label = peer.name().to_owned();
     while let Some((id, get, frames, descs)) = rx.recv().await {
         crate::metrics::queue_depth(&label, depth.fetch_sub(1, Ordering::Relaxed) - 1);
-        let result = write(&shared, &peer, &frames, &descs).await;
+        let result = CatchUnwind(Box::pin(async {
+            #[cfg(test)]
+            fault::before_write(sid, get);
+            write(&shared, &peer, &frames, &descs).await
+        }))
+        .await
+        .unwrap_or_else(|what| {
+            tracing::error!(session = sid, get, panic = %what, "GET WRITE panicked");
+            crate::metrics::error(ErrorKind::Internal);
+            Err(format!("the unit failed writing this GET ({what})"))
+        });
         if let Err(e) = &result {
             tracing::warn!(session = sid, get, error = %e, "GET WRITE failed");
         }
@@ -536,5 +629,277 @@ async fn write(
     match tokio::time::timeout(shared.cfg.transfer_timeout, t).await {
         Ok(r) => r.map_err(|e| e.to_string()),
         Err(_) => Err("transfer timed out".into()),
+    }
+}
+
+/// Faults that this crate's own tests inject: compiled only under `cfg(test)`, never part of
+/// a build's API.
+#[cfg(test)]
+pub(crate) mod fault {
+    use std::sync::Mutex;
+
+    use crate::core::SessionId;
+    use crate::proto::Request;
+
+    /// Where a request on an armed partition panics.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub(crate) enum Fault {
+        /// Inside the core's handling of the request, with the unit locked.
+        Handle,
+        /// In the session task after the request was handled (outside the per-request guard).
+        Session,
+        /// In the executor, writing the GET's payload.
+        Write,
+    }
+
+    static ARMED: Mutex<Vec<(String, Fault)>> = Mutex::new(Vec::new());
+    static WRITES: Mutex<Vec<(SessionId, u64)>> = Mutex::new(Vec::new());
+    thread_local! {
+        static SESSION: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+
+    /// Every request on `partition` panics at `fault` (partitions keep tests apart).
+    pub(crate) fn arm(partition: &str, fault: Fault) {
+        ARMED.lock().unwrap().push((partition.to_owned(), fault));
+    }
+
+    fn armed(req: &Request) -> Option<Fault> {
+        let partition = match req {
+            Request::Put { partition, .. }
+            | Request::Get { partition, .. }
+            | Request::Clear { partition, .. } => partition,
+            _ => return None,
+        };
+        let armed = ARMED.lock().unwrap();
+        armed.iter().find(|(p, _)| p == partition).map(|&(_, f)| f)
+    }
+
+    pub(crate) fn before_handle(sid: SessionId, id: u64, req: &Request) {
+        match armed(req) {
+            Some(Fault::Handle) => panic!("injected fault while handling request {id}"),
+            Some(Fault::Session) => SESSION.with(|s| s.set(true)),
+            Some(Fault::Write) => WRITES.lock().unwrap().push((sid, id)),
+            None => {}
+        }
+    }
+
+    pub(crate) fn after_handle(op: &str) {
+        if SESSION.with(|s| s.replace(false)) {
+            panic!("injected fault in the session task after a {op} request");
+        }
+    }
+
+    pub(crate) fn before_write(sid: SessionId, get: u64) {
+        if WRITES.lock().unwrap().contains(&(sid, get)) {
+            panic!("injected fault writing GET {get}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fault::{arm, Fault};
+    use super::*;
+    use crate::{Client, ClientConfig, ClientError, Tensor, Value};
+    use tokio::net::TcpStream;
+
+    async fn unit() -> Server {
+        Server::start(ServerConfig {
+            bind: "127.0.0.1:0".into(),
+            backend: Backend::Inproc,
+            pool_bytes: 32 << 20,
+            ..ServerConfig::default()
+        })
+        .await
+        .unwrap()
+    }
+
+    async fn client(server: &Server) -> Client {
+        Client::connect(ClientConfig {
+            units: vec![server.addr().to_owned()],
+            backend: Backend::Inproc,
+            recv_pool_bytes: 32 << 20,
+            // Only a guard against a hang: every answer below comes at once.
+            timeout: Duration::from_secs(60),
+            ..ClientConfig::default()
+        })
+        .await
+        .unwrap()
+    }
+
+    /// One field of one value: a tensor of `n` i32 (above `inline_max` for large `n`).
+    fn column(n: usize, fill: i32) -> Vec<(String, Vec<Value>)> {
+        let t = Tensor::from_slice(&[n as u64], &vec![fill; n]).unwrap();
+        vec![("x".to_owned(), vec![Value::Tensor(t)])]
+    }
+
+    fn kind(e: &ClientError) -> Option<ErrorKind> {
+        e.kind()
+    }
+
+    /// Waits until the unit has closed every session (clients close theirs when dropped).
+    async fn settled(server: &Server) -> Stats {
+        for _ in 0..6000 {
+            let s = server.stats();
+            if s.sessions == 0 {
+                return s;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("sessions never closed: {:?}", server.stats());
+    }
+
+    /// Another client stores, reads back and clears as if nothing happened.
+    async fn others_carry_on(server: &Server, partition: &str) {
+        let c = client(server).await;
+        c.put(partition, &[1], &column(100_000, 5)).await.unwrap();
+        let got = c.get(partition, &[1], &["x"]).await.unwrap();
+        assert_eq!(
+            got[0][0].as_tensor().unwrap().as_slice::<i32>().unwrap()[99_999],
+            5
+        );
+        drop(got);
+        c.clear(partition, &[1]).await.unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_request_that_panics_is_answered_and_closes_only_its_session() {
+        arm("panic-in-handle", Fault::Handle);
+        let server = unit().await;
+        let a = client(&server).await;
+        a.put("kept", &[0], &column(100_000, 1)).await.unwrap();
+        let e = a
+            .put("panic-in-handle", &[0], &column(10, 1))
+            .await
+            .unwrap_err();
+        assert_eq!(kind(&e), Some(ErrorKind::Internal), "{e}");
+        assert!(e.to_string().contains("session is closed"), "{e}");
+        // The session is gone: its next request fails at once, without a timeout.
+        let e = a.stats().await.unwrap_err();
+        assert!(!matches!(e, ClientError::Timeout { .. }), "{e}");
+        others_carry_on(&server, "other").await;
+        drop(a);
+        let s = settled(&server).await;
+        assert_eq!(s.keys, 1, "what the session stored stays stored");
+        assert_eq!((s.leased_bytes, s.quarantined_bytes), (0, 0));
+        server.shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_session_task_that_panics_is_closed_and_released() {
+        arm("panic-in-session", Fault::Session);
+        let server = unit().await;
+        let a = client(&server).await;
+        let e = a
+            .put("panic-in-session", &[0], &column(10, 1))
+            .await
+            .unwrap_err();
+        assert!(!matches!(e, ClientError::Timeout { .. }), "{e}");
+        others_carry_on(&server, "other").await;
+        drop(a);
+        let s = settled(&server).await;
+        assert_eq!((s.leased_bytes, s.quarantined_bytes), (0, 0));
+        server.shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_get_write_that_panics_fails_that_get_and_its_session() {
+        let server = unit().await;
+        let a = client(&server).await;
+        a.put("panic-in-write", &[0], &column(100_000, 3))
+            .await
+            .unwrap();
+        arm("panic-in-write", Fault::Write);
+        let e = a.get("panic-in-write", &[0], &["x"]).await.unwrap_err();
+        assert_eq!(kind(&e), Some(ErrorKind::Transfer), "{e}");
+        assert!(e.to_string().contains("injected fault"), "{e}");
+        let e = a.stats().await.unwrap_err();
+        assert_eq!(kind(&e), Some(ErrorKind::PeerFailed), "{e}");
+        others_carry_on(&server, "other").await;
+        drop(a);
+        let s = settled(&server).await;
+        assert_eq!((s.pending_gets, s.leased_bytes), (0, 0));
+        server.shutdown().await;
+    }
+
+    async fn call(stream: &mut TcpStream, id: u64, req: &Request) -> Response {
+        stream
+            .write_all(&proto::encode_frame(id, req).unwrap())
+            .await
+            .unwrap();
+        read_response(stream).await.expect("an answer").1
+    }
+
+    async fn read_response(stream: &mut TcpStream) -> Option<(u64, Response)> {
+        let mut prefix = [0u8; proto::LEN_PREFIX];
+        stream.read_exact(&mut prefix).await.ok()?;
+        let mut buf = vec![0u8; proto::frame_len(prefix, 1 << 30).unwrap()];
+        stream.read_exact(&mut buf).await.unwrap();
+        Some(proto::decode_body::<Response>(&buf).unwrap())
+    }
+
+    fn prepare(partition: &str) -> Request {
+        let value = Value::List(vec![Value::List(vec![column(100_000, 7)
+            .remove(0)
+            .1
+            .remove(0)])]);
+        let frames = tessera_framecodec::encode(&value).unwrap();
+        Request::Put {
+            partition: partition.into(),
+            indexes: vec![0],
+            fields: vec!["x".into()],
+            meta: serde_bytes::ByteBuf::from(frames.meta.to_vec()),
+            inline: None,
+        }
+    }
+
+    /// A session holding a leased block (a prepared PUT) and a quarantined one (cancelled
+    /// after exposure) panics: it is answered, closed, and both blocks go back to the pool.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_panicking_session_releases_its_leases_and_quarantine() {
+        arm("panic-holding-leases", Fault::Handle);
+        let server = unit().await;
+        let agent = Backend::Inproc.agent("raw").unwrap();
+        let mut s = TcpStream::connect(server.addr()).await.unwrap();
+        let hello = Request::Hello {
+            token: None,
+            agent: agent.metadata(),
+        };
+        assert!(matches!(
+            call(&mut s, 1, &hello).await,
+            Response::Welcome { .. }
+        ));
+        assert!(matches!(
+            call(&mut s, 2, &prepare("p")).await,
+            Response::PutReady { .. }
+        ));
+        let cancel = Request::Cancel {
+            of: 2,
+            maybe_written: true,
+        };
+        assert_eq!(call(&mut s, 3, &cancel).await, Response::Done);
+        assert!(matches!(
+            call(&mut s, 4, &prepare("p")).await,
+            Response::PutReady { .. }
+        ));
+        let before = server.stats();
+        assert!(before.leased_bytes > 0 && before.quarantined_bytes > 0);
+        assert_eq!(before.pool.live_blocks, 2);
+        match call(&mut s, 5, &prepare("panic-holding-leases")).await {
+            Response::Error(e) => assert_eq!(e.kind, ErrorKind::Internal),
+            other => panic!("{other:?}"),
+        }
+        assert!(
+            read_response(&mut s).await.is_none(),
+            "the connection is closed"
+        );
+        let after = server.stats();
+        assert_eq!(
+            (after.sessions, after.leased_bytes, after.quarantined_bytes),
+            (0, 0, 0)
+        );
+        assert_eq!((after.pool.used, after.pool.live_blocks), (0, 0));
+        others_carry_on(&server, "other").await;
+        server.shutdown().await;
     }
 }
