@@ -458,6 +458,24 @@ impl<M: Memory> Unit<M> {
         }]
     }
 
+    /// The driver could not queue the WRITE of an `Output::Write` (its transfer queue for the
+    /// session is full): nothing was written, so the GET is dropped and request `id` answered
+    /// with [`ErrorKind::Busy`]; the client may GET again.
+    pub fn transfer_refused(
+        &mut self,
+        session: SessionId,
+        get: u64,
+        id: u64,
+        reason: &str,
+    ) -> Vec<Output> {
+        self.gets.remove(&(session, get));
+        vec![Output::Reply {
+            session,
+            id,
+            response: Response::error(ErrorKind::Busy, reason),
+        }]
+    }
+
     /// Handles one request of `session`.
     pub fn handle(
         &mut self,

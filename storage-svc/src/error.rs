@@ -32,6 +32,9 @@ pub enum ErrorKind {
     Transfer,
     /// The unit is shutting down.
     ShuttingDown,
+    /// A queue of the unit for this client is full (its transfer queue); nothing was done.
+    /// Retry later.
+    Busy,
     /// The unit failed while handling the request (a bug, isolated to the session): the
     /// session is closed and what it held released; other sessions carry on. Reconnect.
     Internal,
@@ -54,6 +57,7 @@ impl ErrorKind {
             ErrorKind::Transfer => "transfer",
             ErrorKind::ShuttingDown => "shutting_down",
             ErrorKind::Internal => "internal",
+            ErrorKind::Busy => "busy",
         }
     }
 }

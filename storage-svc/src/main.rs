@@ -107,6 +107,12 @@ struct Serve {
     quarantine_limit: Option<u64>,
     #[arg(long)]
     max_message: Option<u64>,
+    /// Answers queued per session, at most (backpressure beyond it).
+    #[arg(long)]
+    reply_queue: Option<usize>,
+    /// GET WRITEs queued per client, at most.
+    #[arg(long)]
+    transfer_queue: Option<usize>,
     #[arg(long)]
     token: Option<String>,
     /// Serve Prometheus metrics on this address.
@@ -251,6 +257,12 @@ async fn serve(s: Serve) -> Result<()> {
     }
     if let Some(v) = s.max_message {
         cfg.max_message_bytes = v;
+    }
+    if let Some(v) = s.reply_queue {
+        cfg.reply_queue = v;
+    }
+    if let Some(v) = s.transfer_queue {
+        cfg.transfer_queue = v;
     }
     if s.token.is_some() {
         cfg.unit.token = s.token;

@@ -45,6 +45,15 @@ pub struct ServerConfig {
     /// A WRITE that has not completed after this long fails its session.
     #[serde(with = "secs")]
     pub transfer_timeout: Duration,
+    /// Answers queued for one session's connection, at most. A session reads its next
+    /// request only when that request's answers (and those of the GETs queued on its
+    /// executor) fit, so a client that does not read its answers stops being read instead of
+    /// growing the unit's memory. Must exceed `transfer_queue` by 3 or more.
+    pub reply_queue: usize,
+    /// GET WRITEs queued on one client's executor, at most. A session reads its next request
+    /// only when one more fits; a WRITE that still finds the queue full is answered with
+    /// `ErrorKind::Busy`.
+    pub transfer_queue: usize,
     /// The protocol core's settings.
     pub unit: UnitConfig,
 }
@@ -75,6 +84,8 @@ impl Default for ServerConfig {
             pool_bytes: 2 << 30,
             max_message_bytes: 256 << 20,
             transfer_timeout: Duration::from_secs(60),
+            reply_queue: 1024,
+            transfer_queue: 64,
             unit: UnitConfig::default(),
         }
     }
@@ -96,15 +107,21 @@ pub enum ServerError {
     /// The transport agent or its pool could not be created.
     #[error("transport: {0}")]
     Transport(String),
+    /// The configuration is inconsistent.
+    #[error("configuration: {0}")]
+    Config(String),
 }
 
 type Job = (u64, u64, Vec<Bytes>, Vec<RemoteDesc>);
 
 struct SessionHandle {
-    replies: mpsc::UnboundedSender<Vec<u8>>,
-    jobs: Option<mpsc::UnboundedSender<Job>>,
+    replies: mpsc::Sender<Vec<u8>>,
+    jobs: Option<mpsc::Sender<Job>>,
     close: watch::Sender<bool>,
+    /// GET WRITEs queued on the executor (not counting the one in flight).
     queue_depth: Arc<AtomicU64>,
+    /// The client's agent name, the metrics label of its queue (empty before Hello).
+    peer: String,
 }
 
 struct Shared {
@@ -138,6 +155,13 @@ enum Listener {
 impl Server {
     /// Creates the agent and its registered pool, binds the control socket and starts serving.
     pub async fn start(cfg: ServerConfig) -> Result<Server, ServerError> {
+        if cfg.transfer_queue == 0 || cfg.reply_queue < cfg.transfer_queue.saturating_add(3) {
+            return Err(ServerError::Config(format!(
+                "transfer_queue ({}) must be at least 1 and reply_queue ({}) at least \
+                 transfer_queue + 3",
+                cfg.transfer_queue, cfg.reply_queue
+            )));
+        }
         let backend = cfg.backend;
         let payload_addr = cfg.payload_addr;
         let pool_bytes = cfg.pool_bytes;
@@ -208,6 +232,16 @@ impl Server {
     /// its engine copied).
     pub fn agent(&self) -> &Agent {
         &self.shared.agent
+    }
+
+    /// Serves one more session over `stream` (tests drive a session through an in-memory
+    /// pipe whose buffer they choose).
+    #[cfg(test)]
+    fn attach(&self, stream: tokio::io::DuplexStream) {
+        let (r, w) = tokio::io::split(stream);
+        let sid = self.shared.next_session.fetch_add(1, Ordering::Relaxed);
+        let s = self.shared.clone();
+        lock(&self.shared.tasks).spawn(guarded_session(s, sid, Box::new(r), Box::new(w)));
     }
 
     /// Registered memory the unit holds, in bytes.
@@ -348,15 +382,20 @@ async fn session(
     mut r: Box<dyn AsyncRead + Send + Unpin>,
     mut w: Box<dyn AsyncWrite + Send + Unpin>,
 ) {
-    let (reply_tx, mut reply_rx) = mpsc::unbounded_channel::<Vec<u8>>();
+    let (reply_tx, mut reply_rx) = mpsc::channel::<Vec<u8>>(shared.cfg.reply_queue);
     let (close_tx, mut close_rx) = watch::channel(false);
+    let depth = Arc::new(AtomicU64::new(0));
+    // The loop's own handle on the reply queue, to wait for room; dropped before the writer
+    // is awaited.
+    let gate = reply_tx.clone();
     lock(&shared.sessions).insert(
         sid,
         SessionHandle {
             replies: reply_tx,
             jobs: None,
             close: close_tx,
-            queue_depth: Arc::new(AtomicU64::new(0)),
+            queue_depth: depth.clone(),
+            peer: String::new(),
         },
     );
     lock(&shared.unit).open_session(sid);
@@ -370,6 +409,30 @@ async fn session(
     });
     let max = shared.cfg.max_message_bytes;
     loop {
+        // Backpressure: read the next request only once its answers fit in the reply queue
+        // beside those the executor still owes (each queued GET and the one in flight), and
+        // one more GET fits in the transfer queue. This loop is the transfer queue's only
+        // producer, so the room it waited for is still there when the request is handled.
+        let owed = depth.load(Ordering::Relaxed) as usize + 1;
+        let room = (owed + 2).min(shared.cfg.reply_queue);
+        let jobs = lock(&shared.sessions)
+            .get(&sid)
+            .and_then(|h| h.jobs.clone());
+        let waited = tokio::select! {
+            _ = close_rx.changed() => false,
+            ok = async {
+                if let Some(jobs) = &jobs {
+                    if jobs.reserve().await.is_err() {
+                        return false;
+                    }
+                }
+                gate.reserve_many(room).await.is_ok()
+            } => ok,
+        };
+        drop(jobs);
+        if !waited {
+            break;
+        }
         let mut prefix = [0u8; proto::LEN_PREFIX];
         let read = tokio::select! {
             _ = close_rx.changed() => break,
@@ -455,7 +518,7 @@ async fn session(
     // client that sees the connection close finds the session released).
     let handle = lock(&shared.sessions).remove(&sid);
     lock(&shared.unit).close_session(sid);
-    drop(handle);
+    drop((handle, gate));
     let _ = writer.await;
     tracing::debug!("session closed");
 }
@@ -481,7 +544,18 @@ fn send(shared: &Shared, sid: SessionId, id: u64, resp: &Response) {
     if let Some(h) = lock(&shared.sessions).get(&sid) {
         match proto::encode_frame(id, resp) {
             Ok(buf) => {
-                let _ = h.replies.send(buf);
+                if let Err(mpsc::error::TrySendError::Full(_)) = h.replies.try_send(buf) {
+                    // Only answers the session did not wait room for (a prepared PUT that
+                    // expired) can find the queue full: the client is not reading. An answer
+                    // cannot be dropped silently, so the session ends.
+                    tracing::error!(
+                        session = sid,
+                        id,
+                        "reply queue full (the client does not read its answers); closing the session"
+                    );
+                    crate::metrics::error(ErrorKind::Busy);
+                    let _ = h.close.send(true);
+                }
             }
             Err(e) => tracing::error!(error = %e, "cannot encode a response"),
         }
@@ -513,21 +587,37 @@ fn dispatch(shared: &Arc<Shared>, out: Vec<Output>) {
                 descs,
             } => {
                 let sessions = lock(&shared.sessions);
-                let sent = sessions.get(&session).and_then(|h| {
-                    let jobs = h.jobs.as_ref()?;
-                    h.queue_depth.fetch_add(1, Ordering::Relaxed);
-                    jobs.send((id, get, frames, descs)).ok()
+                let sent = sessions.get(&session).map(|h| {
+                    let Some(jobs) = h.jobs.as_ref() else {
+                        return Err(false);
+                    };
+                    match jobs.try_send((id, get, frames, descs)) {
+                        Ok(()) => {
+                            let depth = h.queue_depth.fetch_add(1, Ordering::Relaxed) + 1;
+                            crate::metrics::queue_depth(&h.peer, depth);
+                            Ok(())
+                        }
+                        Err(mpsc::error::TrySendError::Full(_)) => Err(true),
+                        Err(mpsc::error::TrySendError::Closed(_)) => Err(false),
+                    }
                 });
                 drop(sessions);
-                if sent.is_none() {
-                    let out = lock(&shared.unit).transfer_done(
+                let out = match sent {
+                    Some(Ok(())) => continue,
+                    Some(Err(true)) => lock(&shared.unit).transfer_refused(
+                        session,
+                        get,
+                        id,
+                        "the transfer queue for this client is full; retry",
+                    ),
+                    _ => lock(&shared.unit).transfer_done(
                         session,
                         get,
                         id,
                         Err("session has no executor".into()),
-                    );
-                    dispatch(shared, out);
-                }
+                    ),
+                };
+                dispatch(shared, out);
             }
             Output::Close { session } => {
                 if let Some(h) = lock(&shared.sessions).get(&session) {
@@ -564,13 +654,14 @@ async fn accept_peer(shared: Arc<Shared>, sid: SessionId, id: u64, md: Vec<u8>) 
             return;
         }
     };
-    let (tx, rx) = mpsc::unbounded_channel();
+    let (tx, rx) = mpsc::channel(shared.cfg.transfer_queue);
     let depth = {
         let mut sessions = lock(&shared.sessions);
         let Some(h) = sessions.get_mut(&sid) else {
             return;
         };
         h.jobs = Some(tx);
+        h.peer = peer.name().to_owned();
         h.queue_depth.clone()
     };
     lock(&shared.unit).session_ready(sid);
@@ -589,7 +680,7 @@ async fn executor(
     shared: Arc<Shared>,
     sid: SessionId,
     peer: Peer,
-    mut rx: mpsc::UnboundedReceiver<Job>,
+    mut rx: mpsc::Receiver<Job>,
     depth: Arc<AtomicU64>,
 ) {
     let label = peer.name().to_owned();
@@ -830,7 +921,7 @@ mod tests {
         read_response(stream).await.expect("an answer").1
     }
 
-    async fn read_response(stream: &mut TcpStream) -> Option<(u64, Response)> {
+    async fn read_response(stream: &mut (impl AsyncRead + Unpin)) -> Option<(u64, Response)> {
         let mut prefix = [0u8; proto::LEN_PREFIX];
         stream.read_exact(&mut prefix).await.ok()?;
         let mut buf = vec![0u8; proto::frame_len(prefix, 1 << 30).unwrap()];
@@ -901,5 +992,100 @@ mod tests {
         assert_eq!((after.pool.used, after.pool.live_blocks), (0, 0));
         others_carry_on(&server, "other").await;
         server.shutdown().await;
+    }
+
+    /// A client that pipelines many requests and reads none of the answers: the unit stops
+    /// reading from it once its reply queue and the pipe are full, instead of handling every
+    /// request and queueing every answer; when the client reads, every answer arrives, in
+    /// order.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_client_that_does_not_read_is_not_read_either() {
+        const QUEUE: usize = 8;
+        const PIPE: usize = 4096;
+        const N: u64 = 2000;
+        let server = Server::start(ServerConfig {
+            bind: "127.0.0.1:0".into(),
+            backend: Backend::Inproc,
+            pool_bytes: 1 << 20,
+            reply_queue: QUEUE,
+            transfer_queue: 1,
+            ..ServerConfig::default()
+        })
+        .await
+        .unwrap();
+        let (mut ours, theirs) = tokio::io::duplex(PIPE);
+        server.attach(theirs);
+        let agent = Backend::Inproc.agent("raw").unwrap();
+        let hello = Request::Hello {
+            token: None,
+            agent: agent.metadata(),
+        };
+        ours.write_all(&proto::encode_frame(0, &hello).unwrap())
+            .await
+            .unwrap();
+        assert!(matches!(
+            read_response(&mut ours).await,
+            Some((0, Response::Welcome { .. }))
+        ));
+        // Inline PUTs of one small value each: one stored key per request handled.
+        let value = Value::List(vec![Value::List(vec![Value::U64(1)])]);
+        let meta = tessera_framecodec::encode(&value).unwrap().meta.to_vec();
+        let (mut rd, mut wr) = tokio::io::split(ours);
+        let writer = tokio::spawn(async move {
+            for i in 1..=N {
+                let put = Request::Put {
+                    partition: "p".into(),
+                    indexes: vec![i],
+                    fields: vec!["x".into()],
+                    meta: serde_bytes::ByteBuf::from(meta.clone()),
+                    inline: Some(Vec::new()),
+                };
+                wr.write_all(&proto::encode_frame(i, &put).unwrap())
+                    .await
+                    .unwrap();
+            }
+            wr
+        });
+        // The pipe holds PIPE / (shortest answer) answers, the queue QUEUE, the reply writer
+        // one in hand, and one request can be in the session's hand. Without the bound,
+        // every request would be handled.
+        let shortest = proto::encode_frame(1, &Response::Done).unwrap().len();
+        let bound = (PIPE / shortest + QUEUE + 2) as u64;
+        let mut handled = 0;
+        for _ in 0..50 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            handled = server.stats().keys;
+            assert!(handled <= bound, "{handled} requests handled, unread");
+        }
+        assert!(handled > 0);
+        assert!(
+            !writer.is_finished(),
+            "the unit stopped reading the requests"
+        );
+        for i in 1..=N {
+            let mut prefix = [0u8; proto::LEN_PREFIX];
+            rd.read_exact(&mut prefix).await.unwrap();
+            let mut buf = vec![0u8; proto::frame_len(prefix, 1 << 20).unwrap()];
+            rd.read_exact(&mut buf).await.unwrap();
+            let (id, resp) = proto::decode_body::<Response>(&buf).unwrap();
+            assert_eq!((id, resp), (i, Response::Done));
+        }
+        drop(writer.await.unwrap());
+        assert_eq!(server.stats().keys, N);
+        server.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn queue_bounds_are_checked() {
+        let bad = Server::start(ServerConfig {
+            bind: "127.0.0.1:0".into(),
+            backend: Backend::Inproc,
+            pool_bytes: 1 << 20,
+            reply_queue: 10,
+            transfer_queue: 8,
+            ..ServerConfig::default()
+        })
+        .await;
+        assert!(matches!(bad, Err(ServerError::Config(_))));
     }
 }

@@ -613,3 +613,34 @@ fn zeroed(v: &Value) -> Value {
         other => other.clone(),
     }
 }
+
+/// A WRITE the driver could not queue: the GET is dropped and answered `Busy`, nothing is
+/// left pending, and the same GET can be asked again.
+#[test]
+fn a_refused_transfer_is_answered_busy_and_can_be_retried() {
+    let mut h = Harness::new(UnitConfig {
+        inline_max: 16,
+        ..UnitConfig::default()
+    });
+    // Zeros: the test memory stores a prepared PUT's block as leased (zeroed).
+    let t = Tensor::from_slice(&[64], &[0u8; 64]).unwrap();
+    let v = batch(1, vec![Value::Tensor(t)]);
+    assert_eq!(h.put("p", &[0], &["x"], &v), Response::Done);
+    let ask = || Request::Get {
+        partition: "p".into(),
+        indexes: vec![0],
+        fields: vec!["x".into()],
+    };
+    let (get, r) = h.req(ask());
+    assert!(matches!(r, Response::GetReady { .. }), "{r:?}");
+    let descs = vec![RemoteDesc::new(9, 0, 64)];
+    let out = h
+        .unit
+        .handle(h.now, S, 100, Request::GetInto { get, descs });
+    assert!(matches!(out[..], [Output::Write { .. }]));
+    let r = single(h.unit.transfer_refused(S, get, 100, "queue full"));
+    assert_eq!(kind(&r), Some(ErrorKind::Busy));
+    assert_eq!(h.stats().pending_gets, 0);
+    // Not a failed session: the GET works again.
+    assert_eq!(h.get("p", &[0], &["x"]), Ok(v));
+}
