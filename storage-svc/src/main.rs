@@ -12,6 +12,12 @@ use tessera_storage::{Backend, Client, ClientConfig, Server, ServerConfig, Value
     about = "PUT / GET / CLEAR storage unit and client"
 )]
 struct Cli {
+    /// What to log on stderr, as a filter in `RUST_LOG` syntax (`debug`,
+    /// `tessera_storage=debug,warn`, ...); overrides `RUST_LOG`. Default: `RUST_LOG`, else
+    /// `warn`. At `debug`, every request's span (`session` > `request` with its id and
+    /// operation) is printed as it closes, with its time.
+    #[arg(long, global = true, value_name = "FILTER")]
+    log_level: Option<String>,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -127,8 +133,8 @@ struct Serve {
 }
 
 fn main() -> Result<()> {
-    tracing_init();
     let cli = Cli::parse();
+    tracing_init(cli.log_level.as_deref())?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -136,8 +142,21 @@ fn main() -> Result<()> {
     rt.block_on(run(cli))
 }
 
-fn tracing_init() {
-    // Spans are emitted through `tracing`; a subscriber is the embedding program's choice.
+/// Logs to stderr through a `tracing` subscriber, filtered by `--log-level` or `RUST_LOG`.
+fn tracing_init(level: Option<&str>) -> Result<()> {
+    use tracing_subscriber::fmt::format::FmtSpan;
+    use tracing_subscriber::EnvFilter;
+    let filter = match level {
+        Some(l) => EnvFilter::try_new(l).with_context(|| format!("--log-level {l:?}"))?,
+        None => EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn")),
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_span_events(FmtSpan::CLOSE)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .try_init()
+        .map_err(|e| anyhow::anyhow!("installing the log subscriber: {e}"))
 }
 
 async fn client(c: Conn) -> Result<Client> {

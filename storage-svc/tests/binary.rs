@@ -189,3 +189,61 @@ async fn session_lost_after_prepare_releases_its_block() {
         .await
         .unwrap();
 }
+
+/// `serve --log-level debug` prints each request's span on stderr, inside its session's span;
+/// the default filter prints none.
+#[test]
+fn debug_log_level_prints_request_spans() {
+    let serve = |extra: &[&str]| {
+        let mut child = exe()
+            .args([
+                "serve",
+                "--announce",
+                "--bind",
+                "127.0.0.1:0",
+                "--backend",
+                "tcp",
+            ])
+            .args(extra)
+            .env_remove("RUST_LOG")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+            &mut line,
+        )
+        .unwrap();
+        let addr = line.trim().strip_prefix("listening ").unwrap().to_owned();
+        let stats = exe()
+            .args(["stats", "--unit", &addr, "--backend", "tcp"])
+            .output()
+            .unwrap();
+        assert!(stats.status.success(), "{stats:?}");
+        child.kill().unwrap();
+        let mut err = String::new();
+        child
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut err)
+            .unwrap();
+        child.wait().unwrap();
+        err
+    };
+    let err = serve(&["--log-level", "debug"]);
+    let request = err
+        .lines()
+        .find(|l| l.contains("request{") && l.contains("op=\"stats\"") && l.contains("close"))
+        .unwrap_or_else(|| panic!("no span of the STATS request in:\n{err}"));
+    assert!(request.contains("session{"), "{request}");
+    assert!(request.contains("DEBUG"), "{request}");
+    let quiet = serve(&[]);
+    assert!(!quiet.contains("request{"), "{quiet}");
+    assert!(exe()
+        .args(["serve", "--log-level", "no=such=filter", "--print-config"])
+        .output()
+        .is_ok_and(|o| !o.status.success()));
+}
