@@ -242,7 +242,19 @@ impl Client {
         let (id, resp) = conn.call(req).await?;
         let descs = match resp {
             Response::Done => return Ok(()),
-            Response::PutReady { descs } => descs,
+            Response::PutReady { descs, agent } => {
+                if let Some(md) = agent {
+                    // The unit registered more memory: its peer handle learns the new
+                    // registrations before any WRITE names them.
+                    self.agent
+                        .add_remote(&md)
+                        .map_err(|e| ClientError::Transport {
+                            unit,
+                            message: e.to_string(),
+                        })?;
+                }
+                descs
+            }
             other => return Err(conn.unexpected(other)),
         };
         if let Err(e) = self.write_frames(conn, &frames, &descs).await {

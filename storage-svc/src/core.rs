@@ -37,6 +37,11 @@ pub trait Memory {
     fn copy_in(&mut self, data: &[u8], align: u64) -> Result<Bytes, String>;
     /// Pool usage.
     fn usage(&self) -> PoolStats;
+    /// Gives back registered memory that is idle beyond the configured limit; returns the
+    /// bytes given back. Memory that never shrinks keeps the default.
+    fn trim(&mut self) -> u64 {
+        0
+    }
 }
 
 /// Configuration of the protocol core.
@@ -138,7 +143,8 @@ pub enum Output {
     },
 }
 
-/// Pool usage.
+/// Pool usage: the registered memory that payloads land in. Idle registered memory is
+/// `capacity - used`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PoolStats {
     /// Registered bytes.
@@ -149,6 +155,16 @@ pub struct PoolStats {
     pub largest_free: u64,
     /// Live blocks.
     pub live_blocks: u64,
+    /// Registered bytes at most (0: not reported).
+    #[serde(default)]
+    pub limit: u64,
+    /// Idle registered bytes kept at most; entirely free chunks beyond it are deregistered
+    /// (0: not reported).
+    #[serde(default)]
+    pub idle_limit: u64,
+    /// Registered chunks.
+    #[serde(default)]
+    pub chunks: u64,
 }
 
 /// Per-partition statistics.
@@ -319,6 +335,12 @@ impl<M: Memory> Unit<M> {
     /// The configuration.
     pub fn config(&self) -> &UnitConfig {
         &self.cfg
+    }
+
+    /// Gives back idle registered memory beyond its limit ([`Memory::trim`]); the driver
+    /// calls it after requests and on its timer. Returns the bytes given back.
+    pub fn trim_memory(&mut self) -> u64 {
+        self.mem.trim()
     }
 
     /// A new connection arrived as `session`; it must say Hello first.
@@ -723,7 +745,7 @@ impl<M: Memory> Unit<M> {
                 deadline: now + self.cfg.prepare_ttl,
             },
         );
-        Ok(Response::PutReady { descs })
+        Ok(Response::PutReady { descs, agent: None })
     }
 
     fn commit(&mut self, session: SessionId, put: u64) -> Result<Response, RemoteError> {

@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 #![warn(missing_docs)]
 
+mod chunks;
 mod client;
 pub mod core;
 mod error;
@@ -8,6 +9,7 @@ mod metrics;
 mod plane;
 pub mod proto;
 mod server;
+mod sync;
 
 pub use crate::client::{remote_error, Client, ClientConfig, Modulo, Placement};
 pub use crate::core::{PartitionStats, PoolStats, Stats, UnitConfig};

@@ -104,9 +104,15 @@ struct Serve {
     /// Logical bytes stored at most.
     #[arg(long)]
     capacity: Option<u64>,
-    /// Registered pool bytes (also the idle registered-memory limit).
+    /// Registered memory at most, in bytes (registered in chunks as needed).
     #[arg(long)]
     pool: Option<u64>,
+    /// Bytes of one chunk of registered memory.
+    #[arg(long)]
+    pool_chunk: Option<u64>,
+    /// Idle registered bytes kept at most (free chunks beyond it are deregistered).
+    #[arg(long)]
+    idle_pool: Option<u64>,
     #[arg(long)]
     leased_limit: Option<u64>,
     #[arg(long)]
@@ -267,6 +273,12 @@ async fn serve(s: Serve) -> Result<()> {
     }
     if let Some(v) = s.pool {
         cfg.pool_bytes = v;
+    }
+    if let Some(v) = s.pool_chunk {
+        cfg.pool_chunk_bytes = v;
+    }
+    if let Some(v) = s.idle_pool {
+        cfg.idle_pool_bytes = v;
     }
     if let Some(v) = s.leased_limit {
         cfg.unit.leased_limit = v;

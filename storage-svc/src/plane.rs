@@ -7,8 +7,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
-use tessera_transport::{Agent, LocalDesc, PoolBlock, Region, RegisteredPool, RemoteDesc};
+use tessera_transport::{Agent, LocalDesc, PoolBlock, Region, RemoteDesc};
 
+use crate::chunks::ChunkPool;
 use crate::core::{Memory, PoolStats};
 
 /// Which tessera-transport engine carries payloads. Units and clients must agree; there is
@@ -86,16 +87,17 @@ pub(crate) fn freeze(block: PoolBlock, len: u64) -> Bytes {
     Bytes::from_owner(BlockBytes(block)).slice(..len as usize)
 }
 
-/// The unit's registered pool as the protocol core's [`Memory`].
+/// The unit's registered memory (chunks of registered pools) as the protocol core's
+/// [`Memory`].
 pub(crate) struct PoolMemory {
-    pub(crate) pool: RegisteredPool,
+    pub(crate) pool: ChunkPool<std::sync::Arc<Agent>>,
 }
 
 impl Memory for PoolMemory {
     type Block = PoolBlock;
 
     fn lease(&mut self, size: u64, align: u64) -> Result<PoolBlock, String> {
-        self.pool.lease(size, align).map_err(|e| e.to_string())
+        self.pool.lease(size, align)
     }
 
     fn remote(&self, block: &PoolBlock, offset: u64, len: u64) -> Result<RemoteDesc, String> {
@@ -120,13 +122,11 @@ impl Memory for PoolMemory {
     }
 
     fn usage(&self) -> PoolStats {
-        let r = self.pool.report();
-        PoolStats {
-            capacity: r.capacity,
-            used: r.used,
-            largest_free: r.largest_free,
-            live_blocks: r.live_blocks,
-        }
+        self.pool.usage()
+    }
+
+    fn trim(&mut self) -> u64 {
+        self.pool.trim()
     }
 }
 

@@ -105,6 +105,11 @@ pub enum Response {
     PutReady {
         /// One descriptor per payload frame (empty frames get a zero-length descriptor).
         descs: Vec<RemoteDesc>,
+        /// The unit's agent metadata, when its registered memory changed since this session
+        /// last got it (a new chunk the descriptors may point into): add it as the peer's
+        /// metadata before writing.
+        #[serde(default)]
+        agent: Option<ByteBuf>,
     },
     /// A request that changes nothing else completed.
     Done,

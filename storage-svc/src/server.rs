@@ -6,24 +6,25 @@ use std::future::Future;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
-use tessera_transport::{Agent, Peer, RegisteredPool, RemoteDesc};
+use tessera_transport::{Agent, Peer, RemoteDesc};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 use tracing::Instrument;
 
+use crate::chunks::{ChunkLimits, ChunkPool};
 use crate::core::{Output, SessionId, Stats, Unit, UnitConfig};
 use crate::error::ErrorKind;
 use crate::plane::{source_descs, Backend, PoolMemory};
 use crate::proto::{self, Request, Response};
+use crate::sync::{AtomicU64, Ordering};
 
 /// Configuration of a unit's server.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -37,9 +38,15 @@ pub struct ServerConfig {
     /// to clients (port 0 picks one). Unset: 127.0.0.1, reachable from this host only.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub payload_addr: Option<std::net::SocketAddr>,
-    /// Bytes of registered memory (the receive pool, registered once; idle memory is the
-    /// part of it not leased, so this is also the idle limit).
+    /// Bytes of registered memory at most (the receive pool). It is registered in chunks of
+    /// `pool_chunk_bytes` as PUTs need it, never per request.
     pub pool_bytes: u64,
+    /// Bytes of one chunk of registered memory (a PUT that needs more gets a chunk of its
+    /// own size). The first chunk is registered at start.
+    pub pool_chunk_bytes: u64,
+    /// Idle registered memory (registered, not leased) kept at most: chunks that are entirely
+    /// free are deregistered, newest first, while the idle bytes exceed it.
+    pub idle_pool_bytes: u64,
     /// Largest control message accepted, in bytes (checked before allocating).
     pub max_message_bytes: u64,
     /// A WRITE that has not completed after this long fails its session.
@@ -82,6 +89,8 @@ impl Default for ServerConfig {
             backend: Backend::Shm,
             payload_addr: None,
             pool_bytes: 2 << 30,
+            pool_chunk_bytes: 256 << 20,
+            idle_pool_bytes: 512 << 20,
             max_message_bytes: 256 << 20,
             transfer_timeout: Duration::from_secs(60),
             reply_queue: 1024,
@@ -118,6 +127,8 @@ struct SessionHandle {
     replies: mpsc::Sender<Vec<u8>>,
     jobs: Option<mpsc::Sender<Job>>,
     close: watch::Sender<bool>,
+    /// The registration generation of the unit's metadata this session last got.
+    seen: u64,
     /// GET WRITEs queued on the executor (not counting the one in flight).
     queue_depth: Arc<AtomicU64>,
     /// The client's agent name, the metrics label of its queue (empty before Hello).
@@ -127,6 +138,8 @@ struct SessionHandle {
 struct Shared {
     unit: Mutex<Unit<PoolMemory>>,
     agent: Arc<Agent>,
+    /// Bumped when the unit registers or deregisters a chunk of memory.
+    generation: Arc<AtomicU64>,
     cfg: ServerConfig,
     sessions: Mutex<HashMap<SessionId, SessionHandle>>,
     next_session: AtomicU64,
@@ -144,7 +157,6 @@ pub struct Server {
     stop: watch::Sender<bool>,
     accept: tokio::task::JoinHandle<()>,
     timer: tokio::task::JoinHandle<()>,
-    pool: RegisteredPool,
 }
 
 enum Listener {
@@ -164,13 +176,19 @@ impl Server {
         }
         let backend = cfg.backend;
         let payload_addr = cfg.payload_addr;
-        let pool_bytes = cfg.pool_bytes;
+        let limits = ChunkLimits {
+            capacity: cfg.pool_bytes,
+            chunk: cfg.pool_chunk_bytes,
+            idle: cfg.idle_pool_bytes,
+        };
         let (agent, pool) = tokio::task::spawn_blocking(move || {
-            let agent = backend
-                .agent_at("unit", payload_addr)
-                .map_err(|e| e.to_string())?;
-            let pool = RegisteredPool::new(&agent, pool_bytes).map_err(|e| e.to_string())?;
-            Ok::<_, String>((Arc::new(agent), pool))
+            let agent = Arc::new(
+                backend
+                    .agent_at("unit", payload_addr)
+                    .map_err(|e| e.to_string())?,
+            );
+            let pool = ChunkPool::new(agent.clone(), limits)?;
+            Ok::<_, String>((agent, pool))
         })
         .await
         .map_err(|e| ServerError::Transport(e.to_string()))?
@@ -195,10 +213,12 @@ impl Server {
             })?;
             (Listener::Tcp(l), a.to_string())
         };
-        let unit = Unit::new(cfg.unit.clone(), PoolMemory { pool: pool.clone() });
+        let generation = pool.generation();
+        let unit = Unit::new(cfg.unit.clone(), PoolMemory { pool });
         let shared = Arc::new(Shared {
             unit: Mutex::new(unit),
             agent,
+            generation,
             cfg,
             sessions: Mutex::new(HashMap::new()),
             next_session: AtomicU64::new(1),
@@ -214,7 +234,6 @@ impl Server {
             stop,
             accept,
             timer,
-            pool,
         })
     }
 
@@ -244,9 +263,9 @@ impl Server {
         lock(&self.shared.tasks).spawn(guarded_session(s, sid, Box::new(r), Box::new(w)));
     }
 
-    /// Registered memory the unit holds, in bytes.
+    /// Registered memory the unit holds now, in bytes.
     pub fn registered_bytes(&self) -> u64 {
-        self.pool.capacity()
+        self.stats().pool.capacity
     }
 
     /// Ordered teardown: stop accepting, cancel queued work, let transfers in flight finish
@@ -266,12 +285,16 @@ impl Server {
         let mut tasks = std::mem::take(&mut *lock(&self.shared.tasks));
         while tasks.join_next().await.is_some() {}
         lock(&self.shared.unit).teardown();
-        let Server { shared, pool, .. } = self;
+        // The agent goes first (the unit's memory holds it too, ahead of its chunks), then
+        // the chunks of registered memory.
+        let Server { shared, .. } = self;
         match Arc::try_unwrap(shared) {
-            Ok(shared) => drop(shared.agent),
+            Ok(shared) => {
+                drop(shared.agent);
+                drop(shared.unit);
+            }
             Err(_) => tracing::warn!("unit state still referenced at shutdown"),
         }
-        drop(pool);
     }
 }
 
@@ -324,7 +347,13 @@ async fn timer_loop(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
             _ = stop.changed() => break,
             _ = tokio::time::sleep(wait) => {}
         }
-        let out = lock(&shared.unit).handle_timeout(Instant::now());
+        let out = {
+            let mut unit = lock(&shared.unit);
+            let out = unit.handle_timeout(Instant::now());
+            // Blocks also come back when the executor drops a GET's frames: trim here too.
+            unit.trim_memory();
+            out
+        };
         dispatch(&shared, out);
         crate::metrics::record_stats(&lock(&shared.unit).stats());
     }
@@ -394,6 +423,7 @@ async fn session(
             replies: reply_tx,
             jobs: None,
             close: close_tx,
+            seen: 0,
             queue_depth: depth.clone(),
             peer: String::new(),
         },
@@ -472,7 +502,9 @@ async fn session(
                     catch_unwind(AssertUnwindSafe(|| {
                         #[cfg(test)]
                         fault::before_handle(sid, id, &req);
-                        unit.handle(started, sid, id, req)
+                        let out = unit.handle(started, sid, id, req);
+                        unit.trim_memory();
+                        out
                     }))
                 };
                 let out = match handled {
@@ -568,10 +600,21 @@ fn dispatch(shared: &Arc<Shared>, out: Vec<Output>) {
             Output::Reply {
                 session,
                 id,
-                response,
+                mut response,
             } => {
                 if let Response::Error(e) = &response {
                     crate::metrics::error(e.kind);
+                }
+                if let Response::PutReady { agent, .. } = &mut response {
+                    // Descriptors may name a chunk registered after this session last got
+                    // the unit's metadata: send it along.
+                    let now = shared.generation.load(Ordering::Acquire);
+                    let stale = lock(&shared.sessions)
+                        .get_mut(&session)
+                        .is_some_and(|h| std::mem::replace(&mut h.seen, now) != now);
+                    if stale {
+                        *agent = Some(serde_bytes::ByteBuf::from(shared.agent.metadata()));
+                    }
                 }
                 send(shared, session, id, &response)
             }
@@ -665,6 +708,10 @@ async fn accept_peer(shared: Arc<Shared>, sid: SessionId, id: u64, md: Vec<u8>) 
         h.queue_depth.clone()
     };
     lock(&shared.unit).session_ready(sid);
+    let seen = shared.generation.load(Ordering::Acquire);
+    if let Some(h) = lock(&shared.sessions).get_mut(&sid) {
+        h.seen = seen;
+    }
     let welcome = Response::Welcome {
         agent: shared.agent.metadata(),
         backend: shared.agent.kind().to_owned(),
@@ -1087,5 +1134,81 @@ mod tests {
         })
         .await;
         assert!(matches!(bad, Err(ServerError::Config(_))));
+    }
+
+    /// PUTs beyond the first chunk register more chunks (the client learns them from the
+    /// READY answer and writes into them), up to the limit; CLEAR gives the memory back down
+    /// to the idle limit; the agent's registrations always match what STATS reports.
+    async fn registered_memory_grows_and_shrinks(backend: Backend) {
+        const MIB: u64 = 1 << 20;
+        let server = Server::start(ServerConfig {
+            bind: "127.0.0.1:0".into(),
+            backend,
+            pool_bytes: 24 * MIB,
+            pool_chunk_bytes: 4 * MIB,
+            idle_pool_bytes: 6 * MIB,
+            ..ServerConfig::default()
+        })
+        .await
+        .unwrap();
+        let c = Client::connect(ClientConfig {
+            units: vec![server.addr().to_owned()],
+            backend,
+            recv_pool_bytes: 8 * MIB,
+            ..ClientConfig::default()
+        })
+        .await
+        .unwrap();
+        let check = |server: &Server| {
+            let s = server.stats();
+            let r = server.agent().report();
+            assert_eq!(r.registered_bytes, s.pool.capacity, "{s:?}");
+            assert_eq!(r.registrations as u64, s.pool.chunks, "{s:?}");
+            s
+        };
+        assert_eq!(check(&server).pool.capacity, 4 * MIB);
+        // Ten values of 1.5 MiB: two fit a chunk, so five chunks.
+        for i in 0..10u64 {
+            let cols = column(384 << 10, i as i32);
+            c.put("p", &[i], &cols).await.unwrap();
+        }
+        let s = check(&server);
+        assert_eq!((s.pool.capacity, s.pool.chunks), (20 * MIB, 5));
+        assert_eq!((s.pool.limit, s.pool.idle_limit), (24 * MIB, 6 * MIB));
+        for i in 0..10u64 {
+            let got = c.get("p", &[i], &["x"]).await.unwrap();
+            let t = got[0][0].as_tensor().unwrap();
+            assert_eq!(t.as_slice::<i32>().unwrap()[1000], i as i32);
+        }
+        // Beyond the limit: refused with a clear error, nothing stored.
+        let e = c.put("p", &[99], &column(3 << 20, 1)).await.unwrap_err();
+        assert_eq!(e.kind(), Some(ErrorKind::OutOfMemory), "{e}");
+        assert!(e.to_string().contains("registered memory exhausted"), "{e}");
+        c.clear("p", &(0..10).collect::<Vec<_>>()).await.unwrap();
+        let s = check(&server);
+        assert_eq!(s.pool.used, 0);
+        assert!(s.pool.capacity <= 6 * MIB, "{s:?}");
+        assert_eq!(
+            s.pool.capacity,
+            4 * MIB,
+            "one chunk is within the idle limit"
+        );
+        // And grows again.
+        for i in 0..4u64 {
+            c.put("q", &[i], &column(384 << 10, 1)).await.unwrap();
+        }
+        assert_eq!(check(&server).pool.capacity, 8 * MIB);
+        drop(c);
+        server.shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn registered_memory_grows_and_shrinks_inproc() {
+        registered_memory_grows_and_shrinks(Backend::Inproc).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn registered_memory_grows_and_shrinks_shm() {
+        registered_memory_grows_and_shrinks(Backend::Shm).await;
     }
 }

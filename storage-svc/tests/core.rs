@@ -123,7 +123,7 @@ impl Harness {
             inline: None,
         });
         match r {
-            Response::PutReady { descs } => {
+            Response::PutReady { descs, .. } => {
                 assert_eq!(descs.len(), frames.payloads.len());
                 // The test memory cannot be written from outside; emulate the WRITE by
                 // refusing payloads here: only zero-length layouts reach this branch in tests
