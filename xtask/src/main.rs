@@ -45,7 +45,12 @@ enum Cmd {
 }
 
 /// Crates with loom tests (`--cfg tessera_loom`), run in release in their own target dir.
-const LOOM_CRATES: &[&str] = &["tessera-alloc", "tessera-transport", "tessera-rdt-pool"];
+const LOOM_CRATES: &[&str] = &[
+    "tessera-alloc",
+    "tessera-transport",
+    "tessera-rdt-pool",
+    "tessera-storage",
+];
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
