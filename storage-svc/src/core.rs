@@ -1161,3 +1161,176 @@ pub fn decode_inline(meta: &[u8], frames: Vec<ByteBuf>) -> Result<Value, String>
         .collect();
     decode(meta, &frames).map_err(|e| e.to_string())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sync::{model, thread, Arc, AtomicU64, Mutex, Ordering};
+
+    /// Heap blocks that count the bytes leased.
+    struct Counted(Arc<AtomicU64>);
+
+    struct Block {
+        buf: Vec<u8>,
+        live: Arc<AtomicU64>,
+    }
+
+    impl Drop for Block {
+        fn drop(&mut self) {
+            self.live
+                .fetch_sub(self.buf.len() as u64, Ordering::Relaxed);
+        }
+    }
+
+    impl AsRef<[u8]> for Block {
+        fn as_ref(&self) -> &[u8] {
+            &self.buf
+        }
+    }
+
+    impl Memory for Counted {
+        type Block = Block;
+        fn lease(&mut self, size: u64, _: u64) -> Result<Block, String> {
+            self.0.fetch_add(size, Ordering::Relaxed);
+            Ok(Block {
+                buf: vec![0; size as usize],
+                live: self.0.clone(),
+            })
+        }
+        fn remote(&self, _: &Block, offset: u64, len: u64) -> Result<RemoteDesc, String> {
+            Ok(RemoteDesc::new(1, offset, len))
+        }
+        fn freeze(&self, block: Block, len: u64) -> Bytes {
+            Bytes::from_owner(block).slice(..len as usize)
+        }
+        fn block_len(b: &Block) -> u64 {
+            b.buf.len() as u64
+        }
+        fn copy_in(&mut self, data: &[u8], align: u64) -> Result<Bytes, String> {
+            let mut b = self.lease(data.len() as u64, align)?;
+            b.buf.copy_from_slice(data);
+            Ok(Bytes::from_owner(b))
+        }
+        fn usage(&self) -> PoolStats {
+            PoolStats {
+                used: self.0.load(Ordering::Relaxed),
+                ..PoolStats::default()
+            }
+        }
+    }
+
+    fn prepare(unit: &mut Unit<Counted>, now: Instant, id: u64) -> Response {
+        let t = tessera_framecodec::Tensor::from_slice(&[256], &[0u8; 256]).unwrap();
+        let v = Value::List(vec![Value::List(vec![Value::Tensor(t)])]);
+        let frames = tessera_framecodec::encode(&v).unwrap();
+        let out = unit.handle(
+            now,
+            1,
+            id,
+            Request::Put {
+                partition: "p".into(),
+                indexes: vec![id],
+                fields: vec!["x".into()],
+                meta: ByteBuf::from(frames.meta.to_vec()),
+                inline: None,
+            },
+        );
+        match out.into_iter().next() {
+            Some(Output::Reply { response, .. }) => response,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// A session's teardown, its executor finishing a GET and the timer expiring its prepared
+    /// PUT, in any order on three threads: the leased and quarantined accounting ends at zero
+    /// and every block is back.
+    #[test]
+    fn loom_session_executor_and_timer_release_everything() {
+        model(|| {
+            let leased = Arc::new(AtomicU64::new(0));
+            let cfg = UnitConfig {
+                inline_max: 16,
+                ..UnitConfig::default()
+            };
+            let mut unit = Unit::new(cfg.clone(), Counted(leased.clone()));
+            let now = Instant::now();
+            unit.open_session(1);
+            unit.session_ready(1);
+            // A prepared PUT that expires, one cancelled after exposure (quarantined), a
+            // stored value and a GET of it being written.
+            assert!(matches!(
+                prepare(&mut unit, now, 1),
+                Response::PutReady { .. }
+            ));
+            assert!(matches!(
+                prepare(&mut unit, now, 2),
+                Response::PutReady { .. }
+            ));
+            let cancel = Request::Cancel {
+                of: 2,
+                maybe_written: true,
+            };
+            assert_eq!(unit.handle(now, 1, 3, cancel).len(), 1);
+            assert!(matches!(
+                prepare(&mut unit, now, 4),
+                Response::PutReady { .. }
+            ));
+            assert_eq!(unit.handle(now, 1, 40, Request::Commit { put: 4 }).len(), 1);
+            let get = Request::Get {
+                partition: "p".into(),
+                indexes: vec![4],
+                fields: vec!["x".into()],
+            };
+            assert!(matches!(
+                unit.handle(now, 1, 5, get).into_iter().next(),
+                Some(Output::Reply {
+                    response: Response::GetReady { .. },
+                    ..
+                })
+            ));
+            let into = Request::GetInto {
+                get: 5,
+                descs: vec![RemoteDesc::new(7, 0, 256)],
+            };
+            assert!(matches!(
+                unit.handle(now, 1, 6, into).into_iter().next(),
+                Some(Output::Write { .. })
+            ));
+            let s = unit.stats();
+            assert!(s.leased_bytes > 0 && s.quarantined_bytes > 0 && s.pending_gets == 1);
+
+            let unit = Arc::new(Mutex::new(unit));
+            let executor = {
+                let unit = unit.clone();
+                thread::spawn(move || {
+                    unit.lock().unwrap().transfer_done(1, 5, 6, Ok(()));
+                })
+            };
+            let timer = {
+                let unit = unit.clone();
+                thread::spawn(move || {
+                    unit.lock().unwrap().handle_timeout(now + cfg.prepare_ttl);
+                })
+            };
+            unit.lock().unwrap().close_session(1);
+            executor.join().unwrap();
+            timer.join().unwrap();
+            let mut unit = unit.lock().unwrap();
+            let s = unit.stats();
+            assert_eq!(
+                (
+                    s.leased_bytes,
+                    s.quarantined_bytes,
+                    s.pending_puts,
+                    s.pending_gets
+                ),
+                (0, 0, 0, 0)
+            );
+            assert_eq!(s.sessions, 0);
+            assert_eq!(s.keys, 1, "the stored value stays");
+            unit.teardown();
+            drop(unit);
+            assert_eq!(leased.load(Ordering::Relaxed), 0, "every block is back");
+        });
+    }
+}

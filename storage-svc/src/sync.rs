@@ -7,6 +7,12 @@ pub(crate) use loom::sync::atomic::{AtomicU64, Ordering};
 #[cfg(not(tessera_loom))]
 pub(crate) use std::sync::atomic::{AtomicU64, Ordering};
 
+/// The unit's lock, for the model of its users (session, executor, timer).
+#[cfg(all(test, tessera_loom))]
+pub(crate) use loom::sync::Mutex;
+#[cfg(all(test, not(tessera_loom)))]
+pub(crate) use std::sync::Mutex;
+
 /// Shared ownership stays std's under loom too (the transport's handles are std `Arc`s).
 pub(crate) use std::sync::Arc;
 
