@@ -175,7 +175,9 @@ fn test(root: &Path) -> Result<()> {
 
 /// The harness binary knows the suites and rejects unknown names. The `transport` suite
 /// also measures the UCX and NIXL backends: their deps are installed and their bandwidth
-/// examples built first, in release, one feature at a time (never both in one process).
+/// examples built first, in release, one feature at a time (never both in one process). The
+/// `storage` suite measures the unit over `ucx` too, so the harness is built with its `ucx`
+/// feature whenever that suite runs.
 fn bench(root: &Path, suites: &[String]) -> Result<()> {
     let mut cmd = cargo(&[
         "run",
@@ -185,8 +187,20 @@ fn bench(root: &Path, suites: &[String]) -> Result<()> {
         "tessera-bench",
         "--bin",
         "tessera-bench",
-        "--",
     ]);
+    if suites.is_empty() || suites.iter().any(|s| s == "storage") {
+        // The storage suite measures the unit over ucx too: the harness is built with the
+        // feature (UCX only; NIXL never loads into this process) and runs with the test
+        // settings of the backends.
+        deps::install(root).context("installing the backends' dependencies (cargo xtask deps)")?;
+        cmd.args(["--features", "ucx"]);
+        for (k, v) in deps::TEST_ENV {
+            if std::env::var_os(k).is_none() {
+                cmd.env(k, v);
+            }
+        }
+    }
+    cmd.arg("--");
     cmd.args(suites);
     if suites.is_empty() || suites.iter().any(|s| s == "transport") {
         let layout = deps::install(root)
