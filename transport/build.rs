@@ -6,6 +6,11 @@
 //!
 //! Both look in `<workspace>/.deps` (installed by `cargo xtask deps`) unless told otherwise:
 //! `TESSERA_UCX_DIR` (the directory holding `include/` and `lib/`) and `TESSERA_NIXL_LIB_DIR`.
+//!
+//! An rpath set here reaches this package's own binaries only. Each directory also goes out as
+//! link metadata (`cargo:ucx_rpath=DIR`, `cargo:nixl_rpath=DIR`, through `links`), which crates
+//! depending on this one read as `DEP_TESSERA_TRANSPORT_UCX_RPATH` (`_NIXL_RPATH`) to give
+//! their binaries the same rpath (see `storage-svc/build.rs`).
 
 use std::env;
 use std::path::{Path, PathBuf};
@@ -53,6 +58,7 @@ fn ucx(root: &Path) {
     println!("cargo:rustc-link-lib=dylib=ucp");
     println!("cargo:rustc-link-lib=dylib=ucs");
     println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());
+    println!("cargo:ucx_rpath={}", lib.display());
 
     let bindings = bindgen::Builder::default()
         .header_contents("tessera_ucx.h", "#include <ucp/api/ucp.h>\n")
@@ -92,4 +98,5 @@ fn nixl(root: &Path) {
         );
     }
     println!("cargo:rustc-link-arg=-Wl,-rpath,{}", dir.display());
+    println!("cargo:nixl_rpath={}", dir.display());
 }

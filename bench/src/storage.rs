@@ -1,6 +1,7 @@
 //! The `storage` suite: a tessera-storage unit in a second process pinned to its own core, a
 //! client here, against a single-thread memcpy and a raw TCP stream between the same two
-//! processes, measured in the same run.
+//! processes, measured in the same run; over shm, tcp and, when built with the feature `ucx`
+//! (as `cargo xtask bench` builds it), ucx.
 //!
 //! The unit process is this very binary, started again with `TESSERA_BENCH_STORAGE_UNIT` set
 //! to the backend: it runs [`unit_main`] instead of the suites.
@@ -83,7 +84,10 @@ async fn suite(report: &mut Report) -> Result<()> {
     );
 
     let payload = bytes::Bytes::from(src);
-    for backend in [Backend::Shm, Backend::Tcp] {
+    // `ucx` when this binary is built with tessera-bench's feature `ucx` (`cargo xtask bench`
+    // does so): UCX_TLS from the environment (unset: UCX's choice), peer error handling.
+    let backends = [Backend::Shm, Backend::Tcp, Backend::Ucx];
+    for backend in backends.into_iter().filter(|b| b.available()) {
         let k = backend.kind();
         let mut unit = UnitProc::start(k)?;
         let client = Client::connect(ClientConfig {
@@ -124,7 +128,7 @@ async fn suite(report: &mut Report) -> Result<()> {
             );
             batch(&client, report, &pinned).await?;
             small(&client, report, &pinned).await?;
-        } else {
+        } else if backend == Backend::Tcp {
             let raw_addr = unit.raw.clone().context("raw sink address")?;
             let raw =
                 tokio::task::spawn_blocking(move || raw_tcp(&raw_addr, payload_len())).await??;
@@ -278,6 +282,7 @@ fn unit_main(kind: &str) -> Result<()> {
     let backend = match kind {
         "shm" => Backend::Shm,
         "tcp" => Backend::Tcp,
+        "ucx" => Backend::Ucx,
         other => bail!("unknown backend {other}"),
     };
     let rt = tokio::runtime::Builder::new_multi_thread()

@@ -1,6 +1,7 @@
 //! The `transport` suite: two processes pinned to different cores, moving registered memory
 //! over `shm` and `tcp`, against a single-thread memcpy and a raw TCP stream between the same
-//! two processes, measured in the same run.
+//! two processes, measured in the same run; then the `ucx` and `nixl` backends (their
+//! examples) and `ucx_perftest`, at 256 MiB and across the sizes of the throughput figure.
 //!
 //! The second process is this very binary, started again with `TESSERA_BENCH_TRANSPORT_PEER`
 //! set: it runs [`peer_main`] instead of the suites.
@@ -175,18 +176,35 @@ fn suite(report: &mut Report) -> Result<()> {
         label: label.into(),
         points,
     };
+    let mut lines = vec![
+        line("memcpy (reference)", memcpy_sweep),
+        line("shm WRITE", shm_sweep),
+        line("tcp WRITE (loopback)", tcp_sweep),
+        line("raw TCP stream (reference)", raw_sweep),
+    ];
+    let mut title = "One WRITE between two pinned processes, by payload size".to_owned();
+    let tools = EngineTools::from_env();
+    let missing = match &tools {
+        Ok(tools) => {
+            let (more, missing) = engine_sweep(tools);
+            lines.extend(more);
+            missing
+        }
+        Err(e) => {
+            eprintln!("transport bench: no ucx, nixl or ucx_perftest measurements: {e:#}");
+            vec!["ucx, nixl, ucx_perftest".to_owned()]
+        }
+    };
+    if !missing.is_empty() {
+        title.push_str(&format!(" (not measured: {})", missing.join("; ")));
+    }
     report.series(Series {
         name: "throughput".into(),
-        title: "One WRITE between two pinned processes, by payload size".into(),
+        title,
         x_label: "payload bytes".into(),
         y_label: "GB/s".into(),
         log_x: true,
-        lines: vec![
-            line("memcpy (reference)", memcpy_sweep),
-            line("shm WRITE", shm_sweep),
-            line("tcp WRITE (loopback)", tcp_sweep),
-            line("raw TCP stream (reference)", raw_sweep),
-        ],
+        lines,
     });
     let s = tcp.scatter()?;
     report.put(
@@ -195,7 +213,64 @@ fn suite(report: &mut Report) -> Result<()> {
         format!("1,000 x 4 KiB scattered descriptors in one WRITE over TCP, per descriptor, best of {RUNS_SMALL}"),
     );
     drop(tcp);
-    engines(report)
+    match tools {
+        Ok(tools) => engines(report, &tools),
+        // Said on stderr and in the figure's title above.
+        Err(_) => Ok(()),
+    }
+}
+
+/// One measurement of an engine tool: (payload bytes, WRITEs) to GB/s.
+type SizedRun<'a> = dyn Fn(u64, u32) -> Result<f64> + 'a;
+
+/// The engines' lines of the throughput figure, at the sizes of [`SWEEP`]: the `ucx` backend
+/// over tcp and over shared memory, the `nixl` backend, and `ucx_perftest` over tcp. Each
+/// point is one run of the tool: the average of as many back-to-back WRITEs as [`best_sized`]
+/// times (after one untimed). A tool that fails leaves its line out, named in the result.
+fn engine_sweep(tools: &EngineTools) -> (Vec<Line>, Vec<String>) {
+    let port = 20_000 + (std::process::id() % 20_000) as u16 + 1;
+    let mut lines = Vec::new();
+    let mut missing = Vec::new();
+    let runs: [(&str, Box<SizedRun<'_>>); 4] = [
+        (
+            "ucx WRITE (UCX_TLS=tcp)",
+            Box::new(|len, iters| agent_bw_sized(&tools.ucx_bw, len, iters, &[("UCX_TLS", "tcp")])),
+        ),
+        (
+            "ucx WRITE (UCX_TLS=posix,cma, no error handling)",
+            Box::new(|len, iters| {
+                let env = [("UCX_TLS", "posix,cma"), ("TESSERA_UCX_ERR_MODE", "none")];
+                agent_bw_sized(&tools.ucx_bw, len, iters, &env)
+            }),
+        ),
+        (
+            "nixl WRITE (UCX_TLS=tcp)",
+            Box::new(|len, iters| {
+                agent_bw_sized(&tools.nixl_bw, len, iters, &[("UCX_TLS", "tcp")])
+            }),
+        ),
+        (
+            "ucx_perftest put (UCX_TLS=tcp, -e)",
+            Box::new(|len, iters| perftest_sized(tools, "tcp", true, port, len, iters)),
+        ),
+    ];
+    for (label, run) in runs {
+        let points: Result<Vec<(f64, f64)>> = SWEEP
+            .iter()
+            .map(|&len| Ok((len as f64, run(len, sweep_runs(len))?)))
+            .collect();
+        match points {
+            Ok(points) => lines.push(Line {
+                label: label.into(),
+                points,
+            }),
+            Err(e) => {
+                eprintln!("transport bench: {label} left out of the figure: {e:#}");
+                missing.push(label.to_owned());
+            }
+        }
+    }
+    (lines, missing)
 }
 
 /// Where `cargo xtask bench` put the engine tools (it installs the deps and builds them).
@@ -232,8 +307,14 @@ const ENGINE_ENV: &[(&str, &str)] = &[("UCX_MODULES", "^ib"), ("UCX_NET_DEVICES"
 
 /// One run of an `*_agent_bw` example: the average GB/s of `ENGINE_ITERS` 256 MiB writes.
 fn agent_bw(bin: &str, env: &[(&str, &str)]) -> Result<f64> {
+    agent_bw_sized(bin, BIG, ENGINE_ITERS, env)
+}
+
+/// One run of an `*_agent_bw` example: the average GB/s of `iters` writes of `len` bytes
+/// (a whole number of KiB).
+fn agent_bw_sized(bin: &str, len: u64, iters: u32, env: &[(&str, &str)]) -> Result<f64> {
     let out = Command::new(bin)
-        .args(["256", &ENGINE_ITERS.to_string()])
+        .args([format!("{}K", len >> 10), iters.to_string()])
         .envs(ENGINE_ENV.iter().copied())
         .envs(env.iter().copied())
         .stdin(Stdio::null())
@@ -256,8 +337,20 @@ fn agent_bw(bin: &str, env: &[(&str, &str)]) -> Result<f64> {
 
 /// One `ucx_perftest -t ucp_put_bw` of 256 MiB, server pinned to cpu 1 and client to cpu 0.
 fn perftest(tools: &EngineTools, tls: &str, errors: bool, port: u16) -> Result<f64> {
-    let size = BIG.to_string();
-    let iters = ENGINE_ITERS.to_string();
+    perftest_sized(tools, tls, errors, port, BIG, ENGINE_ITERS)
+}
+
+/// One `ucx_perftest -t ucp_put_bw` of `iters` puts of `len` bytes, pinned as [`perftest`].
+fn perftest_sized(
+    tools: &EngineTools,
+    tls: &str,
+    errors: bool,
+    port: u16,
+    len: u64,
+    iters: u32,
+) -> Result<f64> {
+    let size = len.to_string();
+    let iters = iters.to_string();
     let port = port.to_string();
     let mut args = vec![
         "-t",
@@ -330,8 +423,7 @@ fn perftest(tools: &EngineTools, tls: &str, errors: bool, port: u16) -> Result<f
 }
 
 /// The UCX and NIXL backends against `ucx_perftest` of the same UCX build, same run.
-fn engines(report: &mut Report) -> Result<()> {
-    let tools = EngineTools::from_env()?;
+fn engines(report: &mut Report, tools: &EngineTools) -> Result<()> {
     let port = 20_000 + (std::process::id() % 20_000) as u16;
     let how = format!(
         "{ENGINE_ITERS} back-to-back 256 MiB WRITEs through Agent (ucx backend, ucx_agent_bw \
@@ -353,7 +445,7 @@ fn engines(report: &mut Report) -> Result<()> {
         let (mut ours, mut theirs) = (0.0f64, 0.0f64);
         for _ in 0..ENGINE_ROUNDS {
             ours = ours.max(agent_bw(&tools.ucx_bw, &env)?);
-            theirs = theirs.max(perftest(&tools, tls, errors, port)?);
+            theirs = theirs.max(perftest(tools, tls, errors, port)?);
         }
         let mode = if errors {
             "peer error handling (ours: UCP_ERR_HANDLING_MODE_PEER; perftest: -e)"
@@ -403,10 +495,14 @@ fn engines(report: &mut Report) -> Result<()> {
 /// Payload sizes of the throughput-by-size figure: 64 KiB to 256 MiB.
 const SWEEP: [u64; 7] = [64 << 10, 256 << 10, MIB, 4 * MIB, 16 * MIB, 64 * MIB, BIG];
 
-/// Best time of `f(len)` over enough runs to move about 1 GiB (3 to 200 runs), after one
-/// untimed warm-up.
+/// Runs of one size: enough to move about 1 GiB, 3 to 200.
+fn sweep_runs(len: u64) -> u32 {
+    ((1u64 << 30) / len).clamp(3, 200) as u32
+}
+
+/// Best time of `f(len)` over [`sweep_runs`] runs, after one untimed warm-up.
 fn best_sized(len: u64, mut f: impl FnMut(u64) -> Result<Duration>) -> Result<Duration> {
-    let runs = ((1 << 30) / len).clamp(3, 200);
+    let runs = sweep_runs(len);
     f(len)?;
     let mut best = Duration::MAX;
     for _ in 0..runs {

@@ -8,8 +8,8 @@
 //! of throughput, latency, pool usage and copies. The other subcommands are the roles `run`
 //! spawns.
 //!
-//! It never falls back to another engine: a backend the storage crate does not offer is an
-//! error before anything starts.
+//! It never falls back to another engine: a backend this build lacks (`ucx` and `nixl` need
+//! the cargo features of the same name) is an error before anything starts.
 
 mod events;
 mod orchestrator;

@@ -30,9 +30,9 @@ pub(crate) enum BackendName {
     Shm,
     /// TCP, across hosts.
     Tcp,
-    /// UCX (needs the storage crate to offer it).
+    /// UCX (cargo feature `ucx`; `cargo xtask demo --backend ucx` builds with it).
     Ucx,
-    /// NIXL (needs the storage crate to offer it).
+    /// NIXL (cargo feature `nixl`; `cargo xtask demo --backend nixl` builds with it).
     Nixl,
 }
 

@@ -84,16 +84,16 @@ pub(crate) fn backend(name: &str) -> Result<Backend> {
              the producer and the consumer as separate processes; choose one of: {}",
             offered.join(", ")
         ),
+        Ok(b) if !b.available() => {
+            let feature = b.feature().unwrap_or(name);
+            bail!(
+                "backend `{name}` is not available: this tessera-demo was built without its \
+                 cargo feature `{feature}`. Run `cargo xtask demo --backend {name}`, which \
+                 installs UCX and NIXL (`cargo xtask deps`) and builds the demo with the \
+                 feature. Nothing was started; there is no fallback."
+            )
+        }
         Ok(b) => Ok(b),
-        Err(_) if name == "ucx" || name == "nixl" => bail!(
-            "backend `{name}` is not available to the demo: tessera-storage's payload plane \
-             offers {} (tessera_storage::Backend), and has no {name} engine yet. The {name} \
-             engine exists in tessera-transport behind its `{name}` cargo feature (what \
-             `cargo xtask deps` installs is for that), but a storage unit and client cannot \
-             use it. Nothing was started; there is no fallback. Rerun with --backend shm (one \
-             host) or --backend tcp.",
-            offered.join(" and ")
-        ),
         Err(_) => bail!(
             "unknown backend `{name}`; choose one of: {}",
             offered.join(", ")

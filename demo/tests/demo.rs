@@ -78,14 +78,36 @@ fn the_short_demo_passes_every_check_over_tcp() {
     check_short_summary("tcp");
 }
 
+/// Run by `cargo xtask test` in the `ucx` feature run (`-- over_ucx`).
+#[cfg(feature = "ucx")]
 #[test]
-fn a_backend_the_storage_crate_lacks_is_refused_before_anything_starts() {
-    for backend in ["ucx", "nixl"] {
+fn the_short_demo_passes_every_check_over_ucx() {
+    check_short_summary("ucx");
+}
+
+/// Run by `cargo xtask test` in the `nixl` feature run (`-- over_nixl`).
+#[cfg(feature = "nixl")]
+#[test]
+fn the_short_demo_passes_every_check_over_nixl() {
+    check_short_summary("nixl");
+}
+
+/// Without their features, `ucx` and `nixl` are refused before anything starts, naming the
+/// feature and the command that builds with it.
+#[test]
+fn a_backend_this_build_lacks_is_refused_before_anything_starts() {
+    let lacking = [
+        ("ucx", cfg!(feature = "ucx")),
+        ("nixl", cfg!(feature = "nixl")),
+    ];
+    for (backend, _) in lacking.iter().filter(|(_, built)| !built) {
         let (out, stdout, stderr) = run(&["run", "--short", "--backend", backend]);
         assert!(!out.status.success(), "{stdout}");
         assert!(child_pids(&stdout).is_empty(), "{stdout}");
         assert!(
             stderr.contains(&format!("backend `{backend}` is not available"))
+                && stderr.contains(&format!("cargo feature `{backend}`"))
+                && stderr.contains(&format!("cargo xtask demo --backend {backend}"))
                 && stderr.contains("there is no fallback"),
             "{stderr}"
         );

@@ -44,6 +44,7 @@ pub struct ClientConfig {
     pub backend: Backend,
     /// `tcp` backend: the address of this host the client's payload engine listens on and
     /// advertises to units (port 0 picks one). Unset: 127.0.0.1, for units on this host.
+    /// `ucx` and `nixl` refuse it (UCX takes its interfaces from `UCX_NET_DEVICES`).
     pub payload_addr: Option<std::net::SocketAddr>,
     /// Shared secret, if the units require one.
     pub token: Option<String>,

@@ -7,13 +7,18 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
-use tessera_transport::{Agent, LocalDesc, PoolBlock, Region, RemoteDesc};
+use tessera_transport::{Agent, BackendError, LocalDesc, PoolBlock, Region, RemoteDesc};
 
 use crate::chunks::ChunkPool;
 use crate::core::{Memory, PoolStats};
 
 /// Which tessera-transport engine carries payloads. Units and clients must agree; there is
 /// never a fallback to another engine.
+///
+/// `Ucx` and `Nixl` exist in every build, so that a configuration or a command line naming
+/// them parses the same everywhere; they are usable only when this crate is built with the
+/// cargo feature of the same name. Without it, starting a unit or a client on them fails with
+/// an error naming the feature ([`Backend::available`] tells beforehand).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum Backend {
@@ -24,6 +29,11 @@ pub enum Backend {
     Shm,
     /// Hosts: one pipelined TCP connection per pair of agents.
     Tcp,
+    /// UCP `put` through UCX (cargo feature `ucx`); UCX picks the transport (`UCX_TLS`) and
+    /// the interfaces (`UCX_NET_DEVICES`). One-sided: the target never sees a transfer.
+    Ucx,
+    /// A NIXL agent with its UCX backend (cargo feature `nixl`). One-sided, like `Ucx`.
+    Nixl,
 }
 
 impl Backend {
@@ -33,6 +43,26 @@ impl Backend {
             Backend::Inproc => "inproc",
             Backend::Shm => "shm",
             Backend::Tcp => "tcp",
+            Backend::Ucx => "ucx",
+            Backend::Nixl => "nixl",
+        }
+    }
+
+    /// The cargo feature of this crate that the backend needs, if any.
+    pub fn feature(self) -> Option<&'static str> {
+        match self {
+            Backend::Inproc | Backend::Shm | Backend::Tcp => None,
+            Backend::Ucx => Some("ucx"),
+            Backend::Nixl => Some("nixl"),
+        }
+    }
+
+    /// Whether this build can start agents of this backend (its feature, if any, is on).
+    pub fn available(self) -> bool {
+        match self {
+            Backend::Inproc | Backend::Shm | Backend::Tcp => true,
+            Backend::Ucx => cfg!(feature = "ucx"),
+            Backend::Nixl => cfg!(feature = "nixl"),
         }
     }
 
@@ -44,12 +74,29 @@ impl Backend {
 
     /// Like [`Self::agent`]; for `tcp`, the payload engine listens on and advertises
     /// `payload_addr` (an address of this host that peers can reach, port 0 for any) instead
-    /// of 127.0.0.1. Other backends ignore it.
+    /// of 127.0.0.1. `inproc` and `shm` ignore it (they never leave the host). `ucx` and
+    /// `nixl` refuse it: UCX chooses its interfaces itself, from `UCX_NET_DEVICES` (and its
+    /// transports from `UCX_TLS`), so an address given here could not be honoured.
+    ///
+    /// A backend whose cargo feature is off fails with an error naming the feature.
     pub fn agent_at(
         self,
         role: &str,
         payload_addr: Option<std::net::SocketAddr>,
     ) -> Result<Agent, tessera_transport::AgentError> {
+        if !self.available() {
+            return Err(unavailable(self));
+        }
+        if let (Backend::Ucx | Backend::Nixl, Some(addr)) = (self, payload_addr) {
+            return Err(BackendError::new(
+                self.kind(),
+                format!(
+                    "a payload address ({addr}) applies to the tcp backend only; UCX picks \
+                     its interfaces from UCX_NET_DEVICES (e.g. UCX_NET_DEVICES=eth0)"
+                ),
+            )
+            .into());
+        }
         static NEXT: AtomicU64 = AtomicU64::new(0);
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
         let name = format!(
@@ -65,8 +112,44 @@ impl Backend {
                 Some(addr) => Agent::new(&name, tessera_transport::tcp::Tcp::bind(addr)),
                 None => Agent::new(&name, tessera_transport::tcp::Tcp::new()),
             },
+            Backend::Ucx => ucx_agent(&name),
+            Backend::Nixl => nixl_agent(&name),
         }
     }
+}
+
+fn unavailable(backend: Backend) -> tessera_transport::AgentError {
+    let feature = backend.feature().unwrap_or(backend.kind());
+    BackendError::new(
+        backend.kind(),
+        format!(
+            "this build of tessera-storage lacks it: build with the cargo feature `{feature}` \
+             (its libraries come from `cargo xtask deps`)"
+        ),
+    )
+    .into()
+}
+
+#[cfg(feature = "ucx")]
+fn ucx_agent(name: &str) -> Result<Agent, tessera_transport::AgentError> {
+    use tessera_transport::ucx::{Ucx, UcxConfig};
+    Agent::new(name, Ucx::new(UcxConfig::new(name)))
+}
+
+#[cfg(not(feature = "ucx"))]
+fn ucx_agent(_: &str) -> Result<Agent, tessera_transport::AgentError> {
+    Err(unavailable(Backend::Ucx))
+}
+
+#[cfg(feature = "nixl")]
+fn nixl_agent(name: &str) -> Result<Agent, tessera_transport::AgentError> {
+    use tessera_transport::nixl::{Nixl, NixlConfig};
+    Agent::new(name, Nixl::new(NixlConfig::new(name)))
+}
+
+#[cfg(not(feature = "nixl"))]
+fn nixl_agent(_: &str) -> Result<Agent, tessera_transport::AgentError> {
+    Err(unavailable(Backend::Nixl))
 }
 
 /// A pool block as bytes: `Bytes::from_owner(BlockBytes(block))` keeps the block leased until
@@ -163,4 +246,25 @@ fn register_in_place(agent: &Agent, frame: &Bytes) -> Result<LocalDesc, String> 
         .map_err(|e| e.to_string())?;
     let reg = agent.register(&region).map_err(|e| e.to_string())?;
     reg.desc(0, len).map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Backend;
+
+    /// Without its feature, `ucx` or `nixl` is an error naming the feature; with it, a
+    /// payload address is refused naming UCX_NET_DEVICES. Never another engine instead.
+    #[test]
+    fn ucx_and_nixl_refuse_what_they_cannot_honour() {
+        let addr = Some("127.0.0.1:0".parse().unwrap());
+        for b in [Backend::Ucx, Backend::Nixl] {
+            let err = b.agent_at("t", addr).unwrap_err().to_string();
+            let expected = if b.available() {
+                "UCX_NET_DEVICES".to_owned()
+            } else {
+                format!("cargo feature `{}`", b.kind())
+            };
+            assert!(err.contains(&expected), "{err}");
+        }
+    }
 }

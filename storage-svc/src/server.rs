@@ -36,6 +36,7 @@ pub struct ServerConfig {
     pub backend: Backend,
     /// `tcp` backend: the address of this host the payload engine listens on and advertises
     /// to clients (port 0 picks one). Unset: 127.0.0.1, reachable from this host only.
+    /// `ucx` and `nixl` refuse it (UCX takes its interfaces from `UCX_NET_DEVICES`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub payload_addr: Option<std::net::SocketAddr>,
     /// Bytes of registered memory at most (the receive pool). It is registered in chunks of

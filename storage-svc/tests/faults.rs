@@ -4,146 +4,19 @@
 mod common;
 
 use std::io::{Read, Write};
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::scenarios::{self, stats, BIG};
 use common::{checksum, UnitProcess};
 use proptest::prelude::*;
 use tessera_storage::proto::{encode_frame, Request, Response};
-use tessera_storage::{Backend, Client, Stats, Value};
-
-const BIG: usize = 96 << 20;
-
-async fn stats(c: &Client) -> Stats {
-    c.stats().await.unwrap().remove(0)
-}
-
-/// Polls until `f` holds (at most ~60 s, then fails): a wait for the unit to notice a dead
-/// peer, never a speed assertion.
-async fn eventually(c: &Client, what: &str, f: impl Fn(&Stats) -> bool) -> Stats {
-    for _ in 0..600 {
-        let s = stats(c).await;
-        if f(&s) {
-            return s;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    panic!("{what}: {:?}", stats(c).await);
-}
-
-struct Kill(std::process::Child);
-impl Drop for Kill {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn client_process(unit: &UnitProcess, args: &[&str]) -> Kill {
-    Kill(
-        Command::new(env!("CARGO_BIN_EXE_tessera-storage"))
-            .args(args)
-            .args(["--unit", &unit.addr, "--backend", unit.backend.kind()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    )
-}
+use tessera_storage::{Backend, Client, Value};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_killed_mid_put_and_mid_get_leaks_nothing() {
     for backend in [Backend::Shm, Backend::Tcp] {
-        let unit = UnitProcess::start(backend, &[]);
-        let other = unit.client().await;
-        let base = stats(&other).await.pool.used;
-        let dir =
-            std::env::temp_dir().join(format!("tessera-storage-faults-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let file = dir.join("big.bin");
-        std::fs::write(&file, vec![0x5au8; BIG]).unwrap();
-
-        // Mid-PUT: kill the client once its PUT holds a receive block (or once it is done).
-        let mut child = client_process(
-            &unit,
-            &[
-                "put",
-                "--partition",
-                "p",
-                "--index",
-                "1",
-                "--field",
-                "x",
-                "--file",
-                file.to_str().unwrap(),
-            ],
-        );
-        for _ in 0..600 {
-            let s = stats(&other).await;
-            if s.pending_puts > 0 || s.keys > 0 || child.0.try_wait().unwrap().is_some() {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        drop(child);
-        other.clear("p", &[1]).await.unwrap();
-        eventually(&other, "after the killed PUT", |s| {
-            s.pending_puts == 0
-                && s.leased_bytes == 0
-                && s.quarantined_bytes == 0
-                && s.pool.used == base
-                && s.sessions == 1
-        })
-        .await;
-
-        // Mid-GET: store a big value, kill a client while the unit writes it.
-        other
-            .put(
-                "p",
-                &[2],
-                &[("x".into(), vec![Value::Bytes(vec![7u8; BIG].into())])],
-            )
-            .await
-            .unwrap();
-        let child = client_process(
-            &unit,
-            &[
-                "get",
-                "--partition",
-                "p",
-                "--index",
-                "2",
-                "--field",
-                "x",
-                "--out",
-                "/dev/null",
-            ],
-        );
-        for _ in 0..600 {
-            if stats(&other).await.pending_gets > 0 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-        drop(child);
-        other.clear("p", &[2]).await.unwrap();
-        eventually(&other, "after the killed GET", |s| {
-            s.pending_gets == 0 && s.pool.used == base && s.sessions == 1
-        })
-        .await;
-        // Other clients carry on.
-        other
-            .put(
-                "p",
-                &[3],
-                &[("x".into(), vec![Value::Bytes(vec![1u8; 1 << 20].into())])],
-            )
-            .await
-            .unwrap();
-        let got = other.get("p", &[3], &["x"]).await.unwrap();
-        assert_eq!(got[0][0], Value::Bytes(vec![1u8; 1 << 20].into()));
-        let _ = std::fs::remove_dir_all(&dir);
+        scenarios::client_killed_mid_put_and_mid_get_leaks_nothing(backend).await;
     }
 }
 

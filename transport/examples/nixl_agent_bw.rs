@@ -1,6 +1,7 @@
 //! WRITE bandwidth of the `nixl` backend through `Agent`, between two pinned processes.
 //!
-//! `cargo run --release --features nixl --example nixl_agent_bw [SIZE_MIB] [ITERS]`; NIXL's
+//! `cargo run --release --features nixl --example nixl_agent_bw [SIZE] [ITERS]`
+//! (SIZE in MiB, or KiB with a `K` suffix); NIXL's
 //! UCX backend takes its transports from `UCX_TLS`.
 
 #[path = "bw_common/mod.rs"]

@@ -1,6 +1,7 @@
 //! WRITE bandwidth of the `ucx` backend through `Agent`, between two pinned processes.
 //!
-//! `cargo run --release --features ucx --example ucx_agent_bw [SIZE_MIB] [ITERS]`; transports
+//! `cargo run --release --features ucx --example ucx_agent_bw [SIZE] [ITERS]`
+//! (SIZE in MiB, or KiB with a `K` suffix); transports
 //! come from `UCX_TLS`; `TESSERA_UCX_ERR_MODE=none` drops peer error handling (compare with
 //! `ucx_perftest` without `-e`; the default compares with `ucx_perftest -e`).
 

@@ -65,7 +65,7 @@ fn main() -> Result<()> {
         }
         Cmd::TwoNodeTest => two_node::run(&root),
         Cmd::Bench { suites } => bench(&root, &suites),
-        Cmd::Demo { backend, short } => demo(&backend, short),
+        Cmd::Demo { backend, short } => demo(&root, &backend, short),
     }
 }
 
@@ -76,19 +76,31 @@ fn workspace_root() -> PathBuf {
         .to_path_buf()
 }
 
-/// The feature-gated engines and their test targets, each run in its own cargo invocation so
-/// that our UCX and NIXL's bundled UCX never load into one process. The default targets
-/// already ran in `cargo test --workspace`.
+/// The feature-gated engines and their test targets, each feature run in its own cargo
+/// invocations so that our UCX and NIXL's bundled UCX never load into one process. The
+/// default targets already ran in `cargo test --workspace`. Each entry: the feature, the
+/// package built with that feature, its test targets, and a name filter (empty: all).
 ///
 /// `conformance_ucx` is left out: over UCX's software-emulated RMA on tcp it intermittently
 /// reports a WRITE done whose bytes never landed, or resets a connection. It stays a test that
 /// can fail; run it with `cargo test -p tessera-transport --features ucx --test conformance_ucx`.
-const BACKEND_TESTS: &[(&str, &[&str])] = &[
-    ("ucx", &["ucx_engine", "ucx_two_process"]),
+const BACKEND_TESTS: &[(&str, &str, &[&str], &str)] = &[
+    (
+        "ucx",
+        "tessera-transport",
+        &["ucx_engine", "ucx_two_process"],
+        "",
+    ),
+    ("ucx", "tessera-storage", &["engines"], ""),
+    ("ucx", "tessera-demo", &["demo"], "over_ucx"),
     (
         "nixl",
+        "tessera-transport",
         &["nixl_engine", "nixl_two_process", "conformance_nixl"],
+        "",
     ),
+    ("nixl", "tessera-storage", &["engines"], ""),
+    ("nixl", "tessera-demo", &["demo"], "over_nixl"),
 ];
 
 fn test(root: &Path) -> Result<()> {
@@ -123,34 +135,30 @@ fn test(root: &Path) -> Result<()> {
             .env("CARGO_TARGET_DIR", &loom_dir);
         step(&format!("loom tests of {krate}"), cmd)?;
     }
-    for &(feature, targets) in BACKEND_TESTS {
-        let clippy = cargo(&[
-            "clippy",
-            "--locked",
-            "-p",
-            "tessera-transport",
-            "--all-targets",
-            "--features",
-            feature,
-            "--",
-            "-D",
-            "warnings",
-        ]);
-        step(&format!("cargo clippy --features {feature}"), clippy)?;
-        let mut cmd = cargo(&[
-            "test",
-            "--locked",
-            "-p",
-            "tessera-transport",
-            "--features",
-            feature,
-            "--lib",
-        ]);
+    for &(feature, package, targets, filter) in BACKEND_TESTS {
+        if package == "tessera-transport" {
+            // One clippy per feature over every package that has it.
+            let mut clippy = cargo(&["clippy", "--locked", "--all-targets"]);
+            let mut features = Vec::new();
+            for krate in BACKEND_TESTS.iter().filter(|t| t.0 == feature).map(|t| t.1) {
+                clippy.args(["-p", krate]);
+                features.push(format!("{krate}/{feature}"));
+            }
+            clippy.args(["--features", &features.join(","), "--", "-D", "warnings"]);
+            step(&format!("cargo clippy --features {feature}"), clippy)?;
+        }
+        let mut cmd = cargo(&["test", "--locked", "-p", package, "--features", feature]);
+        if package == "tessera-transport" {
+            cmd.arg("--lib");
+        }
         for target in targets {
             cmd.args(["--test", target]);
         }
+        if !filter.is_empty() {
+            cmd.args(["--", filter]);
+        }
         cmd.envs(deps::TEST_ENV.iter().copied());
-        step(&format!("{feature} backend tests"), cmd)?;
+        step(&format!("{feature} backend tests of {package}"), cmd)?;
     }
     if is_root() {
         println!("==> two-node test (root: network namespaces)");
@@ -167,7 +175,9 @@ fn test(root: &Path) -> Result<()> {
 
 /// The harness binary knows the suites and rejects unknown names. The `transport` suite
 /// also measures the UCX and NIXL backends: their deps are installed and their bandwidth
-/// examples built first, in release, one feature at a time (never both in one process).
+/// examples built first, in release, one feature at a time (never both in one process). The
+/// `storage` suite measures the unit over `ucx` too, so the harness is built with its `ucx`
+/// feature whenever that suite runs.
 fn bench(root: &Path, suites: &[String]) -> Result<()> {
     let mut cmd = cargo(&[
         "run",
@@ -177,8 +187,20 @@ fn bench(root: &Path, suites: &[String]) -> Result<()> {
         "tessera-bench",
         "--bin",
         "tessera-bench",
-        "--",
     ]);
+    if suites.is_empty() || suites.iter().any(|s| s == "storage") {
+        // The storage suite measures the unit over ucx too: the harness is built with the
+        // feature (UCX only; NIXL never loads into this process) and runs with the test
+        // settings of the backends.
+        deps::install(root).context("installing the backends' dependencies (cargo xtask deps)")?;
+        cmd.args(["--features", "ucx"]);
+        for (k, v) in deps::TEST_ENV {
+            if std::env::var_os(k).is_none() {
+                cmd.env(k, v);
+            }
+        }
+    }
+    cmd.arg("--");
     cmd.args(suites);
     if suites.is_empty() || suites.iter().any(|s| s == "transport") {
         let layout = deps::install(root)
@@ -217,21 +239,27 @@ fn bench(root: &Path, suites: &[String]) -> Result<()> {
 }
 
 /// Replaces this process with `cargo run --release -p tessera-demo -- run ...`, so that a
-/// Ctrl-C reaches the demo alone and its exit status is ours. The demo itself refuses a
-/// backend the storage crate does not offer, before starting anything.
-fn demo(backend: &str, short: bool) -> Result<()> {
+/// Ctrl-C reaches the demo alone and its exit status is ours. `ucx` and `nixl` first install
+/// their libraries (`cargo xtask deps`), then build the demo with the feature of the same
+/// name and run it with the backends' test settings (`UCX_MODULES=^ib`, `UCX_NET_DEVICES=lo`:
+/// the demo's processes share this host), each unless already set. The default build needs
+/// neither a system library nor a feature; the demo itself refuses any other name.
+fn demo(root: &Path, backend: &str, short: bool) -> Result<()> {
     use std::os::unix::process::CommandExt;
-    let mut cmd = cargo(&[
-        "run",
-        "--release",
-        "--locked",
-        "-p",
-        "tessera-demo",
-        "--",
-        "run",
-        "--backend",
-        backend,
-    ]);
+    let feature = matches!(backend, "ucx" | "nixl").then_some(backend);
+    if feature.is_some() {
+        deps::install(root).context("installing the backends' dependencies (cargo xtask deps)")?;
+    }
+    let mut cmd = cargo(&["run", "--release", "--locked", "-p", "tessera-demo"]);
+    if let Some(feature) = feature {
+        cmd.args(["--features", feature]);
+        for (k, v) in deps::TEST_ENV {
+            if std::env::var_os(k).is_none() {
+                cmd.env(k, v);
+            }
+        }
+    }
+    cmd.args(["--", "run", "--backend", backend]);
     if short {
         cmd.arg("--short");
     }

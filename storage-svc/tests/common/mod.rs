@@ -2,6 +2,8 @@
 
 #![allow(dead_code, unreachable_pub)]
 
+pub mod scenarios;
+
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 

@@ -1,6 +1,6 @@
 //! Two-process WRITE bandwidth through the `Agent` API, shared by the `ucx_agent_bw` and
 //! `nixl_agent_bw` examples: the initiator (pinned to cpu 0) spawns itself as the target
-//! (pinned to cpu 1); both pre-touch their 256 MiB; after one untimed write, `ITERS` writes
+//! (pinned to cpu 1); both pre-touch their SIZE (256 MiB by default); after one untimed write, `ITERS` writes
 //! are timed back to back and the average is printed as `GBPS <value>`.
 
 use std::io::{BufRead, BufReader, Write};
@@ -34,9 +34,15 @@ pub(crate) fn main(make: impl Fn(&str) -> Agent) {
     let args: Vec<String> = std::env::args().collect();
     let target = args.get(1).is_some_and(|a| a == "--target");
     let rest = if target { &args[2..] } else { &args[1..] };
-    let mib: u64 = rest.first().and_then(|s| s.parse().ok()).unwrap_or(256);
+    // SIZE in MiB, or in KiB with a `K` suffix (`64K`).
+    let len: u64 = rest
+        .first()
+        .and_then(|s| match s.strip_suffix('K') {
+            Some(kib) => kib.parse::<u64>().ok().map(|k| k << 10),
+            None => s.parse::<u64>().ok().map(|m| m << 20),
+        })
+        .unwrap_or(256 << 20);
     let iters: u32 = rest.get(1).and_then(|s| s.parse().ok()).unwrap_or(5);
-    let len = mib << 20;
     // Before the engine exists, so that its threads inherit the core.
     pin(usize::from(target));
     let agent = make(if target { "bw-target" } else { "bw-init" });
