@@ -455,7 +455,11 @@ fn step_eps(st: &mut State, after: &mut After) {
                 op_attr_mask: sys::UCP_OP_ATTR_FIELD_FLAGS,
                 ..Default::default()
             };
-            if ep.failed.is_some() || stopped {
+            // A live peer's endpoint is closed in flush mode, at shutdown too: UCX then sends
+            // what it still has queued for the peer (replies of emulated GETs, completions
+            // of emulated PUTs) and tells the peer, whose endpoint fails at once. Forcing it
+            // instead crashes UCX 1.22 while it purges those queued replies.
+            if ep.failed.is_some() {
                 param.flags = sys::UCP_EP_CLOSE_FLAG_FORCE;
             }
             // SAFETY: the endpoint is open and closed only here, once (state moves on); the
@@ -1056,8 +1060,9 @@ impl UcxEngine {
         lock(&self.inner.state).stopped = true;
         self.inner.wake();
         let _ = thread.join();
-        // Progress here now: close every endpoint (force mode, once nothing is pending on it)
-        // and let in-flight transfers finish for a grace period, then cancel them.
+        // Progress here now: close every endpoint (flush mode, or force mode if its peer
+        // failed, once nothing is pending on it) and let in-flight transfers finish for a
+        // grace period, then cancel them.
         let start = Instant::now();
         let mut forced = false;
         loop {
