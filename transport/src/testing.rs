@@ -12,11 +12,12 @@
 //!
 //! The functions panic on failure, as tests do; they are not meant for production code.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use crate::{
-    Agent, LocalDesc, Op, Peer, Region, RegisteredPool, RejectReason, RemoteDesc, Side, Status,
-    TransferError,
+    Agent, LocalDesc, Op, Peer, Region, RegisteredPool, Registration, RejectReason, RemoteDesc,
+    Side, Status, TransferError,
 };
 
 /// Makes a fresh agent of the backend under test.
@@ -129,11 +130,152 @@ macro_rules! conformance_suite {
                 $crate::testing::metadata_update(&make);
             }
             #[test]
+            fn target_drops_its_handle() {
+                $crate::testing::target_drops_its_handle(&make);
+            }
+            #[test]
             fn registration_cache_and_deferred_release() {
                 $crate::testing::registration_cache_and_deferred_release(&make);
             }
         }
     };
+}
+
+/// The target agent of a case that also runs with the target in a second process: the
+/// cases written against it (`*_with`) are the same code in one process ([`LocalTarget`]) and
+/// across two (the transport's tests drive `tessera-transport-peer` through it).
+pub trait Target {
+    /// The target agent's name.
+    fn name(&self) -> String;
+    /// Its metadata now.
+    fn metadata(&mut self) -> Vec<u8>;
+    /// Registers a fresh zeroed region of `len` bytes; returns the registration id.
+    fn register(&mut self, len: u64) -> u64;
+    /// Writes `data` into its registration `reg` at `offset` (its own memory, no transfer).
+    fn write_at(&mut self, reg: u64, offset: u64, data: &[u8]);
+    /// Reads `len` bytes of its registration `reg` at `offset`.
+    fn read_at(&mut self, reg: u64, offset: u64, len: u64) -> Vec<u8>;
+    /// Adds the initiator's metadata: the target's handle on the initiator.
+    fn add_remote(&mut self, metadata: &[u8]);
+    /// The next notification `(from, message)`, waiting up to [`HANG_GUARD`].
+    fn wait_notification(&mut self) -> Option<(String, Vec<u8>)>;
+    /// The next notification, without waiting.
+    fn try_notification(&mut self) -> Option<(String, Vec<u8>)>;
+    /// A transfer by the target between its registration `local` and the initiator's
+    /// registration `remote`, waited for; the error as text.
+    #[allow(clippy::too_many_arguments)]
+    fn transfer(
+        &mut self,
+        op: Op,
+        local: u64,
+        local_offset: u64,
+        remote: u64,
+        remote_offset: u64,
+        len: u64,
+        notify: Option<&[u8]>,
+    ) -> Result<(), String>;
+}
+
+/// A [`Target`] agent in this process.
+pub struct LocalTarget {
+    agent: Agent,
+    regs: HashMap<u64, Registration>,
+    peer: Option<Peer>,
+}
+
+impl LocalTarget {
+    /// Wraps `agent`.
+    pub fn new(agent: Agent) -> Self {
+        Self {
+            agent,
+            regs: HashMap::new(),
+            peer: None,
+        }
+    }
+}
+
+impl Target for LocalTarget {
+    fn name(&self) -> String {
+        self.agent.name().to_owned()
+    }
+
+    fn metadata(&mut self) -> Vec<u8> {
+        self.agent.metadata()
+    }
+
+    fn register(&mut self, len: u64) -> u64 {
+        let g = self
+            .agent
+            .register(&Region::new(len).expect("region"))
+            .expect("register");
+        let id = g.id();
+        self.regs.insert(id, g);
+        id
+    }
+
+    fn write_at(&mut self, reg: u64, offset: u64, data: &[u8]) {
+        let g = &self.regs[&reg];
+        g.region()
+            .write_at(g.offset_in_registration() + offset, data)
+            .expect("write inside the registration");
+    }
+
+    fn read_at(&mut self, reg: u64, offset: u64, len: u64) -> Vec<u8> {
+        let g = &self.regs[&reg];
+        read(
+            g.region(),
+            g.offset_in_registration() + offset,
+            len as usize,
+        )
+    }
+
+    fn add_remote(&mut self, metadata: &[u8]) {
+        self.peer = Some(
+            self.agent
+                .add_remote(metadata)
+                .expect("target adds initiator"),
+        );
+    }
+
+    fn wait_notification(&mut self) -> Option<(String, Vec<u8>)> {
+        self.agent
+            .wait_notification(HANG_GUARD)
+            .map(|n| (n.from, n.msg))
+    }
+
+    fn try_notification(&mut self) -> Option<(String, Vec<u8>)> {
+        self.agent.try_notification().map(|n| (n.from, n.msg))
+    }
+
+    fn transfer(
+        &mut self,
+        op: Op,
+        local: u64,
+        local_offset: u64,
+        remote: u64,
+        remote_offset: u64,
+        len: u64,
+        notify: Option<&[u8]>,
+    ) -> Result<(), String> {
+        let peer = self.peer.as_ref().ok_or("no handle on the initiator")?;
+        let l = [self.regs[&local]
+            .desc(local_offset, len)
+            .map_err(|e| e.to_string())?];
+        let r = [RemoteDesc::new(remote, remote_offset, len)];
+        let t = match op {
+            Op::Write => peer.write(&l, &r, notify),
+            Op::Read => peer.read(&l, &r, notify),
+        }
+        .map_err(|e| e.to_string())?;
+        finish(t).map_err(|e| e.to_string())
+    }
+}
+
+/// Runs a `*_with` case in one process: `agent-a` from `make` and `agent-b` as its target.
+pub fn with_local_target(make: Factory<'_>, case: fn(&Agent, &mut dyn Target)) {
+    let a = make("agent-a");
+    let mut b = LocalTarget::new(make("agent-b"));
+    case(&a, &mut b);
 }
 
 /// A byte pattern that differs per position and per seed.
@@ -181,28 +323,32 @@ fn finish(t: crate::Transfer) -> Result<(), TransferError> {
 
 /// WRITE a pattern to the peer, READ it back elsewhere, both directions.
 pub fn write_then_read(make: Factory<'_>) {
-    let a = make("agent-a");
-    let b = make("agent-b");
+    with_local_target(make, write_then_read_with);
+}
+
+/// [`write_then_read`] against any [`Target`].
+pub fn write_then_read_with(a: &Agent, b: &mut dyn Target) {
     let ra = Region::new(1 << 20).unwrap();
-    let rb = Region::new(1 << 20).unwrap();
     let ga = a.register(&ra).unwrap();
-    let gb = b.register(&rb).unwrap();
-    let (a_to_b, b_to_a) = connect(&a, &b);
+    let gb = b.register(1 << 20);
+    let a_to_b = a.add_remote(&b.metadata()).unwrap();
+    b.add_remote(&a.metadata());
     let data = pattern(1, 300_000);
+    let n = data.len() as u64;
     ra.write_at(100, &data).unwrap();
     let t = a_to_b
         .write(
-            &[ga.desc(100, data.len() as u64).unwrap()],
-            &[gb.remote(5000, data.len() as u64).unwrap()],
+            &[ga.desc(100, n).unwrap()],
+            &[RemoteDesc::new(gb, 5000, n)],
             None,
         )
         .unwrap();
     finish(t).unwrap();
-    assert_eq!(read(&rb, 5000, data.len()), data);
+    assert_eq!(b.read_at(gb, 5000, n), data);
     let t = a_to_b
         .read(
-            &[ga.desc(600_000, data.len() as u64).unwrap()],
-            &[gb.remote(5000, data.len() as u64).unwrap()],
+            &[ga.desc(600_000, n).unwrap()],
+            &[RemoteDesc::new(gb, 5000, n)],
             None,
         )
         .unwrap();
@@ -210,15 +356,9 @@ pub fn write_then_read(make: Factory<'_>) {
     finish(t).unwrap();
     assert_eq!(read(&ra, 600_000, data.len()), data);
     // The other direction, on the same pair of agents.
-    let t = b_to_a
-        .write(
-            &[gb.desc(0, 10).unwrap()],
-            &[ga.remote(0, 10).unwrap()],
-            None,
-        )
-        .unwrap();
-    finish(t).unwrap();
-    assert_eq!(read(&ra, 0, 10), read(&rb, 0, 10));
+    b.write_at(gb, 0, &pattern(6, 10));
+    b.transfer(Op::Write, gb, 0, ga.id(), 0, 10, None).unwrap();
+    assert_eq!(read(&ra, 0, 10), pattern(6, 10));
     assert_eq!(a.report().in_flight, 0);
 }
 
@@ -272,13 +412,18 @@ pub fn copies_are_counted(make: Factory<'_>) {
 /// One transfer of 1,000 scattered 4 KiB descriptors, written in a shuffled order and read
 /// back gathered into one contiguous range.
 pub fn scatter_gather_1000(make: Factory<'_>) {
+    with_local_target(make, scatter_gather_1000_with);
+}
+
+/// [`scatter_gather_1000`] against any [`Target`].
+pub fn scatter_gather_1000_with(a: &Agent, b: &mut dyn Target) {
     const N: u64 = 1000;
     const SZ: u64 = 4096;
-    let (a, b, a_to_b, _b_to_a) = pair(make);
+    let a_to_b = a.add_remote(&b.metadata()).unwrap();
+    b.add_remote(&a.metadata());
     let ra = Region::new(N * SZ * 3).unwrap();
-    let rb = Region::new(N * SZ * 2).unwrap();
     let ga = a.register(&ra).unwrap();
-    let gb = b.register(&rb).unwrap();
+    let gb = b.register(N * SZ * 2);
     let a_to_b = a.add_remote(&b.metadata()).unwrap_or(a_to_b);
     let data = pattern(2, (N * SZ) as usize);
     ra.write_at(0, &data).unwrap();
@@ -286,13 +431,13 @@ pub fn scatter_gather_1000(make: Factory<'_>) {
     let perm = |i: u64| (i * 7919) % N;
     let local: Vec<LocalDesc> = (0..N).map(|i| ga.desc(i * SZ, SZ).unwrap()).collect();
     let remote: Vec<RemoteDesc> = (0..N)
-        .map(|i| gb.remote(perm(i) * 2 * SZ, SZ).unwrap())
+        .map(|i| RemoteDesc::new(gb, perm(i) * 2 * SZ, SZ))
         .collect();
     finish(a_to_b.write(&local, &remote, None).unwrap()).unwrap();
     for i in [0, 1, 499, 998, 999] {
         let off = (i * SZ) as usize;
         assert_eq!(
-            read(&rb, perm(i) * 2 * SZ, SZ as usize),
+            b.read_at(gb, perm(i) * 2 * SZ, SZ),
             &data[off..off + SZ as usize],
             "slot {i}"
         );
@@ -301,51 +446,51 @@ pub fn scatter_gather_1000(make: Factory<'_>) {
     let local: Vec<LocalDesc> = (0..N).map(|i| ga.desc((N + i) * SZ, SZ).unwrap()).collect();
     finish(a_to_b.read(&local, &remote, None).unwrap()).unwrap();
     assert_eq!(read(&ra, N * SZ, (N * SZ) as usize), data);
-    drop(b);
 }
 
 /// Notifications arrive after the data landed, with the sender's name; a notification can be
 /// sent alone.
 pub fn notifications(make: Factory<'_>) {
-    let a = make("agent-a");
-    let b = make("agent-b");
+    with_local_target(make, notifications_with);
+}
+
+/// [`notifications`] against any [`Target`].
+pub fn notifications_with(a: &Agent, b: &mut dyn Target) {
     let ra = Region::new(1 << 16).unwrap();
-    let rb = Region::new(1 << 16).unwrap();
     let ga = a.register(&ra).unwrap();
-    let gb = b.register(&rb).unwrap();
-    let (a_to_b, _b_to_a) = connect(&a, &b);
+    let gb = b.register(1 << 16);
+    let a_to_b = a.add_remote(&b.metadata()).unwrap();
+    b.add_remote(&a.metadata());
     let data = pattern(3, 50_000);
     ra.write_at(0, &data).unwrap();
     let t = a_to_b
         .write(
             &[ga.desc(0, 50_000).unwrap()],
-            &[gb.remote(1000, 50_000).unwrap()],
+            &[RemoteDesc::new(gb, 1000, 50_000)],
             Some(b"batch-7 ready"),
         )
         .unwrap();
-    let n = b
-        .wait_notification(HANG_GUARD)
-        .expect("notification arrives");
+    let (from, msg) = b.wait_notification().expect("notification arrives");
     // Read the target's memory as soon as the notification is seen: the data must be there.
-    assert_eq!(read(&rb, 1000, 50_000), data);
-    assert_eq!(n.from, "agent-a");
-    assert_eq!(n.msg, b"batch-7 ready");
+    assert_eq!(b.read_at(gb, 1000, 50_000), data);
+    assert_eq!(from, a.name());
+    assert_eq!(msg, b"batch-7 ready");
     finish(t).unwrap();
     finish(a_to_b.notify(b"just a note").unwrap()).unwrap();
-    let n = b.wait_notification(HANG_GUARD).expect("bare notification");
-    assert_eq!(n.msg, b"just a note");
+    let (_, msg) = b.wait_notification().expect("bare notification");
+    assert_eq!(msg, b"just a note");
     // A READ may carry one too.
     finish(
         a_to_b
             .read(
                 &[ga.desc(0, 8).unwrap()],
-                &[gb.remote(0, 8).unwrap()],
+                &[RemoteDesc::new(gb, 0, 8)],
                 Some(b"read"),
             )
             .unwrap(),
     )
     .unwrap();
-    assert_eq!(b.wait_notification(HANG_GUARD).unwrap().msg, b"read");
+    assert_eq!(b.wait_notification().unwrap().1, b"read");
     assert!(b.try_notification().is_none());
     let big = vec![0u8; crate::MAX_NOTIFICATION + 1];
     assert!(matches!(
@@ -674,23 +819,28 @@ pub fn big_transfer_over_4gib(make: Factory<'_>) {
 
 /// Several threads transfer on the same peer at once, each to its own range.
 pub fn concurrent_threads(make: Factory<'_>) {
-    let (a, b, a_to_b, _) = pair(make);
+    with_local_target(make, concurrent_threads_with);
+}
+
+/// [`concurrent_threads`] against any [`Target`].
+pub fn concurrent_threads_with(a: &Agent, b: &mut dyn Target) {
     const T: u64 = 4;
     const CHUNK: u64 = 64 * 1024;
+    let a_to_b = a.add_remote(&b.metadata()).unwrap();
+    b.add_remote(&a.metadata());
     let ra = Region::new(T * CHUNK * 2).unwrap();
-    let rb = Region::new(T * CHUNK).unwrap();
     let ga = a.register(&ra).unwrap();
-    let gb = b.register(&rb).unwrap();
+    let gb = b.register(T * CHUNK);
     let a_to_b = a.add_remote(&b.metadata()).unwrap_or(a_to_b);
     std::thread::scope(|s| {
         for t in 0..T {
-            let (ga, gb, ra, a_to_b) = (ga.clone(), gb.clone(), ra.clone(), a_to_b.clone());
+            let (ga, ra, a_to_b) = (ga.clone(), ra.clone(), a_to_b.clone());
             s.spawn(move || {
                 for round in 0..20u64 {
                     let data = pattern(100 + t * 1000 + round, CHUNK as usize);
                     ra.write_at(t * CHUNK, &data).unwrap();
                     let l = [ga.desc(t * CHUNK, CHUNK).unwrap()];
-                    let r = [gb.remote(t * CHUNK, CHUNK).unwrap()];
+                    let r = [RemoteDesc::new(gb, t * CHUNK, CHUNK)];
                     finish(a_to_b.write(&l, &r, None).unwrap()).unwrap();
                     let back = [ga.desc((T + t) * CHUNK, CHUNK).unwrap()];
                     finish(a_to_b.read(&back, &r, None).unwrap()).unwrap();
@@ -700,7 +850,6 @@ pub fn concurrent_threads(make: Factory<'_>) {
         }
     });
     assert_eq!(a.report().in_flight, 0);
-    drop(b);
 }
 
 /// Several tokio tasks await transfers (the `Future` side of [`crate::Transfer`]).
@@ -911,23 +1060,28 @@ pub fn restarted_peer(make: Factory<'_>) {
 
 /// New metadata from a known peer replaces the old on the same handle.
 pub fn metadata_update(make: Factory<'_>) {
-    let (a, b, a_to_b, _) = pair(make);
+    with_local_target(make, metadata_update_with);
+}
+
+/// [`metadata_update`] against any [`Target`].
+pub fn metadata_update_with(a: &Agent, b: &mut dyn Target) {
+    let a_to_b = a.add_remote(&b.metadata()).unwrap();
+    b.add_remote(&a.metadata());
     let ra = Region::new(4096).unwrap();
     let ga = a.register(&ra).unwrap();
-    let rb = Region::new(4096).unwrap();
-    let gb = b.register(&rb).unwrap();
+    let gb = b.register(4096);
     let l = [ga.desc(0, 64).unwrap()];
-    let r = [gb.remote(0, 64).unwrap()];
+    let r = [RemoteDesc::new(gb, 0, 64)];
     assert!(matches!(
         a_to_b.write(&l, &r, None),
         Err(TransferError::UnknownRegistration { .. })
     ));
     let again = a.add_remote(&b.metadata()).unwrap();
     assert_eq!(again.name(), a_to_b.name());
-    assert_eq!(a_to_b.registration_len(gb.id()), Some(4096));
+    assert_eq!(a_to_b.registration_len(gb), Some(4096));
     ra.write_at(0, &pattern(5, 64)).unwrap();
     finish(a_to_b.write(&l, &r, None).unwrap()).unwrap();
-    assert_eq!(read(&rb, 0, 64), pattern(5, 64));
+    assert_eq!(b.read_at(gb, 0, 64), pattern(5, 64));
     assert_eq!(a.report().peers, 1);
     let mismatch = Agent::new("other-kind", crate::Inproc::new()).unwrap();
     if a.kind() != "inproc" {
@@ -938,6 +1092,35 @@ pub fn metadata_update(make: Factory<'_>) {
     }
     assert!(a.add_remote(&a.metadata()).is_err());
     assert!(a.add_remote(b"garbage").is_err());
+}
+
+/// The target drops its handle on the initiator (as `pair(..)` callers that ignore it do)
+/// while the initiator keeps writing: every write still lands. (UCX pairs the two agents'
+/// endpoints into one connection; closing the target's tore down the initiator's.)
+pub fn target_drops_its_handle(make: Factory<'_>) {
+    let (a, b, a_to_b, b_to_a) = pair(make);
+    let ra = Region::new(64 * 1024).unwrap();
+    let rb = Region::new(64 * 1024).unwrap();
+    let ga = a.register(&ra).unwrap();
+    let gb = b.register(&rb).unwrap();
+    let a_to_b = a.add_remote(&b.metadata()).unwrap_or(a_to_b);
+    drop(b_to_a);
+    for round in 0..50u64 {
+        let len = 64 + (round % 5) * 4096;
+        let data = pattern(300 + round, len as usize);
+        ra.write_at(0, &data).unwrap();
+        finish(
+            a_to_b
+                .write(
+                    &[ga.desc(0, len).unwrap()],
+                    &[gb.remote(0, len).unwrap()],
+                    None,
+                )
+                .unwrap(),
+        )
+        .unwrap_or_else(|e| panic!("write {round}: {e}"));
+        assert_eq!(read(&rb, 0, len as usize), data, "write {round} landed");
+    }
 }
 
 /// Re-registering is a cache hit; a pool block, its descriptor and a prepared transfer keep

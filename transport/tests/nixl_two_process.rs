@@ -23,3 +23,6 @@ fn default_transports_round_trip() {
 fn default_transports_peer_killed_mid_transfer() {
     killed_mid_transfer(&parent(), "nixl", &[]);
 }
+
+// The conformance cases that make sense with the target in the second process.
+two_process_suite!(suite, parent(), "nixl", &[]);

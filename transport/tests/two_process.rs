@@ -255,3 +255,19 @@ fn shm_peer_killed_mid_transfer() {
 fn tcp_peer_killed_mid_transfer() {
     killed_mid_transfer("tcp");
 }
+
+mod engines_common;
+
+// The conformance cases that make sense with the target in the second process.
+two_process_suite!(
+    suite_shm,
+    Agent::new("parent", Shm::new()).unwrap(),
+    "shm",
+    &[]
+);
+two_process_suite!(
+    suite_tcp,
+    Agent::new("parent", Tcp::new()).unwrap(),
+    "tcp",
+    &[]
+);

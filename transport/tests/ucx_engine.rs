@@ -397,15 +397,12 @@ fn teardown_releases_everything() {
     }
     assert_eq!(a.report().memory_handles, 0);
     assert_eq!(b.report().memory_handles, 0);
-    // Endpoints close asynchronously on the progress thread.
-    for _ in 0..10_000 {
-        if a.report().endpoints == 0 && b.report().endpoints == 0 {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    // Without handles the endpoints stay open, parked, while the engines live: each is
+    // paired with the other side's endpoint.
     assert_eq!(a.report().endpoints, 0);
     assert_eq!(b.report().endpoints, 0);
+    assert_eq!(a.report().parked, 1);
+    assert_eq!(b.report().parked, 1);
     drop(a);
     drop(b);
     assert!(!pa.is_alive() && !pb.is_alive(), "worker or context leaked");
@@ -564,4 +561,35 @@ fn concurrent_transfers_from_several_threads() {
     assert!(dst.bytes() == src.bytes());
     assert!(back.bytes() == src.bytes());
     assert_eq!(a.report().pending_transfers, 0);
+}
+
+#[test]
+fn a_peer_closing_its_endpoint_does_not_break_ours() {
+    for tls in ["tcp", "posix,cma,tcp"].repeat(10) {
+        let make = |name: &str| {
+            let mut c = UcxConfig::new(name);
+            c.tls = Some(tls.into());
+            UcxEngine::new(c).unwrap()
+        };
+        let a = make("closing-a");
+        let b = make("closing-b");
+        let src = Reg::new(&a, 64 * 1024, pattern(3));
+        let dst = Reg::new(&b, 64 * 1024, |_| 0);
+        let a_to_b = connect(&a, &b, &[(1, &dst)]);
+        done(a_to_b.flush().unwrap()).unwrap();
+        let b_to_a = connect(&b, &a, &[]);
+        done(b_to_a.flush().unwrap()).unwrap();
+        drop(b_to_a);
+        for round in 0..200u64 {
+            let len = 64 + (round % 7) * 4096;
+            let off = (round % 3) * 64;
+            done(a_to_b.put(&[op(&src, off, 1, 0, len)], None).unwrap())
+                .unwrap_or_else(|e| panic!("{tls}: put {round}: {e}"));
+            let got = dst.bytes();
+            assert!(
+                got[..len as usize] == src.bytes()[off as usize..(off + len) as usize],
+                "{tls}: put {round} reported done, bytes missing"
+            );
+        }
+    }
 }

@@ -56,3 +56,23 @@ fn cma_round_trip() {
     let env = [("UCX_TLS", "posix,cma"), ("TESSERA_UCX_ERR_MODE", "none")];
     round_trip(&parent("posix,cma", ErrorHandling::None), "ucx", &env);
 }
+
+// The conformance cases that make sense with the target in the second process.
+two_process_suite!(
+    suite_tcp,
+    parent("tcp", ErrorHandling::Peer),
+    "ucx",
+    &[("UCX_TLS", "tcp")]
+);
+two_process_suite!(
+    suite_shm,
+    parent("posix,cma,tcp", ErrorHandling::Peer),
+    "ucx",
+    &[("UCX_TLS", "posix,cma,tcp")]
+);
+two_process_suite!(
+    suite_cma,
+    parent("posix,cma", ErrorHandling::None),
+    "ucx",
+    &[("UCX_TLS", "posix,cma"), ("TESSERA_UCX_ERR_MODE", "none")]
+);

@@ -78,17 +78,14 @@ fn workspace_root() -> PathBuf {
 
 /// The feature-gated engines and their test targets, each feature run in its own cargo
 /// invocations so that our UCX and NIXL's bundled UCX never load into one process. The
-/// default targets already ran in `cargo test --workspace`. Each entry: the feature, the
+/// default targets already ran in `cargo test --workspace`. Each backend runs the conformance
+/// suite in one process and, through the peer binary, across two. Each entry: the feature, the
 /// package built with that feature, its test targets, and a name filter (empty: all).
-///
-/// `conformance_ucx` is left out: over UCX's software-emulated RMA on tcp it intermittently
-/// reports a WRITE done whose bytes never landed, or resets a connection. It stays a test that
-/// can fail; run it with `cargo test -p tessera-transport --features ucx --test conformance_ucx`.
 const BACKEND_TESTS: &[(&str, &str, &[&str], &str)] = &[
     (
         "ucx",
         "tessera-transport",
-        &["ucx_engine", "ucx_two_process"],
+        &["ucx_engine", "ucx_two_process", "conformance_ucx"],
         "",
     ),
     ("ucx", "tessera-storage", &["engines"], ""),

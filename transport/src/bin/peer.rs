@@ -13,18 +13,31 @@
 //!   word pattern of `seed`; answers `FILLED`.
 //! - `SUM <offset> <len>`: answers `SUM <hex>`, a checksum of those bytes.
 //! - `NOTE`: waits for a notification; answers `NOTE <from> <msg>`.
+//! - `TRYNOTE`: the same without waiting; answers `NONE` when there is none.
 //! - `PUSH <reg> <offset> <len>`: writes its region's first `len` bytes to the parent's
 //!   registration `reg` at `offset`, with notification `pushed`; answers `PUSHED` or `ERR ...`.
 //! - `PUSHFROM <local offset> <reg> <offset> <len>`: the same from `local offset`.
 //! - `FLOOD <reg> <offset> <len>`: posts 64 such writes without waiting, answers `FLOODING`
 //!   and leaves them in flight (for killing this process mid-transfer).
+//! - `REGISTER <len>`: registers a fresh zeroed region of `len` bytes; answers `REG <id>`.
+//! - `META`: answers `META <hex>`, the agent's metadata now.
+//! - `WRITE <reg> <offset> <hex>`: writes the bytes into registration `reg` (this agent's own
+//!   memory, no transfer); answers `WRITTEN`.
+//! - `READ <reg> <offset> <len>`: answers `DATA <hex>`, the bytes of registration `reg` there.
+//! - `XFER <W|R> <reg> <offset> <parent reg> <parent offset> <len> [note]`: a WRITE to (or READ
+//!   from) the parent's registration, with the notification if given, waited for; answers
+//!   `DONE` or `ERR ...`.
 //! - `EXIT`: exits.
 
 use std::io::{BufRead, Write};
 use std::time::Duration;
 
+use std::collections::HashMap;
+
 use tessera_transport::testing::pattern;
-use tessera_transport::{shm::Shm, tcp::Tcp, Agent, AgentError, Peer, Region, RemoteDesc};
+use tessera_transport::{
+    shm::Shm, tcp::Tcp, Agent, AgentError, Peer, Region, Registration, RemoteDesc,
+};
 
 const PATTERN_LIMIT: u64 = 64 << 20;
 
@@ -140,6 +153,9 @@ fn main() {
     out.flush().unwrap();
     let mut parent: Option<Peer> = None;
     let mut in_flight = Vec::new();
+    // Registrations made with REGISTER, by id (the first one above answers to its id too).
+    let mut regs: HashMap<u64, Registration> = HashMap::new();
+    regs.insert(reg.id(), reg.clone());
     for line in std::io::stdin().lock().lines() {
         let Ok(line) = line else { break };
         let words: Vec<&str> = line.split_whitespace().collect();
@@ -197,6 +213,10 @@ fn main() {
                     (_, Err(e)) => format!("ERR {e}"),
                 }
             }
+            Some("TRYNOTE") => match agent.try_notification() {
+                Some(n) => format!("NOTE {} {}", n.from, String::from_utf8_lossy(&n.msg)),
+                None => "NONE".to_owned(),
+            },
             Some("NOTE") => match agent.wait_notification(Duration::from_secs(60)) {
                 Some(n) => format!("NOTE {} {}", n.from, String::from_utf8_lossy(&n.msg)),
                 None => "ERR no notification".to_owned(),
@@ -235,6 +255,63 @@ fn main() {
                     }
                     (None, _) => "ERR no parent".to_owned(),
                     (_, Err(e)) => format!("ERR {e}"),
+                }
+            }
+            Some("REGISTER") => match Region::new(num(1)) {
+                Ok(r) => match agent.register(&r) {
+                    Ok(g) => {
+                        let id = g.id();
+                        regs.insert(id, g);
+                        format!("REG {id}")
+                    }
+                    Err(e) => format!("ERR {e}"),
+                },
+                Err(e) => format!("ERR {e}"),
+            },
+            Some("META") => format!("META {}", hex(&agent.metadata())),
+            Some("WRITE") => match (regs.get(&num(1)), words.get(3).and_then(|h| unhex(h))) {
+                (Some(g), Some(bytes)) => {
+                    let at = g.offset_in_registration() + num(2);
+                    match g.region().write_at(at, &bytes) {
+                        Ok(()) => "WRITTEN".to_owned(),
+                        Err(e) => format!("ERR {e}"),
+                    }
+                }
+                _ => "ERR unknown registration or bad hex".to_owned(),
+            },
+            Some("READ") => match regs.get(&num(1)) {
+                Some(g) => {
+                    let mut got = vec![0u8; num(3) as usize];
+                    match g
+                        .region()
+                        .read_at(g.offset_in_registration() + num(2), &mut got)
+                    {
+                        Ok(()) => format!("DATA {}", hex(&got)),
+                        Err(e) => format!("ERR {e}"),
+                    }
+                }
+                None => "ERR unknown registration".to_owned(),
+            },
+            Some("XFER") => {
+                let (local, loff, r, roff, len) = (num(2), num(3), num(4), num(5), num(6));
+                let note = words.get(7).map(|n| n.as_bytes());
+                let desc = regs.get(&local).map(|g| g.desc(loff, len));
+                match (&parent, desc) {
+                    (Some(p), Some(Ok(d))) => {
+                        let remote = [RemoteDesc::new(r, roff, len)];
+                        let posted = if words.get(1) == Some(&"R") {
+                            p.read(&[d], &remote, note)
+                        } else {
+                            p.write(&[d], &remote, note)
+                        };
+                        match posted.map(|t| t.wait()) {
+                            Ok(Ok(())) => "DONE".to_owned(),
+                            Ok(Err(e)) | Err(e) => format!("ERR {e}"),
+                        }
+                    }
+                    (None, _) => "ERR no parent".to_owned(),
+                    (_, None) => "ERR unknown registration".to_owned(),
+                    (_, Some(Err(e))) => format!("ERR {e}"),
                 }
             }
             Some("EXIT") | None => break,

@@ -111,6 +111,8 @@ enum CloseState {
 struct EpState {
     ep: sys::ucp_ep_h,
     peer: String,
+    /// The peer's worker address (as UCX reads it), to find a parked endpoint again.
+    address: Vec<u8>,
     err_arg: *mut ErrArg,
     remotes: HashMap<u64, Remote>,
     /// Replaced or removed keys, destroyed once no transfer is pending on the endpoint.
@@ -119,7 +121,9 @@ struct EpState {
     pending: usize,
     /// Set by the error callback; every later post fails with it.
     failed: Option<String>,
-    /// The user's handle is gone: close once nothing is pending.
+    /// The user's handle is gone. The endpoint stays open (parked) until the peer fails or
+    /// the engine stops: UCX pairs it with the peer's endpoint to us, so closing it would
+    /// tear down the peer's endpoint too (see [`UcxEndpoint`]).
     dropped: bool,
     close: CloseState,
     /// Memory of transfers whose completion UCX could not report; released after the close.
@@ -250,6 +254,23 @@ impl Inner {
         }
     }
 
+    /// Marks the endpoints whose error callback fired since the last pass as failed, leaving
+    /// notifications queued for the next pass. Error callbacks only run inside UCP calls,
+    /// which are made with the state lock held, so with `st` held none is missed.
+    fn absorb_failures(&self, st: &mut State) {
+        lock(&self.events).retain(|e| match *e {
+            Event::EpFailed { ep, status } => {
+                if let Some(e) = st.eps.get_mut(&ep) {
+                    if e.failed.is_none() {
+                        e.failed = Some(status_message(status));
+                    }
+                }
+                false
+            }
+            Event::Note { .. } => true,
+        });
+    }
+
     /// Runs completions and notification delivery; no lock may be held.
     fn run_after(&self, after: After) {
         drop(after.release);
@@ -319,7 +340,11 @@ impl Inner {
                     } else {
                         "ucp_ep_flush_nbx"
                     };
-                    let err = (status != sys::UCS_OK).then(|| ep_error(ep, call, status));
+                    // UCX completes the requests of an endpoint it discards (the peer reset
+                    // the connection) without an error status, bytes undelivered: a failure
+                    // seen by the time the completion is observed fails the transfer.
+                    let err = (status != sys::UCS_OK || ep.failed.is_some())
+                        .then(|| ep_error(ep, call, status));
                     // A closing endpoint (force-closed at shutdown) takes no new sends.
                     let usable = if ep.close == CloseState::Open {
                         ep.ep
@@ -419,10 +444,7 @@ fn step_eps(st: &mut State, after: &mut After) {
                 unsafe { sys::ucp_rkey_destroy(rkey) };
             }
         }
-        if ep.close == CloseState::Open
-            && ep.pending == 0
-            && (ep.dropped || ep.failed.is_some() || stopped)
-        {
+        if ep.close == CloseState::Open && ep.pending == 0 && (ep.failed.is_some() || stopped) {
             for (_, remote) in ep.remotes.drain() {
                 for c in remote.chunks {
                     // SAFETY: as above: nothing pending, endpoint open, destroyed once.
@@ -433,7 +455,11 @@ fn step_eps(st: &mut State, after: &mut After) {
                 op_attr_mask: sys::UCP_OP_ATTR_FIELD_FLAGS,
                 ..Default::default()
             };
-            if ep.failed.is_some() || stopped {
+            // A live peer's endpoint is closed in flush mode, at shutdown too: UCX then sends
+            // what it still has queued for the peer (replies of emulated GETs, completions
+            // of emulated PUTs) and tells the peer, whose endpoint fails at once. Forcing it
+            // instead crashes UCX 1.22 while it purges those queued replies.
+            if ep.failed.is_some() {
                 param.flags = sys::UCP_EP_CLOSE_FLAG_FORCE;
             }
             // SAFETY: the endpoint is open and closed only here, once (state moves on); the
@@ -893,6 +919,22 @@ impl UcxEngine {
         if st.stopped {
             return Err(UcxError::Shutdown(self.inner.name.clone()));
         }
+        // A parked endpoint to the same worker is taken up again rather than a second one
+        // opened: it is still paired with the peer's endpoint to us.
+        self.inner.absorb_failures(&mut st);
+        let parked = st.eps.iter_mut().find(|(_, e)| {
+            e.dropped && e.close == CloseState::Open && e.failed.is_none() && e.address == raw
+        });
+        if let Some((&id, e)) = parked {
+            e.dropped = false;
+            e.peer = peer.to_owned();
+            drop(st);
+            return Ok(UcxEndpoint {
+                engine: self.inner.clone(),
+                id,
+                peer: peer.to_owned(),
+            });
+        }
         let id = st.next_id;
         st.next_id += 1;
         let err_arg = Box::into_raw(Box::new(ErrArg {
@@ -930,6 +972,7 @@ impl UcxEngine {
             EpState {
                 ep,
                 peer: peer.to_owned(),
+                address: raw.to_vec(),
                 err_arg,
                 remotes: HashMap::new(),
                 retired: Vec::new(),
@@ -986,7 +1029,16 @@ impl UcxEngine {
     pub fn report(&self) -> UcxReport {
         let st = lock(&self.inner.state);
         UcxReport {
-            endpoints: st.eps.len(),
+            endpoints: st
+                .eps
+                .values()
+                .filter(|e| !e.dropped && e.close != CloseState::Closed)
+                .count(),
+            parked: st
+                .eps
+                .values()
+                .filter(|e| e.dropped && e.close != CloseState::Closed)
+                .count(),
             pending_transfers: st.ops.len(),
             quarantined: st.eps.values().map(|e| e.quarantine.len()).sum(),
             memory_handles: self.inner.live_mem.load(Ordering::Relaxed),
@@ -1008,8 +1060,9 @@ impl UcxEngine {
         lock(&self.inner.state).stopped = true;
         self.inner.wake();
         let _ = thread.join();
-        // Progress here now: close every endpoint (force mode, once nothing is pending on it)
-        // and let in-flight transfers finish for a grace period, then cancel them.
+        // Progress here now: close every endpoint (flush mode, or force mode if its peer
+        // failed, once nothing is pending on it) and let in-flight transfers finish for a
+        // grace period, then cancel them.
         let start = Instant::now();
         let mut forced = false;
         loop {
@@ -1194,8 +1247,10 @@ impl Drop for Inner {
 /// What an engine holds (see [`UcxEngine::report`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct UcxReport {
-    /// Endpoints not yet fully closed.
+    /// Endpoints with a live [`UcxEndpoint`] handle, not yet closed.
     pub endpoints: usize,
+    /// Endpoints whose handle is gone, kept open while the peer lives (see [`UcxEndpoint`]).
+    pub parked: usize,
     /// Transfers posted and not completed.
     pub pending_transfers: usize,
     /// Memory handles held in quarantine by failed endpoints.
@@ -1321,7 +1376,15 @@ pub struct RmaOp<'a> {
     pub len: u64,
 }
 
-/// An endpoint to one peer. Dropping it closes the endpoint once its transfers completed.
+/// An endpoint to one peer.
+///
+/// UCX pairs the endpoints two workers open to each other (its endpoint matching): the
+/// peer's endpoint to us and ours to it are one connection, and closing either side tears
+/// down both, so the peer's transfers fail with "Connection reset by remote peer" (or, before
+/// the error completion below, were reported done with their bytes dropped). Dropping this
+/// handle therefore keeps the UCP endpoint open, *parked*, with its keys destroyed once
+/// nothing is pending; [`UcxEngine::connect`] to the same worker takes it up again. A parked
+/// endpoint is closed when the peer fails or the engine shuts down.
 pub struct UcxEndpoint {
     engine: Arc<Inner>,
     id: u64,
@@ -1606,8 +1669,16 @@ impl UcxEndpoint {
             done(Err(err));
             return Ok(());
         }
-        // Everything completed in place: notify (if asked) and report.
+        // Everything completed in place: notify (if asked) and report, unless the endpoint
+        // failed meanwhile (UCX then completes what it discarded without an error).
         let ep_h = ep.ep;
+        self.engine.absorb_failures(&mut st);
+        let error = error.or_else(|| {
+            let ep = st.eps.get(&ep_id)?;
+            ep.failed
+                .is_some()
+                .then(|| ep_error(ep, "ucp_ep_flush_nbx", sys::UCS_OK))
+        });
         let result = match (error, &notify) {
             (Some(e), _) => Err(e),
             (None, None) => Ok(()),
@@ -1672,7 +1743,11 @@ impl Drop for UcxEndpoint {
         let mut st = lock(&self.engine.state);
         let stopped = st.stopped;
         if let Some(ep) = st.eps.get_mut(&self.id) {
+            // Parked: its keys go (destroyed once nothing is pending), the endpoint stays.
             ep.dropped = true;
+            for (_, old) in ep.remotes.drain() {
+                ep.retired.extend(old.chunks.into_iter().map(|c| c.rkey));
+            }
             if stopped && ep.close == CloseState::Closed {
                 st.eps.remove(&self.id);
             }

@@ -24,6 +24,12 @@
 //! out as an active message, which the target receives after the data. The completion callback
 //! runs on the progress thread, outside every lock. A failed transfer never reports success.
 //!
+//! **Endpoint lifetime.** UCX pairs the endpoints two workers open to each other into one
+//! connection, so closing ours would break the peer's: a dropped [`UcxEndpoint`] is parked,
+//! open, until the peer fails or the engine stops, and reconnecting to the same worker takes
+//! it up again. A transfer whose endpoint failed before its completion was seen fails, even
+//! where UCX completed the discarded requests without an error status.
+//!
 //! **Peer death.** Endpoints use `UCP_ERR_HANDLING_MODE_PEER`; the error callback marks the
 //! endpoint failed, the pending transfers fail with [`UcxError::PeerGone`], and later posts are
 //! refused with the same error. The endpoint is then closed in force mode.

@@ -7,7 +7,7 @@ use std::io::{BufRead, BufReader, Lines, Write};
 use std::process::{ChildStdin, ChildStdout, Command, Stdio};
 use std::time::Duration;
 
-use tessera_transport::testing::{pattern, HANG_GUARD};
+use tessera_transport::testing::{pattern, Target, HANG_GUARD};
 use tessera_transport::{Agent, LocalDesc, Op, Region, RemoteDesc, TransferError};
 
 pub(crate) struct Child {
@@ -56,6 +56,128 @@ impl Child {
         self.stdin.flush().unwrap();
         self.lines.next().expect("peer answers").unwrap()
     }
+}
+
+/// The child as the target of the conformance cases written against [`Target`].
+impl Target for Child {
+    fn name(&self) -> String {
+        "peer".to_owned()
+    }
+
+    fn metadata(&mut self) -> Vec<u8> {
+        let line = self.cmd("META");
+        unhex(line.strip_prefix("META ").expect("META answer"))
+    }
+
+    fn register(&mut self, len: u64) -> u64 {
+        let line = self.cmd(&format!("REGISTER {len}"));
+        let id = line
+            .strip_prefix("REG ")
+            .unwrap_or_else(|| panic!("{line}"));
+        id.parse().unwrap()
+    }
+
+    fn write_at(&mut self, reg: u64, offset: u64, data: &[u8]) {
+        assert_eq!(
+            self.cmd(&format!("WRITE {reg} {offset} {}", hex(data))),
+            "WRITTEN"
+        );
+    }
+
+    fn read_at(&mut self, reg: u64, offset: u64, len: u64) -> Vec<u8> {
+        let line = self.cmd(&format!("READ {reg} {offset} {len}"));
+        unhex(
+            line.strip_prefix("DATA ")
+                .unwrap_or_else(|| panic!("{line}")),
+        )
+    }
+
+    fn add_remote(&mut self, metadata: &[u8]) {
+        assert_eq!(self.cmd(&format!("ADD {}", hex(metadata))), "ADDED");
+    }
+
+    fn wait_notification(&mut self) -> Option<(String, Vec<u8>)> {
+        note(&self.cmd("NOTE"))
+    }
+
+    fn try_notification(&mut self) -> Option<(String, Vec<u8>)> {
+        note(&self.cmd("TRYNOTE"))
+    }
+
+    fn transfer(
+        &mut self,
+        op: Op,
+        local: u64,
+        local_offset: u64,
+        remote: u64,
+        remote_offset: u64,
+        len: u64,
+        notify: Option<&[u8]>,
+    ) -> Result<(), String> {
+        let op = match op {
+            Op::Write => "W",
+            Op::Read => "R",
+        };
+        let note = notify.map(|n| String::from_utf8(n.to_vec()).expect("a word as note"));
+        let line = self.cmd(&format!(
+            "XFER {op} {local} {local_offset} {remote} {remote_offset} {len} {}",
+            note.unwrap_or_default()
+        ));
+        if line == "DONE" {
+            Ok(())
+        } else {
+            Err(line)
+        }
+    }
+}
+
+/// `NOTE <from> <msg>` as `(from, msg)`; anything else (`NONE`, `ERR ...`) as none.
+fn note(line: &str) -> Option<(String, Vec<u8>)> {
+    let rest = line.strip_prefix("NOTE ")?;
+    let (from, msg) = rest.split_once(' ').unwrap_or((rest, ""));
+    Some((from.to_owned(), msg.as_bytes().to_vec()))
+}
+
+/// Instantiates the conformance cases that run with the target in a second process, as a
+/// module of tests: `$parent` makes this process's agent, `$kind` and `$env` start the child.
+#[macro_export]
+macro_rules! two_process_suite {
+    ($module:ident, $parent:expr, $kind:expr, $env:expr) => {
+        mod $module {
+            #[allow(unused_imports)]
+            use super::*;
+
+            fn run(
+                case: fn(&tessera_transport::Agent, &mut dyn tessera_transport::testing::Target),
+            ) {
+                let parent = $parent;
+                let mut child = $crate::engines_common::Child::spawn($kind, 4096, $env);
+                case(&parent, &mut child);
+                child.exit();
+            }
+
+            #[test]
+            fn write_then_read() {
+                run(tessera_transport::testing::write_then_read_with);
+            }
+            #[test]
+            fn scatter_gather_1000() {
+                run(tessera_transport::testing::scatter_gather_1000_with);
+            }
+            #[test]
+            fn notifications() {
+                run(tessera_transport::testing::notifications_with);
+            }
+            #[test]
+            fn concurrent_threads() {
+                run(tessera_transport::testing::concurrent_threads_with);
+            }
+            #[test]
+            fn metadata_update() {
+                run(tessera_transport::testing::metadata_update_with);
+            }
+        }
+    };
 }
 
 impl Child {
