@@ -313,3 +313,59 @@ pub(crate) fn killed_mid_transfer(parent: &Agent, kind: &str, env: &[(&str, &str
     drop((local, reg, peer, same));
     assert_eq!(parent.report().registrations, 0, "nothing leaked");
 }
+
+/// The child (initiator) is killed, `rounds` times, while 64 WRITEs of 32 MiB into this
+/// process are in flight: this process (the target) stays alive, and a fresh child then
+/// writes into the same registration with a notification, and is written to.
+pub(crate) fn initiator_killed_mid_write(
+    parent: &Agent,
+    kind: &str,
+    env: &[(&str, &str)],
+    rounds: usize,
+) {
+    const SIZE: u64 = 32 << 20;
+    let region = Region::new(SIZE).unwrap();
+    let reg = parent.register(&region).unwrap();
+    for _ in 0..rounds {
+        let mut child = Child::spawn(kind, SIZE, env);
+        let _peer = parent.add_remote(&child.meta).unwrap();
+        assert_eq!(
+            child.cmd(&format!("ADD {}", hex(&parent.metadata()))),
+            "ADDED"
+        );
+        assert_eq!(
+            child.cmd(&format!("FLOOD {} 0 {SIZE}", reg.id())),
+            "FLOODING"
+        );
+        child.proc.kill().unwrap();
+        child.proc.wait().unwrap();
+    }
+
+    // Still alive and serving: a new peer writes into us and we write into it.
+    let mut other = Child::spawn(kind, 65536, env);
+    let peer = parent.add_remote(&other.meta).unwrap();
+    assert_eq!(
+        other.cmd(&format!("ADD {}", hex(&parent.metadata()))),
+        "ADDED"
+    );
+    assert_eq!(other.cmd(&format!("PUSH {} 0 65536", reg.id())), "PUSHED");
+    let mut got = vec![0u8; 65536];
+    region.read_at(0, &mut got).unwrap();
+    assert_eq!(got, pattern(1, 65536));
+    let note = parent.wait_notification(HANG_GUARD).unwrap();
+    assert_eq!(
+        (note.from.as_str(), note.msg.as_slice()),
+        ("peer", &b"pushed"[..])
+    );
+    region.write_at(0, &pattern(8, 4096)).unwrap();
+    peer.write(
+        &[reg.desc(0, 4096).unwrap()],
+        &[RemoteDesc::new(other.reg, 0, 4096)],
+        None,
+    )
+    .unwrap()
+    .wait_timeout(HANG_GUARD)
+    .unwrap();
+    assert_eq!(other.cmd("CHECK 0 4096 8"), "OK");
+    other.exit();
+}
