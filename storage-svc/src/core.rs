@@ -412,19 +412,22 @@ impl<M: Memory> Unit<M> {
             .copied()
             .collect();
         self.gets.retain(|(s, _), _| *s != session);
-        let Some(mut s) = self.sessions.remove(&session) else {
-            return;
-        };
+        let mut quarantine = self
+            .sessions
+            .remove(&session)
+            .map(|s| s.quarantine)
+            .unwrap_or_default();
+        // Every prepared PUT was answered READY in the step that prepared it: all exposed.
         for key in puts {
             if let Some(p) = self.puts.remove(&key) {
                 let len = M::block_len(&p.block);
                 self.leased -= len;
                 self.reserved -= p.reserved;
                 self.quarantined += len;
-                s.quarantine.push((Box::new(p.block), len, p.partition));
+                quarantine.push((Box::new(p.block), len, p.partition));
             }
         }
-        if s.quarantine.is_empty() {
+        if quarantine.is_empty() {
             return;
         }
         let deadline = match how {
@@ -433,14 +436,14 @@ impl<M: Memory> Unit<M> {
         };
         tracing::debug!(
             session,
-            blocks = s.quarantine.len(),
+            blocks = quarantine.len(),
             ?how,
             "closed session's exposed blocks stay quarantined"
         );
         self.closed.insert(
             session,
             Closed {
-                quarantine: s.quarantine,
+                quarantine,
                 deadline,
             },
         );
