@@ -842,6 +842,9 @@ mod tests {
         fn connect(&self, _: &PeerInfo) -> Result<Arc<dyn Connection>, BackendError> {
             Ok(Arc::new(Parking(self.parked.clone())))
         }
+        fn tracks_links(&self) -> bool {
+            true
+        }
         fn shutdown(&self) {}
     }
 
@@ -1104,6 +1107,31 @@ mod tests {
             drop(grant);
             assert_eq!(*lock(&engine.live), 0);
             assert_eq!(agent.report().registrations, 0);
+        });
+    }
+
+    /// Two engine readers serving the same peer (one learns the peer's name late) return on
+    /// their own threads while the owner asks: the peer reads open while either runs and
+    /// closed once both returned, whatever the interleaving; the count never goes stale.
+    #[test]
+    fn loom_peer_link_counts_every_reader() {
+        model(|| {
+            let engine = Arc::new(Counting::default());
+            let agent = Agent::new("a", engine.clone()).unwrap();
+            let host = lock(&engine.host).clone().unwrap();
+            let first = host.link_open("c");
+            let mut second = host.link_open("unnamed");
+            let reader = thread::spawn(move || {
+                second.rename("c");
+                drop(second);
+            });
+            assert_eq!(agent.peer_link("c"), LinkState::Open);
+            let other = thread::spawn(move || drop(first));
+            reader.join().unwrap();
+            other.join().unwrap();
+            assert_eq!(agent.peer_link("c"), LinkState::Closed);
+            assert_eq!(agent.peer_link("unnamed"), LinkState::Closed);
+            assert!(lock(&agent.core.host.inbound).is_empty());
         });
     }
 
