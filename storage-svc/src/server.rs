@@ -444,8 +444,9 @@ async fn guarded_session(
     if let Err(what) = run {
         tracing::error!(panic = %what, "session task panicked; closing it and releasing what it held");
         crate::metrics::error(ErrorKind::Internal);
-        // Release first; then dropping the handle ends the reply writer, which closes the
-        // connection, and the executor sees its queue close.
+        // Close it in the core first (what it exposed stays quarantined until its client's
+        // link is torn down); then dropping the handle ends the reply writer, which closes
+        // the connection, and the executor sees its queue close.
         let handle = lock(&shared.sessions).remove(&sid);
         close_in_core(&shared, sid, handle.as_ref());
         drop(handle);
