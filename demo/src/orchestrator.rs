@@ -157,6 +157,7 @@ struct Finished {
     before: Stats,
     after: Stats,
     peak_pool_used: u64,
+    peak_registered: u64,
 }
 
 /// Runs the demo; returns the process exit code.
@@ -228,6 +229,7 @@ pub(crate) async fn run(args: RunArgs) -> Result<i32> {
                 before: &f.before,
                 after: &f.after,
                 peak_pool_used: f.peak_pool_used,
+                peak_registered: f.peak_registered,
                 unit_clean,
                 wall: started.elapsed(),
             });
@@ -332,6 +334,7 @@ async fn drive(
     let mut consumer = None;
     let mut exited = [false, false];
     let mut peak = before.pool.used;
+    let mut peak_registered = before.pool.capacity;
     let mut tick = tokio::time::interval(Duration::from_millis(100));
     let check = |who: &str, status: std::io::Result<ExitStatus>| -> Result<()> {
         let status = status?;
@@ -367,6 +370,7 @@ async fn drive(
             _ = tick.tick() => {
                 if let Ok(s) = client.stats().await {
                     peak = peak.max(s[0].pool.used);
+                    peak_registered = peak_registered.max(s[0].pool.capacity);
                 }
             }
         }
@@ -383,6 +387,7 @@ async fn drive(
         before,
         after,
         peak_pool_used: peak,
+        peak_registered,
     })
 }
 

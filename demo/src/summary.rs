@@ -17,6 +17,8 @@ pub(crate) struct Outcome<'a> {
     pub(crate) before: &'a Stats,
     pub(crate) after: &'a Stats,
     pub(crate) peak_pool_used: u64,
+    /// Most registered memory the unit held at once (it grows in chunks up to its limit).
+    pub(crate) peak_registered: u64,
     pub(crate) unit_clean: bool,
     pub(crate) wall: Duration,
 }
@@ -140,6 +142,15 @@ impl Table {
 
 fn used(p: PoolUse) -> String {
     format!("{} of {}", fmt_bytes(p.used), fmt_bytes(p.capacity))
+}
+
+/// The unit's row label, with its registration limit (`pool_bytes`) when it reports one.
+fn unit_label(limit: u64) -> String {
+    if limit == 0 {
+        "storage unit (STATS)".to_owned()
+    } else {
+        format!("storage unit (STATS, limit {})", fmt_bytes(limit))
+    }
 }
 
 /// Prints the summary on stdout and returns the number of errors it found.
@@ -289,15 +300,17 @@ pub(crate) fn print(o: &Outcome<'_>) -> u64 {
         &["pool", "before", "peak / holding", "after"],
         &[false, true, true, true],
     );
+    // The unit's pool: leased bytes of the bytes registered at that moment (registered
+    // memory grows in chunks up to the limit, and shrinks back when idle).
     let unit = |s: &Stats| PoolUse {
         capacity: s.pool.capacity,
         used: s.pool.used,
     };
     t.row(vec![
-        "storage unit (STATS)".into(),
+        unit_label(o.before.pool.limit),
         used(unit(o.before)),
         used(PoolUse {
-            capacity: o.before.pool.capacity,
+            capacity: o.peak_registered.max(o.before.pool.capacity),
             used: o.peak_pool_used,
         }),
         used(unit(o.after)),
@@ -316,7 +329,7 @@ pub(crate) fn print(o: &Outcome<'_>) -> u64 {
     ]);
     let _ = writeln!(
         out,
-        "\nRegistered pools (peak: STATS sampled every 100 ms; holding: while a version is live)"
+        "\nRegistered pools (peak: STATS sampled every 100 ms; the unit's: leased of registered then, which grows in chunks up to the limit; holding: while a version is live)"
     );
     t.render(&mut out);
     let leaks = [
@@ -493,5 +506,12 @@ mod tests {
         assert_eq!(fmt_bytes(1023), "1023 B");
         assert_eq!(fmt_bytes(1 << 30), "1.00 GiB");
         assert_eq!(fmt_bytes(3 << 19), "1.50 MiB");
+    }
+
+    /// The unit's row names its registration limit when the unit reports one.
+    #[test]
+    fn unit_row_names_the_registration_limit() {
+        assert_eq!(unit_label(2 << 30), "storage unit (STATS, limit 2.00 GiB)");
+        assert_eq!(unit_label(0), "storage unit (STATS)");
     }
 }

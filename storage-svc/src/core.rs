@@ -67,6 +67,12 @@ pub struct UnitConfig {
     /// A prepared PUT or GET that sees no COMMIT within this time expires.
     #[serde(with = "millis")]
     pub prepare_ttl: Duration,
+    /// How long the exposed blocks of a closed session stay quarantined when the payload
+    /// engine cannot tell when the client's link is torn down (`ucx`, `nixl`, `inproc`: a
+    /// one-sided WRITE leaves no trace at the target). Engines that can tell (`tcp`, `shm`)
+    /// hold them until the link is gone instead, however long that takes.
+    #[serde(with = "millis")]
+    pub late_write_grace: Duration,
     /// Compact a receive block when this fraction of it is dead (0 disables compaction).
     pub compact_dead_fraction: f64,
     /// Shared secret a Hello must carry.
@@ -96,6 +102,7 @@ impl Default for UnitConfig {
             leased_limit: 16 << 30,
             quarantine_limit: 1 << 30,
             prepare_ttl: Duration::from_secs(30),
+            late_write_grace: Duration::from_secs(30),
             compact_dead_fraction: 0.75,
             token: None,
         }
@@ -240,10 +247,30 @@ enum SessionState {
     Failed,
 }
 
+/// A quarantined block: the block (kept only so that it is not reused), its length and its
+/// partition.
+type Quarantined = (Box<dyn Send + Sync>, u64, String);
+
 struct Session {
     state: SessionState,
     /// Blocks that a late WRITE could still reach, until the session is torn down.
-    quarantine: Vec<(Box<dyn Send + Sync>, u64, String)>,
+    quarantine: Vec<Quarantined>,
+}
+
+/// How the driver learns that the client of a closed session can no longer write into the
+/// blocks it was shown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TornDown {
+    /// The payload engine tells: the driver calls [`Unit::release_closed`] once it does.
+    Signalled,
+    /// The engine cannot tell: the blocks are released `late_write_grace` after the close.
+    Grace,
+}
+
+/// What a closed session exposed, quarantined until its client's transfers are torn down.
+struct Closed {
+    quarantine: Vec<Quarantined>,
+    deadline: Option<Instant>,
 }
 
 struct PendingPut<B> {
@@ -279,6 +306,7 @@ pub struct Unit<M: Memory> {
     bytes_in: u64,
     bytes_out: u64,
     sessions: HashMap<SessionId, Session>,
+    closed: HashMap<SessionId, Closed>,
     puts: HashMap<(SessionId, u64), PendingPut<M::Block>>,
     gets: HashMap<(SessionId, u64), PendingGet>,
 }
@@ -327,6 +355,7 @@ impl<M: Memory> Unit<M> {
             bytes_in: 0,
             bytes_out: 0,
             sessions: HashMap::new(),
+            closed: HashMap::new(),
             puts: HashMap::new(),
             gets: HashMap::new(),
         }
@@ -370,26 +399,70 @@ impl<M: Memory> Unit<M> {
         }
     }
 
-    /// The session's connection and transport peer are torn down: nothing it was given can
-    /// be written any more, so its prepared PUTs, pending GETs and quarantine are released.
-    pub fn close_session(&mut self, session: SessionId) {
+    /// The session's control connection is gone. Its pending GETs are dropped. Its prepared
+    /// PUTs (each answered READY: their blocks were exposed) and its quarantine stay
+    /// quarantined, since the client's WRITEs travel on the payload plane and may still land:
+    /// until [`Unit::release_closed`] when `how` is [`TornDown::Signalled`], or until
+    /// `late_write_grace` from `now` ([`Unit::handle_timeout`]) when it is [`TornDown::Grace`].
+    pub fn close_session(&mut self, session: SessionId, now: Instant, how: TornDown) {
         let puts: Vec<_> = self
             .puts
             .keys()
             .filter(|(s, _)| *s == session)
             .copied()
             .collect();
+        self.gets.retain(|(s, _), _| *s != session);
+        let mut quarantine = self
+            .sessions
+            .remove(&session)
+            .map(|s| s.quarantine)
+            .unwrap_or_default();
+        // Every prepared PUT was answered READY in the step that prepared it: all exposed.
         for key in puts {
             if let Some(p) = self.puts.remove(&key) {
-                self.release_put(p);
+                let len = M::block_len(&p.block);
+                self.leased -= len;
+                self.reserved -= p.reserved;
+                self.quarantined += len;
+                quarantine.push((Box::new(p.block), len, p.partition));
             }
         }
-        self.gets.retain(|(s, _), _| *s != session);
-        if let Some(s) = self.sessions.remove(&session) {
-            for (_, len, _) in s.quarantine {
-                self.quarantined -= len;
-            }
+        if quarantine.is_empty() {
+            return;
         }
+        let deadline = match how {
+            TornDown::Signalled => None,
+            TornDown::Grace => Some(now + self.cfg.late_write_grace),
+        };
+        tracing::debug!(
+            session,
+            blocks = quarantine.len(),
+            ?how,
+            "closed session's exposed blocks stay quarantined"
+        );
+        self.closed.insert(
+            session,
+            Closed {
+                quarantine,
+                deadline,
+            },
+        );
+    }
+
+    /// Closed sessions whose exposed blocks are still quarantined.
+    pub fn closed_sessions(&self) -> Vec<SessionId> {
+        self.closed.keys().copied().collect()
+    }
+
+    /// The client of closed session `session` can no longer write (its link is torn down):
+    /// its quarantined blocks go back to the pool. Returns the bytes released.
+    pub fn release_closed(&mut self, session: SessionId) -> u64 {
+        let Some(c) = self.closed.remove(&session) else {
+            return 0;
+        };
+        let bytes: u64 = c.quarantine.iter().map(|q| q.1).sum();
+        self.quarantined -= bytes;
+        bytes
     }
 
     fn release_put(&mut self, p: PendingPut<M::Block>) {
@@ -417,7 +490,8 @@ impl<M: Memory> Unit<M> {
             .values()
             .filter(|g| !g.writing)
             .map(|g| g.deadline);
-        puts.chain(gets).min()
+        let closed = self.closed.values().filter_map(|c| c.deadline);
+        puts.chain(gets).chain(closed).min()
     }
 
     /// Expires prepared transfers whose deadline passed. A PUT whose block was exposed is
@@ -448,6 +522,16 @@ impl<M: Memory> Unit<M> {
             }
         }
         self.gets.retain(|_, g| g.writing || g.deadline > now);
+        let graced: Vec<_> = self
+            .closed
+            .iter()
+            .filter(|(_, c)| c.deadline.is_some_and(|d| d <= now))
+            .map(|(s, _)| *s)
+            .collect();
+        for session in graced {
+            let bytes = self.release_closed(session);
+            tracing::debug!(session, bytes, "late-write grace over; quarantine released");
+        }
         out
     }
 
@@ -1069,8 +1153,9 @@ impl<M: Memory> Unit<M> {
         for p in self.puts.values() {
             per.entry(&p.partition).or_default().leased_bytes += M::block_len(&p.block);
         }
-        for s in self.sessions.values() {
-            for (_, len, part) in &s.quarantine {
+        let open = self.sessions.values().map(|s| &s.quarantine);
+        for q in open.chain(self.closed.values().map(|c| &c.quarantine)) {
+            for (_, len, part) in q {
                 per.entry(part).or_default().quarantined_bytes += len;
             }
         }
@@ -1104,6 +1189,7 @@ impl<M: Memory> Unit<M> {
         self.puts.clear();
         self.gets.clear();
         self.sessions.clear();
+        self.closed.clear();
         self.partitions.clear();
         self.blocks.clear();
         self.used = 0;
@@ -1298,6 +1384,7 @@ mod tests {
             ));
             let s = unit.stats();
             assert!(s.leased_bytes > 0 && s.quarantined_bytes > 0 && s.pending_gets == 1);
+            let exposed = s.leased_bytes + s.quarantined_bytes;
 
             let unit = Arc::new(Mutex::new(unit));
             let executor = {
@@ -1312,10 +1399,18 @@ mod tests {
                     unit.lock().unwrap().handle_timeout(now + cfg.prepare_ttl);
                 })
             };
-            unit.lock().unwrap().close_session(1);
+            unit.lock()
+                .unwrap()
+                .close_session(1, now, TornDown::Signalled);
             executor.join().unwrap();
             timer.join().unwrap();
             let mut unit = unit.lock().unwrap();
+            // Both exposed blocks (the expired or still prepared PUT and the cancelled one)
+            // stay quarantined until the client's link is known gone.
+            let s = unit.stats();
+            assert_eq!((s.quarantined_bytes, s.leased_bytes), (exposed, 0), "{s:?}");
+            assert_eq!(unit.closed_sessions(), vec![1]);
+            assert!(unit.release_closed(1) > 0);
             let s = unit.stats();
             assert_eq!(
                 (

@@ -117,6 +117,10 @@ struct Serve {
     leased_limit: Option<u64>,
     #[arg(long)]
     quarantine_limit: Option<u64>,
+    /// Milliseconds a closed session's exposed blocks stay quarantined when the payload
+    /// engine cannot tell that the client's link is torn down (ucx, nixl, inproc).
+    #[arg(long)]
+    late_write_grace: Option<u64>,
     #[arg(long)]
     max_message: Option<u64>,
     /// Answers queued per session, at most (backpressure beyond it).
@@ -285,6 +289,9 @@ async fn serve(s: Serve) -> Result<()> {
     }
     if let Some(v) = s.quarantine_limit {
         cfg.unit.quarantine_limit = v;
+    }
+    if let Some(v) = s.late_write_grace {
+        cfg.unit.late_write_grace = std::time::Duration::from_millis(v);
     }
     if let Some(v) = s.max_message {
         cfg.max_message_bytes = v;

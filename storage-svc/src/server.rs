@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
-use tessera_transport::{Agent, Peer, RemoteDesc};
+use tessera_transport::{Agent, LinkState, Peer, RemoteDesc};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{mpsc, watch};
@@ -20,7 +20,7 @@ use tokio::task::JoinSet;
 use tracing::Instrument;
 
 use crate::chunks::{ChunkLimits, ChunkPool};
-use crate::core::{Output, SessionId, Stats, Unit, UnitConfig};
+use crate::core::{Output, SessionId, Stats, TornDown, Unit, UnitConfig};
 use crate::error::ErrorKind;
 use crate::plane::{source_descs, Backend, PoolMemory};
 use crate::proto::{self, Request, Response};
@@ -143,6 +143,9 @@ struct Shared {
     generation: Arc<AtomicU64>,
     cfg: ServerConfig,
     sessions: Mutex<HashMap<SessionId, SessionHandle>>,
+    /// Closed sessions whose exposed blocks wait for their client's link to be torn down, with
+    /// the client's agent name.
+    lingering: Mutex<HashMap<SessionId, String>>,
     next_session: AtomicU64,
     tasks: Mutex<JoinSet<()>>,
 }
@@ -222,6 +225,7 @@ impl Server {
             generation,
             cfg,
             sessions: Mutex::new(HashMap::new()),
+            lingering: Mutex::new(HashMap::new()),
             next_session: AtomicU64::new(1),
             tasks: Mutex::new(JoinSet::new()),
         });
@@ -348,6 +352,7 @@ async fn timer_loop(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
             _ = stop.changed() => break,
             _ = tokio::time::sleep(wait) => {}
         }
+        release_torn_down(&shared);
         let out = {
             let mut unit = lock(&shared.unit);
             let out = unit.handle_timeout(Instant::now());
@@ -358,6 +363,47 @@ async fn timer_loop(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
         dispatch(&shared, out);
         crate::metrics::record_stats(&lock(&shared.unit).stats());
     }
+}
+
+/// Closes session `sid` in the core. What its client was shown stays quarantined until the
+/// client can no longer write into it: engines that can tell when a peer's link is torn down
+/// (`tcp`, `shm`) are asked on each tick of the timer; for the others the core's
+/// `late_write_grace` runs out.
+fn close_in_core(shared: &Shared, sid: SessionId, handle: Option<&SessionHandle>) {
+    let peer = handle.map(|h| h.peer.clone()).unwrap_or_default();
+    let how = if peer.is_empty() || shared.agent.peer_link(&peer) == LinkState::Unknown {
+        TornDown::Grace
+    } else {
+        TornDown::Signalled
+    };
+    let mut unit = lock(&shared.unit);
+    unit.close_session(sid, Instant::now(), how);
+    if how == TornDown::Signalled && unit.closed_sessions().contains(&sid) {
+        lock(&shared.lingering).insert(sid, peer);
+    }
+}
+
+/// Releases the quarantine of closed sessions whose client's link is torn down.
+fn release_torn_down(shared: &Shared) {
+    let gone: Vec<SessionId> = lock(&shared.lingering)
+        .iter()
+        .filter(|(_, peer)| shared.agent.peer_link(peer) != LinkState::Open)
+        .map(|(sid, _)| *sid)
+        .collect();
+    if gone.is_empty() {
+        return;
+    }
+    let mut unit = lock(&shared.unit);
+    for sid in gone {
+        lock(&shared.lingering).remove(&sid);
+        let bytes = unit.release_closed(sid);
+        tracing::debug!(
+            session = sid,
+            bytes,
+            "client's link torn down; quarantine released"
+        );
+    }
+    unit.trim_memory();
 }
 
 /// A panic's message, for the log and the error answered.
@@ -398,10 +444,11 @@ async fn guarded_session(
     if let Err(what) = run {
         tracing::error!(panic = %what, "session task panicked; closing it and releasing what it held");
         crate::metrics::error(ErrorKind::Internal);
-        // Release first; then dropping the handle ends the reply writer, which closes the
-        // connection, and the executor sees its queue close.
+        // Close it in the core first (what it exposed stays quarantined until its client's
+        // link is torn down); then dropping the handle ends the reply writer, which closes
+        // the connection, and the executor sees its queue close.
         let handle = lock(&shared.sessions).remove(&sid);
-        lock(&shared.unit).close_session(sid);
+        close_in_core(&shared, sid, handle.as_ref());
         drop(handle);
     }
 }
@@ -547,10 +594,11 @@ async fn session(
         }
     }
     // Teardown of the session: no more replies, cancel queued WRITEs, release what the
-    // session held in the core, then let the writer flush and close the connection (so a
-    // client that sees the connection close finds the session released).
+    // session held in the core (what it exposed stays quarantined until its client's link
+    // is torn down), then let the writer flush and close the connection (so a client that
+    // sees the connection close finds the session closed).
     let handle = lock(&shared.sessions).remove(&sid);
-    lock(&shared.unit).close_session(sid);
+    close_in_core(&shared, sid, handle.as_ref());
     drop((handle, gate));
     let _ = writer.await;
     tracing::debug!("session closed");
@@ -992,12 +1040,37 @@ mod tests {
         }
     }
 
+    /// Polls the unit's STATS until `f` holds (a hang guard, not a timing assertion).
+    async fn until(server: &Server, what: &str, f: impl Fn(&Stats) -> bool) -> Stats {
+        for _ in 0..6000 {
+            let s = server.stats();
+            if f(&s) {
+                return s;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("{what} never happened: {:?}", server.stats());
+    }
+
     /// A session holding a leased block (a prepared PUT) and a quarantined one (cancelled
-    /// after exposure) panics: it is answered, closed, and both blocks go back to the pool.
+    /// after exposure) panics: it is answered and closed; both blocks were exposed, so they
+    /// stay quarantined (the inproc engine cannot tell when its peer stops writing) until the
+    /// late-write grace is over, then go back to the pool.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_panicking_session_releases_its_leases_and_quarantine() {
         arm("panic-holding-leases", Fault::Handle);
-        let server = unit().await;
+        let server = Server::start(ServerConfig {
+            bind: "127.0.0.1:0".into(),
+            backend: Backend::Inproc,
+            pool_bytes: 32 << 20,
+            unit: UnitConfig {
+                late_write_grace: Duration::from_millis(100),
+                ..UnitConfig::default()
+            },
+            ..ServerConfig::default()
+        })
+        .await
+        .unwrap();
         let agent = Backend::Inproc.agent("raw").unwrap();
         let mut s = TcpStream::connect(server.addr()).await.unwrap();
         let hello = Request::Hello {
@@ -1032,13 +1105,134 @@ mod tests {
             read_response(&mut s).await.is_none(),
             "the connection is closed"
         );
-        let after = server.stats();
-        assert_eq!(
-            (after.sessions, after.leased_bytes, after.quarantined_bytes),
-            (0, 0, 0)
-        );
+        let after = until(&server, "the grace running out", |s| {
+            s.quarantined_bytes == 0
+        })
+        .await;
+        assert_eq!((after.sessions, after.leased_bytes), (0, 0));
         assert_eq!((after.pool.used, after.pool.live_blocks), (0, 0));
         others_carry_on(&server, "other").await;
+        server.shutdown().await;
+    }
+
+    /// A session that closes after READY, on an engine that cannot tell when its client stops
+    /// writing: the exposed block stays quarantined (in STATS, per partition) while the grace
+    /// lasts, and the unit's teardown still frees everything.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_closed_sessions_exposed_block_waits_for_the_grace() {
+        let server = Server::start(ServerConfig {
+            bind: "127.0.0.1:0".into(),
+            backend: Backend::Inproc,
+            pool_bytes: 32 << 20,
+            unit: UnitConfig {
+                late_write_grace: Duration::from_secs(3600),
+                ..UnitConfig::default()
+            },
+            ..ServerConfig::default()
+        })
+        .await
+        .unwrap();
+        let agent = Backend::Inproc.agent("raw").unwrap();
+        let mut s = TcpStream::connect(server.addr()).await.unwrap();
+        let hello = Request::Hello {
+            token: None,
+            agent: agent.metadata(),
+        };
+        assert!(matches!(
+            call(&mut s, 1, &hello).await,
+            Response::Welcome { .. }
+        ));
+        assert!(matches!(
+            call(&mut s, 2, &prepare("p")).await,
+            Response::PutReady { .. }
+        ));
+        let exposed = server.stats().leased_bytes;
+        drop(s);
+        let after = until(&server, "the session closing", |s| s.sessions == 0).await;
+        assert_eq!((after.leased_bytes, after.quarantined_bytes), (0, exposed));
+        assert_eq!(after.partitions[0].quarantined_bytes, exposed);
+        assert_eq!(after.pool.live_blocks, 1);
+        server.shutdown().await;
+    }
+
+    /// Over tcp, a client shows READY, drops its control connection, and WRITEs late into the
+    /// block it was given. Meanwhile another client's PUT of the same size must not have been
+    /// given that block: its value reads back intact after the late WRITE landed. Once the
+    /// late writer's agent is gone (its link closed), the quarantine is released.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_late_write_over_tcp_never_lands_in_a_reused_block() {
+        let server = Server::start(ServerConfig {
+            bind: "127.0.0.1:0".into(),
+            backend: Backend::Tcp,
+            pool_bytes: 32 << 20,
+            unit: UnitConfig {
+                // Over tcp the link decides, never the clock.
+                late_write_grace: Duration::ZERO,
+                ..UnitConfig::default()
+            },
+            ..ServerConfig::default()
+        })
+        .await
+        .unwrap();
+        let agent = Backend::Tcp.agent("late").unwrap();
+        let mut s = TcpStream::connect(server.addr()).await.unwrap();
+        let hello = Request::Hello {
+            token: None,
+            agent: agent.metadata(),
+        };
+        let Response::Welcome { agent: md, .. } = call(&mut s, 1, &hello).await else {
+            panic!("no welcome")
+        };
+        let peer = agent.add_remote(&md).unwrap();
+        let Response::PutReady { descs, agent: md } = call(&mut s, 2, &prepare("p")).await else {
+            panic!("no READY")
+        };
+        if let Some(md) = md {
+            agent.add_remote(&md).unwrap();
+        }
+        let exposed = server.stats().leased_bytes;
+        drop(s);
+        let after = until(&server, "the session closing", |s| s.sessions == 0).await;
+        assert_eq!(
+            (after.leased_bytes, after.quarantined_bytes),
+            (0, exposed),
+            "the exposed block stays quarantined while the client's link is up"
+        );
+        // Another client stores a value of the same size (the freed block's offset would be
+        // the first fit).
+        let c = Client::connect(ClientConfig {
+            units: vec![server.addr().to_owned()],
+            backend: Backend::Tcp,
+            recv_pool_bytes: 32 << 20,
+            timeout: Duration::from_secs(60),
+            ..ClientConfig::default()
+        })
+        .await
+        .unwrap();
+        c.put("other", &[1], &column(100_000, 5)).await.unwrap();
+        // The late WRITE lands.
+        let garbage: Vec<Bytes> = descs
+            .iter()
+            .map(|d| Bytes::from(vec![0xAB; d.len as usize]))
+            .collect();
+        let locals = source_descs(&agent, &garbage).unwrap();
+        peer.write(&locals, &descs, None).unwrap().await.unwrap();
+        let got = c.get("other", &[1], &["x"]).await.unwrap();
+        let vals = got[0][0].as_tensor().unwrap().as_slice::<i32>().unwrap();
+        assert!(
+            vals.iter().all(|&v| v == 5),
+            "another PUT's value was overwritten"
+        );
+        drop(got);
+        assert_eq!(server.stats().quarantined_bytes, exposed);
+        // The late writer goes away: its link closes and the block comes back.
+        drop((locals, peer, agent));
+        let s = until(&server, "the quarantine's release", |s| {
+            s.quarantined_bytes == 0
+        })
+        .await;
+        assert_eq!(s.pool.live_blocks, 1, "only the stored value holds a block");
+        drop(c);
         server.shutdown().await;
     }
 

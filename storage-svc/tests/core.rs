@@ -10,7 +10,7 @@ use bytes::Bytes;
 use proptest::prelude::*;
 use serde_bytes::ByteBuf;
 use tessera_framecodec::{encode, Tensor, Value};
-use tessera_storage::core::{Memory, Output, PoolStats, Unit, UnitConfig};
+use tessera_storage::core::{Memory, Output, PoolStats, TornDown, Unit, UnitConfig};
 use tessera_storage::proto::{Request, Response};
 use tessera_storage::ErrorKind;
 use tessera_transport::RemoteDesc;
@@ -387,10 +387,132 @@ fn prepared_put_lifecycle_cancel_ttl_quarantine() {
     assert_eq!(kind(&single(out)), Some(ErrorKind::PeerFailed));
     assert_eq!(kind(&h.req(Request::Stats).1), Some(ErrorKind::PeerFailed));
     assert_eq!(h.unit.stats().pending_puts, 0);
-    // The session ends: its quarantine is released, the pool returns to its baseline.
-    h.unit.close_session(S);
+    // The session ends: its quarantine stays until its client's link is torn down, then the
+    // pool returns to its baseline.
+    let held = h.unit.stats().quarantined_bytes;
+    h.unit.close_session(S, h.now, TornDown::Signalled);
+    let s = h.unit.stats();
+    assert_eq!(
+        (s.quarantined_bytes, s.pool.used, s.sessions),
+        (held, held, 0)
+    );
+    assert_eq!(h.unit.release_closed(S), held);
     let s = h.unit.stats();
     assert_eq!((s.quarantined_bytes, s.pool.used, s.sessions), (0, 0, 0));
+}
+
+/// PREPAREs a 100 kB tensor on `partition` for session `session`; returns its id.
+fn expose(unit: &mut Unit<VecMem>, now: Instant, session: u64, id: u64, partition: &str) {
+    let big = Value::Tensor(Tensor::from_slice(&[100_000], &vec![7u8; 100_000]).unwrap());
+    let frames = encode(&batch(1, vec![big])).unwrap();
+    let out = unit.handle(
+        now,
+        session,
+        id,
+        Request::Put {
+            partition: partition.into(),
+            indexes: vec![id],
+            fields: vec!["x".into()],
+            meta: ByteBuf::from(frames.meta.to_vec()),
+            inline: None,
+        },
+    );
+    assert!(matches!(single(out), Response::PutReady { .. }));
+}
+
+/// A session that closes after READY (its client's WRITE may still be on the payload plane):
+/// the exposed block stays out of the pool, counted as quarantined in STATS and per
+/// partition, however much time passes, until the driver reports the link torn down. Its
+/// quarantine still counts against the limit.
+#[test]
+fn close_after_ready_keeps_the_block_until_the_link_is_torn_down() {
+    let mut h = Harness::new(UnitConfig {
+        quarantine_limit: 150_000,
+        ..UnitConfig::default()
+    });
+    expose(&mut h.unit, h.now, S, 1, "p");
+    let exposed = h.unit.stats().leased_bytes;
+    assert!(exposed >= 100_000);
+    h.unit.close_session(S, h.now, TornDown::Signalled);
+    let s = h.unit.stats();
+    assert_eq!((s.sessions, s.pending_puts, s.leased_bytes), (0, 0, 0));
+    assert_eq!((s.quarantined_bytes, s.pool.used), (exposed, exposed));
+    assert_eq!(s.partitions[0].quarantined_bytes, exposed);
+    assert_eq!(h.unit.closed_sessions(), vec![S]);
+    // No timer releases it: only the signal does.
+    assert_eq!(h.unit.poll_timeout(), None);
+    assert!(h
+        .unit
+        .handle_timeout(h.now + Duration::from_secs(86_400))
+        .is_empty());
+    assert_eq!(h.unit.stats().pool.used, exposed);
+    // Another session's PUT is leased elsewhere; beyond the quarantine limit PUTs are refused.
+    h.unit.open_session(2);
+    let hello = Request::Hello {
+        token: None,
+        agent: vec![],
+    };
+    assert!(matches!(
+        h.unit.handle(h.now, 2, 0, hello)[..],
+        [Output::Accept { .. }]
+    ));
+    h.unit.session_ready(2);
+    expose(&mut h.unit, h.now, 2, 1, "q");
+    assert_eq!(h.unit.stats().pool.used, 2 * exposed);
+    let cancel = Request::Cancel {
+        of: 1,
+        maybe_written: true,
+    };
+    assert_eq!(single(h.unit.handle(h.now, 2, 2, cancel)), Response::Done);
+    let big = Value::Tensor(Tensor::from_slice(&[100_000], &vec![7u8; 100_000]).unwrap());
+    let frames = encode(&batch(1, vec![big])).unwrap();
+    let put = Request::Put {
+        partition: "q".into(),
+        indexes: vec![3],
+        fields: vec!["x".into()],
+        meta: ByteBuf::from(frames.meta.to_vec()),
+        inline: None,
+    };
+    let refused = single(h.unit.handle(h.now, 2, 3, put.clone()));
+    assert!(matches!(refused, Response::Error(_)), "{refused:?}");
+    // The link is torn down: the block is back, and PUTs are accepted again.
+    assert_eq!(h.unit.release_closed(S), exposed);
+    assert_eq!(h.unit.release_closed(S), 0, "released once");
+    let s = h.unit.stats();
+    assert_eq!((s.quarantined_bytes, s.pool.used), (exposed, exposed));
+    assert!(h.unit.closed_sessions().is_empty());
+    assert!(matches!(
+        single(h.unit.handle(h.now, 2, 4, put)),
+        Response::PutReady { .. }
+    ));
+}
+
+/// Without a signal from the engine, a closed session's exposed blocks are released by the
+/// timer once `late_write_grace` has passed, not before; a session closed before anything
+/// was exposed leaves nothing behind.
+#[test]
+fn without_a_signal_the_grace_period_releases_the_quarantine() {
+    let grace = Duration::from_secs(7);
+    let mut h = Harness::new(UnitConfig {
+        late_write_grace: grace,
+        ..UnitConfig::default()
+    });
+    expose(&mut h.unit, h.now, S, 1, "p");
+    let exposed = h.unit.stats().leased_bytes;
+    h.unit.close_session(S, h.now, TornDown::Grace);
+    assert_eq!(h.unit.poll_timeout(), Some(h.now + grace));
+    h.unit
+        .handle_timeout(h.now + grace - Duration::from_millis(1));
+    assert_eq!(h.unit.stats().quarantined_bytes, exposed);
+    assert_eq!(h.unit.stats().pool.used, exposed);
+    h.unit.handle_timeout(h.now + grace);
+    let s = h.unit.stats();
+    assert_eq!((s.quarantined_bytes, s.pool.used), (0, 0));
+    assert_eq!(h.unit.poll_timeout(), None);
+    // Nothing exposed: nothing lingers.
+    h.unit.open_session(2);
+    h.unit.close_session(2, h.now, TornDown::Signalled);
+    assert!(h.unit.closed_sessions().is_empty());
 }
 
 #[test]

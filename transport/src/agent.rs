@@ -51,6 +51,24 @@ pub(crate) struct HostShared {
     pub(crate) copied_write: Counter,
     /// Payload bytes this agent's engine copied into READ destinations.
     pub(crate) copied_read: Counter,
+    /// Inbound links by peer name: how many of the engine's readers serving that peer are
+    /// still running (engines that track them, see [`Transport::tracks_links`]).
+    pub(crate) inbound: Mutex<HashMap<String, usize>>,
+}
+
+/// Whether a peer can still reach this agent's memory, as far as its engine can tell.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LinkState {
+    /// A link from the peer is open, or its reader is still running: a WRITE it sent may
+    /// still land.
+    Open,
+    /// No link from the peer is open and no reader serving it is running: nothing the peer
+    /// sent can land any more (until it connects again).
+    Closed,
+    /// The engine cannot tell (one-sided engines such as `ucx` and `nixl` have no
+    /// target-side signal, and `inproc` peers write from their own thread).
+    Unknown,
 }
 
 /// Occupancy of an agent.
@@ -104,6 +122,7 @@ impl Agent {
             closed: AtomicBool::new(false),
             copied_write: Counter::default(),
             copied_read: Counter::default(),
+            inbound: Mutex::new(HashMap::new()),
         });
         transport.start(Host {
             shared: host.clone(),
@@ -287,6 +306,22 @@ impl Agent {
     pub fn next_notification(&self) -> NextNotification<'_> {
         NextNotification {
             queue: &self.core.host.notifications,
+        }
+    }
+
+    /// Whether the peer named `name` can still reach this agent's memory: a target-side
+    /// question, for deciding when memory a peer was told about (and may still be writing)
+    /// can be reused. `Closed` means every link from that peer is closed and the engine's
+    /// reader for it has returned, so no byte it sent can land any more; a peer that connects
+    /// again makes it `Open` again.
+    pub fn peer_link(&self, name: &str) -> LinkState {
+        if !self.core.transport.tracks_links() {
+            return LinkState::Unknown;
+        }
+        if lock(&self.core.host.inbound).contains_key(name) {
+            LinkState::Open
+        } else {
+            LinkState::Closed
         }
     }
 
@@ -807,6 +842,9 @@ mod tests {
         fn connect(&self, _: &PeerInfo) -> Result<Arc<dyn Connection>, BackendError> {
             Ok(Arc::new(Parking(self.parked.clone())))
         }
+        fn tracks_links(&self) -> bool {
+            true
+        }
         fn shutdown(&self) {}
     }
 
@@ -1069,6 +1107,31 @@ mod tests {
             drop(grant);
             assert_eq!(*lock(&engine.live), 0);
             assert_eq!(agent.report().registrations, 0);
+        });
+    }
+
+    /// Two engine readers serving the same peer (one learns the peer's name late) return on
+    /// their own threads while the owner asks: the peer reads open while either runs and
+    /// closed once both returned, whatever the interleaving; the count never goes stale.
+    #[test]
+    fn loom_peer_link_counts_every_reader() {
+        model(|| {
+            let engine = Arc::new(Counting::default());
+            let agent = Agent::new("a", engine.clone()).unwrap();
+            let host = lock(&engine.host).clone().unwrap();
+            let first = host.link_open("c");
+            let mut second = host.link_open("unnamed");
+            let reader = thread::spawn(move || {
+                second.rename("c");
+                drop(second);
+            });
+            assert_eq!(agent.peer_link("c"), LinkState::Open);
+            let other = thread::spawn(move || drop(first));
+            reader.join().unwrap();
+            other.join().unwrap();
+            assert_eq!(agent.peer_link("c"), LinkState::Closed);
+            assert_eq!(agent.peer_link("unnamed"), LinkState::Closed);
+            assert!(lock(&agent.core.host.inbound).is_empty());
         });
     }
 

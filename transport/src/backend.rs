@@ -19,7 +19,7 @@ use std::fmt;
 
 use crate::agent::{HostShared, RegEntry};
 use crate::error::{BackendError, RegisterError, RejectReason};
-use crate::sync::{Arc, Ordering};
+use crate::sync::{lock, Arc, Ordering};
 use crate::transfer::{Completion, Plan};
 use crate::Region;
 
@@ -116,6 +116,13 @@ pub trait Transport: Send + Sync + 'static {
 
     /// Opens (or prepares to open lazily) a connection to a peer.
     fn connect(&self, peer: &PeerInfo) -> Result<Arc<dyn Connection>, BackendError>;
+
+    /// Whether the engine reports its inbound links through [`Host::link_open`], so that
+    /// [`Agent::peer_link`](crate::Agent::peer_link) can tell when a peer can no longer
+    /// write. Engines without a target-side signal keep the default (`false`).
+    fn tracks_links(&self) -> bool {
+        false
+    }
 
     /// Stops progress, fails every pending transfer with a peer-gone or shutdown error, and
     /// releases the engine's resources. Called once, when the agent is dropped.
@@ -231,6 +238,62 @@ impl Host {
     /// Whether the agent is shutting down.
     pub fn is_closed(&self) -> bool {
         self.shared.closed.load(Ordering::Acquire)
+    }
+
+    /// An inbound link from peer `peer` is open: the peer counts as able to write into this
+    /// agent's memory until the returned guard drops. Engines take it when a link is set up
+    /// and drop it only after the link's reader returned (no grant of it is live any more).
+    pub fn link_open(&self, peer: &str) -> LinkGuard {
+        *lock(&self.shared.inbound)
+            .entry(peer.to_owned())
+            .or_insert(0) += 1;
+        LinkGuard {
+            host: self.clone(),
+            peer: peer.to_owned(),
+        }
+    }
+}
+
+/// An open inbound link, counted until dropped (see [`Host::link_open`]).
+#[must_use = "the link counts as closed as soon as the guard drops"]
+pub struct LinkGuard {
+    host: Host,
+    peer: String,
+}
+
+impl LinkGuard {
+    /// Files the link under another peer name (engines that learn the name after accepting).
+    pub fn rename(&mut self, peer: &str) {
+        if peer == self.peer {
+            return;
+        }
+        let mut map = lock(&self.host.shared.inbound);
+        forget(&mut map, &self.peer);
+        *map.entry(peer.to_owned()).or_insert(0) += 1;
+        self.peer = peer.to_owned();
+    }
+}
+
+fn forget(map: &mut std::collections::HashMap<String, usize>, peer: &str) {
+    if let Some(n) = map.get_mut(peer) {
+        *n -= 1;
+        if *n == 0 {
+            map.remove(peer);
+        }
+    }
+}
+
+impl Drop for LinkGuard {
+    fn drop(&mut self) {
+        forget(&mut lock(&self.host.shared.inbound), &self.peer);
+    }
+}
+
+impl fmt::Debug for LinkGuard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LinkGuard")
+            .field("peer", &self.peer)
+            .finish()
     }
 }
 

@@ -21,9 +21,12 @@ mod transfer;
 pub mod ucx;
 
 pub use agent::{
-    Agent, AgentReport, NextNotification, Notification, Peer, Registration, MAX_NOTIFICATION,
+    Agent, AgentReport, LinkState, NextNotification, Notification, Peer, Registration,
+    MAX_NOTIFICATION,
 };
-pub use backend::{Connection, Grant, Host, Op, PeerInfo, RegInfo, RemoteReg, Transport, Xfer};
+pub use backend::{
+    Connection, Grant, Host, LinkGuard, Op, PeerInfo, RegInfo, RemoteReg, Transport, Xfer,
+};
 pub use desc::{coalesce, coalesce_in_place, KeepAlive, Loc, LocalDesc, Pair, RemoteDesc};
 pub use error::{
     AgentError, BackendError, ConnectError, DescError, MetadataError, PoolError, RegionError,

@@ -158,6 +158,10 @@ impl Transport for Shm {
         Ok(conn)
     }
 
+    fn tracks_links(&self) -> bool {
+        true
+    }
+
     fn shutdown(&self) {
         if self.inner.closed.swap(true, Ordering::AcqRel) {
             return;
@@ -666,12 +670,20 @@ fn serve(host: Host, stream: Arc<UnixStream>) {
     let mut grants: HashMap<u64, Grant> = HashMap::new();
     let mut spare: Vec<Grant> = Vec::new();
     let mut peer = String::new();
+    // The peer counts as able to write into this agent's memory from its HELLO until its
+    // socket closed and its grants are gone (below). Its own mapping of our memory is not
+    // ours to see: an initiator process that outlives its socket could still copy.
+    let mut open: Option<crate::backend::LinkGuard> = None;
     while let Ok(Some((ty, body))) = reader.next(&stream) {
         let b = &reader.buf[body];
         let mut out = Vec::new();
         let ok = match ty {
             HELLO => {
                 peer = String::from_utf8_lossy(b).into_owned();
+                match open.as_mut() {
+                    Some(g) => g.rename(&peer),
+                    None => open = Some(host.link_open(&peer)),
+                }
                 true
             }
             MAP_REQ => {
@@ -753,4 +765,36 @@ fn serve(host: Host, stream: Arc<UnixStream>) {
     }
     let _ = stream.shutdown(std::net::Shutdown::Both);
     drop(grants);
+    drop(open);
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::*;
+    use crate::{Agent, LinkState};
+
+    /// The target sees a peer's link open from its HELLO on, and closed once the peer's agent
+    /// is gone (its socket closed and the serving thread returned).
+    #[test]
+    fn peer_link_follows_the_peers_socket() {
+        let unit = Agent::new("unit", Shm::new()).unwrap();
+        assert_eq!(unit.peer_link("client"), LinkState::Closed);
+        let client = Agent::new("client", Shm::new()).unwrap();
+        let peer = client.add_remote(&unit.metadata()).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while unit.peer_link("client") != LinkState::Open {
+            assert!(Instant::now() < deadline, "the link never opened");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        drop(peer);
+        drop(client);
+        while unit.peer_link("client") != LinkState::Closed {
+            assert!(Instant::now() < deadline, "the link never closed");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let inproc = Agent::new("other", crate::Inproc::new()).unwrap();
+        assert_eq!(inproc.peer_link("unit"), LinkState::Unknown);
+    }
 }

@@ -348,6 +348,10 @@ impl Transport for Tcp {
         Ok(Arc::new(TcpConnection { link }))
     }
 
+    fn tracks_links(&self) -> bool {
+        true
+    }
+
     fn shutdown(&self) {
         if self.inner.closed.swap(true, Ordering::AcqRel) {
             return;
@@ -468,8 +472,10 @@ fn spawn_link(
         spare: Mutex::new(Vec::new()),
     });
     let (rd, wr) = stream.into_split();
+    // The peer counts as able to write into this agent's memory until the reader returned.
+    let open = host.link_open(&link.peer);
     handle.spawn(write_loop(wr, rx, link.clone(), host.clone(), stop.clone()));
-    handle.spawn(read_loop(rd, link.clone(), host, stop));
+    handle.spawn(read_loop(rd, link.clone(), host, stop, open));
     link
 }
 
@@ -759,6 +765,7 @@ async fn read_loop(
     link: Arc<Link>,
     host: Host,
     mut stop: watch::Receiver<bool>,
+    open: crate::backend::LinkGuard,
 ) {
     let why = match serve(&mut r, &link, &host, &mut stop).await {
         Ok(()) => "the agent shut down".to_owned(),
@@ -766,6 +773,9 @@ async fn read_loop(
         Err(e) => format!("reading: {e}"),
     };
     link.die(&why);
+    // Nothing more is read from this connection, and `serve` released its grants.
+    drop(r);
+    drop(open);
 }
 
 fn malformed(what: &str) -> io::Error {
@@ -982,6 +992,43 @@ async fn greet(mut stream: TcpStream, host: Host, links: Arc<Links>, stop: watch
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{Agent, LinkState};
+
+    /// Polls `f` until it holds, failing after a generous deadline (a hang guard only).
+    pub(crate) fn until(what: &str, f: impl Fn() -> bool) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while !f() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{what} never happened"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// A target sees the link from a peer open once the peer connected, on both ends of the
+    /// shared link, and closed once the peer's agent is gone and the reader returned; a peer
+    /// that comes back opens it again.
+    #[test]
+    fn peer_link_follows_the_peers_connection() {
+        let unit = Agent::new("unit", Tcp::new()).unwrap();
+        assert_eq!(unit.peer_link("client"), LinkState::Closed);
+        let client = Agent::new("client", Tcp::new()).unwrap();
+        let peer = client.add_remote(&unit.metadata()).unwrap();
+        assert_eq!(unit.peer_link("client"), LinkState::Open);
+        assert_eq!(client.peer_link("unit"), LinkState::Open);
+        assert_eq!(unit.peer_link("someone-else"), LinkState::Closed);
+        // Dropping the peer handle keeps the link (it is shared and persistent).
+        drop(peer);
+        assert_eq!(unit.peer_link("client"), LinkState::Open);
+        drop(client);
+        until("the link closing", || {
+            unit.peer_link("client") == LinkState::Closed
+        });
+        let again = Agent::new("client", Tcp::new()).unwrap();
+        let _peer = again.add_remote(&unit.metadata()).unwrap();
+        assert_eq!(unit.peer_link("client"), LinkState::Open);
+    }
 
     #[test]
     fn cursor_walks_spans_and_skips_empty_ones() {

@@ -64,5 +64,6 @@ fuzz_target!(|data: &[u8]| {
         }
     }
     let _ = unit.handle_timeout(now + std::time::Duration::from_secs(3600));
-    unit.close_session(1);
+    unit.close_session(1, now, tessera_storage::core::TornDown::Grace);
+    let _ = unit.handle_timeout(now + std::time::Duration::from_secs(7200));
 });
