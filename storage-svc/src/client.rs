@@ -1,6 +1,7 @@
 //! The async client: pipelined control connections to one or more units, and the payload
-//! plane (scatter WRITE of PUT frames from the caller's memory; GETs written by the unit into
-//! the client's own registered pool).
+//! plane (PUT frames from the caller's memory, WRITEn by the client into the unit's block or,
+//! over the one-sided engines, READ by the unit; GETs written by the unit into the client's
+//! own registered pool).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -10,14 +11,14 @@ use std::time::Duration;
 use bytes::Bytes;
 use serde_bytes::ByteBuf;
 use tessera_framecodec::{decode_contiguous, encode, Decoder, Frames, Limits, Value};
-use tessera_transport::{Agent, Peer, RegisteredPool, RemoteDesc};
+use tessera_transport::{Agent, LocalDesc, Peer, RegisteredPool, RemoteDesc};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::core::{decode_inline, Stats};
 use crate::error::{ClientError, ErrorKind, RemoteError};
 use crate::plane::{freeze, source_descs, Backend};
-use crate::proto::{self, Request, Response};
+use crate::proto::{self, PullSource, Request, Response};
 
 /// Which unit holds an index. TransferQueue's placement is [`Modulo`].
 pub trait Placement: Send + Sync {
@@ -90,6 +91,8 @@ struct Conn {
     inline_max: u64,
     align: u64,
     timeout: Duration,
+    /// PUT payloads are READ by the unit (`Backend::pulls_puts`).
+    pull: bool,
 }
 
 /// A client of one or more units. Cheap to share behind an `Arc`; requests are pipelined.
@@ -102,6 +105,9 @@ pub struct Client {
     timeout: Duration,
     /// Receive blocks a timed-out GET may still be written into; held until the client drops.
     quarantine: Mutex<Vec<tessera_transport::PoolBlock>>,
+    /// Sources of pulled PUTs whose answer never came (the unit may still read them): their
+    /// frames and registrations are held until the client drops.
+    held_sources: Mutex<Vec<(Vec<LocalDesc>, Vec<Bytes>)>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -154,6 +160,7 @@ impl Client {
             }),
             timeout: cfg.timeout,
             quarantine: Mutex::new(Vec::new()),
+            held_sources: Mutex::new(Vec::new()),
         })
     }
 
@@ -227,6 +234,11 @@ impl Client {
         let conn = &self.conns[unit];
         let frames = encode(value).map_err(|e| ClientError::Codec(e.to_string()))?;
         let inline = frames.payload_bytes() <= conn.inline_max;
+        if !inline && conn.pull {
+            return self
+                .put_pulled(conn, partition, indexes, fields, &frames)
+                .await;
+        }
         let req = Request::Put {
             partition: partition.to_owned(),
             indexes,
@@ -239,6 +251,7 @@ impl Client {
                     .map(|f| ByteBuf::from(f.to_vec()))
                     .collect()
             }),
+            pull: None,
         };
         let (id, resp) = conn.call(req).await?;
         let descs = match resp {
@@ -269,6 +282,60 @@ impl Client {
             return Err(e);
         }
         match conn.call(Request::Commit { put: id }).await?.1 {
+            Response::Done => Ok(()),
+            other => Err(conn.unexpected(other)),
+        }
+    }
+
+    /// A PUT whose payload the unit READs: the frames are registered in place (or found in a
+    /// registration) and named in the request; they stay registered until the unit answered,
+    /// or, when no answer comes, until the client drops.
+    async fn put_pulled(
+        &self,
+        conn: &Conn,
+        partition: &str,
+        indexes: Vec<u64>,
+        fields: Vec<String>,
+        frames: &Frames,
+    ) -> Result<(), ClientError> {
+        let terr = |message: String| ClientError::Transport {
+            unit: conn.unit,
+            message,
+        };
+        let sources = source_descs(
+            &self.agent,
+            frames.payloads.iter().filter(|f| !f.is_empty()),
+        )
+        .map_err(terr)?;
+        let mut it = sources.iter();
+        let descs = frames
+            .payloads
+            .iter()
+            .map(|f| match f.is_empty() {
+                true => Some(RemoteDesc::new(0, 0, 0)),
+                false => it.next().map(LocalDesc::to_remote),
+            })
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| terr("fewer sources than frames".into()))?;
+        let req = Request::Put {
+            partition: partition.to_owned(),
+            indexes,
+            fields,
+            meta: ByteBuf::from(frames.meta.to_vec()),
+            inline: None,
+            pull: Some(PullSource {
+                descs,
+                agent: ByteBuf::from(self.agent.metadata()),
+            }),
+        };
+        let answer = conn.call(req).await;
+        if matches!(answer, Err(ClientError::Timeout { .. })) {
+            // No answer: the unit may still be reading these frames.
+            lock(&self.held_sources).push((sources, frames.payloads.iter().cloned().collect()));
+        } else {
+            drop(sources);
+        }
+        match answer?.1 {
             Response::Done => Ok(()),
             other => Err(conn.unexpected(other)),
         }
@@ -577,6 +644,7 @@ impl Conn {
             inline_max,
             align,
             timeout: cfg.timeout,
+            pull: cfg.backend.pulls_puts(),
         })
     }
 

@@ -1,9 +1,15 @@
 //! The unit's protocol core: a deterministic state machine with no I/O (quinn-proto style).
 //!
 //! The driver feeds it requests ([`Unit::handle`]), transfer completions
-//! ([`Unit::transfer_done`]) and the clock ([`Unit::handle_timeout`]); it answers with
-//! [`Output`]s that the driver carries out: replies to send, WRITEs to post, sessions to accept
-//! or close. Memory comes from a [`Memory`] the driver supplies, so tests run it over plain
+//! ([`Unit::transfer_done`], [`Unit::read_done`]) and the clock ([`Unit::handle_timeout`]); it
+//! answers with [`Output`]s that the driver carries out: replies to send, WRITEs and READs to
+//! post, sessions to accept or close.
+//!
+//! A PUT's payload arrives in one of two ways, chosen by the payload backend
+//! ([`Unit::set_pull_puts`]): pushed, the client WRITEs into a block the unit leased and
+//! exposed (`PutReady`), then COMMITs; pulled (the one-sided engines), the PUT names the
+//! client's frames and the unit READs them into the block it leased, so the unit is always
+//! the initiator of the transfer and a client that dies mid-transfer only fails the READ. Memory comes from a [`Memory`] the driver supplies, so tests run it over plain
 //! vectors.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -27,8 +33,13 @@ pub trait Memory {
     type Block: Send + Sync + 'static;
     /// Leases `size` bytes aligned to `align`.
     fn lease(&mut self, size: u64, align: u64) -> Result<Self::Block, String>;
+    /// Where a READ into a block lands (a local descriptor in the server).
+    type Dest: Send + 'static;
     /// A descriptor a peer can WRITE to: `len` bytes at `offset` of `block`.
     fn remote(&self, block: &Self::Block, offset: u64, len: u64) -> Result<RemoteDesc, String>;
+    /// A destination for a READ of `len` bytes into `block` at `offset`. It may keep the
+    /// block's memory alive while the READ is in flight.
+    fn dest(&self, block: &Self::Block, offset: u64, len: u64) -> Result<Self::Dest, String>;
     /// The block's first `len` bytes as `Bytes` that own the block (no copy).
     fn freeze(&self, block: Self::Block, len: u64) -> Bytes;
     /// Length of a block.
@@ -109,9 +120,9 @@ impl Default for UnitConfig {
     }
 }
 
-/// What the driver must do.
+/// What the driver must do. `D` is the memory's READ destination ([`Memory::Dest`]).
 #[derive(Debug)]
-pub enum Output {
+pub enum Output<D = RemoteDesc> {
     /// Send `response` to `session` for request `id`.
     Reply {
         /// Session.
@@ -142,6 +153,20 @@ pub enum Output {
         frames: Vec<Bytes>,
         /// The client's descriptors.
         descs: Vec<RemoteDesc>,
+    },
+    /// READ `srcs[i]` from the session's peer into `dests[i]` (a pulled PUT), then call
+    /// [`Unit::read_done`] (or [`Unit::read_refused`] when it cannot be queued).
+    Read {
+        /// Session.
+        session: SessionId,
+        /// Request id of the PUT, to answer.
+        put: u64,
+        /// Destinations in the block leased for the PUT.
+        dests: Vec<D>,
+        /// The client's descriptors, pairwise the same lengths.
+        srcs: Vec<RemoteDesc>,
+        /// The client's agent metadata, to add before reading.
+        agent: Vec<u8>,
     },
     /// Close the session's connection (after sending any reply before it).
     Close {
@@ -282,6 +307,25 @@ struct PendingPut<B> {
     layout: RecvLayout,
     reserved: u64,
     deadline: Instant,
+    /// A pulled PUT whose READ is queued or in flight: it waits for `read_done`, not for a
+    /// COMMIT, and its deadline is the driver's transfer timeout.
+    reading: bool,
+}
+
+/// The fields of a PUT request.
+struct PutRequest {
+    partition: String,
+    indexes: Vec<u64>,
+    fields: Vec<String>,
+    meta: ByteBuf,
+    inline: Option<Vec<ByteBuf>>,
+    pull: Option<crate::proto::PullSource>,
+}
+
+/// What a PUT leads to: an answer, or a READ of its payload first.
+enum PutNext<D> {
+    Reply(Response),
+    Read(Output<D>),
 }
 
 struct PendingGet {
@@ -309,6 +353,8 @@ pub struct Unit<M: Memory> {
     closed: HashMap<SessionId, Closed>,
     puts: HashMap<(SessionId, u64), PendingPut<M::Block>>,
     gets: HashMap<(SessionId, u64), PendingGet>,
+    /// PUT payloads are pulled (READ by the unit) instead of pushed.
+    pull_puts: bool,
 }
 
 fn err(kind: ErrorKind, message: impl Into<String>) -> RemoteError {
@@ -358,7 +404,16 @@ impl<M: Memory> Unit<M> {
             closed: HashMap::new(),
             puts: HashMap::new(),
             gets: HashMap::new(),
+            pull_puts: false,
         }
+    }
+
+    /// Whether PUT payloads that do not travel inline are pulled (the client names its frames
+    /// and the unit READs them) or pushed (the unit exposes a block, the client WRITEs and
+    /// COMMITs). The driver sets it from its backend; a PUT asking for the other mode is
+    /// refused.
+    pub fn set_pull_puts(&mut self, pull: bool) {
+        self.pull_puts = pull;
     }
 
     /// The configuration.
@@ -399,7 +454,8 @@ impl<M: Memory> Unit<M> {
         }
     }
 
-    /// The session's control connection is gone. Its pending GETs are dropped. Its prepared
+    /// The session's control connection is gone. Its pending GETs are dropped, and its pulled
+    /// PUTs still being read released (their blocks were never exposed). Its prepared pushed
     /// PUTs (each answered READY: their blocks were exposed) and its quarantine stay
     /// quarantined, since the client's WRITEs travel on the payload plane and may still land:
     /// until [`Unit::release_closed`] when `how` is [`TornDown::Signalled`], or until
@@ -417,9 +473,15 @@ impl<M: Memory> Unit<M> {
             .remove(&session)
             .map(|s| s.quarantine)
             .unwrap_or_default();
-        // Every prepared PUT was answered READY in the step that prepared it: all exposed.
+        // Every pushed PUT was answered READY in the step that prepared it: all exposed. A
+        // pulled PUT's block was never shown to the client; its READ (if in flight) keeps the
+        // block's memory itself, so the core releases it.
         for key in puts {
             if let Some(p) = self.puts.remove(&key) {
+                if p.reading {
+                    self.release_put(p);
+                    continue;
+                }
                 let len = M::block_len(&p.block);
                 self.leased -= len;
                 self.reserved -= p.reserved;
@@ -484,7 +546,11 @@ impl<M: Memory> Unit<M> {
 
     /// The earliest deadline of a prepared transfer.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        let puts = self.puts.values().map(|p| p.deadline);
+        let puts = self
+            .puts
+            .values()
+            .filter(|p| !p.reading)
+            .map(|p| p.deadline);
         let gets = self
             .gets
             .values()
@@ -496,12 +562,13 @@ impl<M: Memory> Unit<M> {
 
     /// Expires prepared transfers whose deadline passed. A PUT whose block was exposed is
     /// quarantined and its session failed (a WRITE may still land); an expired GET that was
-    /// never written just drops its frames.
-    pub fn handle_timeout(&mut self, now: Instant) -> Vec<Output> {
+    /// never written just drops its frames. A pulled PUT whose READ is queued or in flight
+    /// does not expire here: the driver's transfer timeout ends it through `read_done`.
+    pub fn handle_timeout(&mut self, now: Instant) -> Vec<Output<M::Dest>> {
         let expired: Vec<_> = self
             .puts
             .iter()
-            .filter(|(_, p)| p.deadline <= now)
+            .filter(|(_, p)| !p.reading && p.deadline <= now)
             .map(|(k, _)| *k)
             .collect();
         let mut out = Vec::new();
@@ -542,7 +609,7 @@ impl<M: Memory> Unit<M> {
         get: u64,
         id: u64,
         result: Result<(), String>,
-    ) -> Vec<Output> {
+    ) -> Vec<Output<M::Dest>> {
         let Some(get) = self.gets.remove(&(session, get)) else {
             return Vec::new();
         };
@@ -573,12 +640,68 @@ impl<M: Memory> Unit<M> {
         get: u64,
         id: u64,
         reason: &str,
-    ) -> Vec<Output> {
+    ) -> Vec<Output<M::Dest>> {
         self.gets.remove(&(session, get));
         vec![Output::Reply {
             session,
             id,
             response: Response::error(ErrorKind::Busy, reason),
+        }]
+    }
+
+    /// The READ posted for `Output::Read` of PUT `put` finished. On success the values are
+    /// stored as a COMMIT stores them and the PUT answered; on failure (or the driver's
+    /// timeout) the block may still be written by the READ, so it stays quarantined until the
+    /// session is torn down, and the session fails. A PUT the session no longer holds (it was
+    /// closed meanwhile) is ignored.
+    pub fn read_done(
+        &mut self,
+        session: SessionId,
+        put: u64,
+        result: Result<(), String>,
+    ) -> Vec<Output<M::Dest>> {
+        if !self.puts.get(&(session, put)).is_some_and(|p| p.reading) {
+            return Vec::new();
+        }
+        let Some(p) = self.puts.remove(&(session, put)) else {
+            return Vec::new();
+        };
+        let response = match result {
+            Ok(()) => self.store_put(p).unwrap_or_else(Response::Error),
+            Err(e) => {
+                tracing::warn!(session, put, error = %e, "PUT READ failed; block quarantined");
+                self.quarantine_put(session, p);
+                self.fail_session(session);
+                Response::error(ErrorKind::Transfer, e)
+            }
+        };
+        vec![Output::Reply {
+            session,
+            id: put,
+            response,
+        }]
+    }
+
+    /// The driver could not queue the READ of an `Output::Read` (the session's transfer queue
+    /// is full, or it has no executor): nothing was read, so the block is freed and the PUT
+    /// answered with `kind` ([`ErrorKind::Busy`] when the client may retry).
+    pub fn read_refused(
+        &mut self,
+        session: SessionId,
+        put: u64,
+        kind: ErrorKind,
+        reason: &str,
+    ) -> Vec<Output<M::Dest>> {
+        if !self.puts.get(&(session, put)).is_some_and(|p| p.reading) {
+            return Vec::new();
+        }
+        if let Some(p) = self.puts.remove(&(session, put)) {
+            self.release_put(p);
+        }
+        vec![Output::Reply {
+            session,
+            id: put,
+            response: Response::error(kind, reason),
         }]
     }
 
@@ -589,7 +712,7 @@ impl<M: Memory> Unit<M> {
         session: SessionId,
         id: u64,
         req: Request,
-    ) -> Vec<Output> {
+    ) -> Vec<Output<M::Dest>> {
         let reply = |response| Output::Reply {
             session,
             id,
@@ -642,8 +765,31 @@ impl<M: Memory> Unit<M> {
                 fields,
                 meta,
                 inline,
-            } => self.put(now, session, id, partition, indexes, fields, meta, inline),
+                pull,
+            } => {
+                let put = PutRequest {
+                    partition,
+                    indexes,
+                    fields,
+                    meta,
+                    inline,
+                    pull,
+                };
+                match self.put(now, session, id, put) {
+                    Ok(PutNext::Reply(r)) => Ok(r),
+                    Ok(PutNext::Read(o)) => return vec![o],
+                    Err(e) => Err(e),
+                }
+            }
             Request::Commit { put } => self.commit(session, put),
+            Request::Cancel { of, .. }
+                if self.puts.get(&(session, of)).is_some_and(|p| p.reading) =>
+            {
+                Err(err(
+                    ErrorKind::BadRequest,
+                    format!("PUT {of} is being read by the unit; it cannot be cancelled"),
+                ))
+            }
             Request::Cancel { of, maybe_written } => {
                 if let Some(p) = self.puts.remove(&(session, of)) {
                     if maybe_written {
@@ -722,19 +868,28 @@ impl<M: Memory> Unit<M> {
             .sum()
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn put(
         &mut self,
         now: Instant,
         session: SessionId,
         id: u64,
-        partition: String,
-        indexes: Vec<u64>,
-        fields: Vec<String>,
-        meta: ByteBuf,
-        inline: Option<Vec<ByteBuf>>,
-    ) -> Result<Response, RemoteError> {
+        put: PutRequest,
+    ) -> Result<PutNext<M::Dest>, RemoteError> {
+        let PutRequest {
+            partition,
+            indexes,
+            fields,
+            meta,
+            inline,
+            pull,
+        } = put;
         self.check_keys(&indexes, &fields)?;
+        if inline.is_some() && pull.is_some() {
+            return Err(err(
+                ErrorKind::BadRequest,
+                "a PUT is either inline or pulled, not both",
+            ));
+        }
         let table = self.decoder.frame_table(&meta).map_err(|e| {
             let kind = if e.to_string().contains("limit") {
                 ErrorKind::TooLarge
@@ -773,7 +928,7 @@ impl<M: Memory> Unit<M> {
                 .decode(&meta, &frames)
                 .map_err(|e| err(ErrorKind::Protocol, format!("decode: {e}")))?;
             self.store(&partition, &indexes, &fields, value, None)?;
-            return Ok(Response::Done);
+            return Ok(PutNext::Reply(Response::Done));
         }
         if layout.size == 0 {
             let value = self
@@ -781,7 +936,32 @@ impl<M: Memory> Unit<M> {
                 .decode(&meta, &[])
                 .map_err(|e| err(ErrorKind::Protocol, format!("decode: {e}")))?;
             self.store(&partition, &indexes, &fields, value, None)?;
-            return Ok(Response::Done);
+            return Ok(PutNext::Reply(Response::Done));
+        }
+        match (&pull, self.pull_puts) {
+            (None, true) => {
+                return Err(err(
+                    ErrorKind::BadRequest,
+                    "this unit's backend pulls PUT payloads: the PUT must name its frames",
+                ))
+            }
+            (Some(_), false) => {
+                return Err(err(
+                    ErrorKind::BadRequest,
+                    "this unit's backend does not pull PUT payloads: ask for a receive block",
+                ))
+            }
+            _ => {}
+        }
+        if let Some(src) = &pull {
+            let matches = src.descs.len() == layout.lens.len()
+                && src.descs.iter().zip(&layout.lens).all(|(d, l)| d.len == *l);
+            if !matches {
+                return Err(err(
+                    ErrorKind::BadRequest,
+                    "source descriptors do not match the frames",
+                ));
+            }
         }
         if self.puts.contains_key(&(session, id)) {
             return Err(err(ErrorKind::BadRequest, "request id already prepared"));
@@ -803,8 +983,19 @@ impl<M: Memory> Unit<M> {
             .lease(layout.size, layout.align)
             .map_err(|e| err(ErrorKind::OutOfMemory, e))?;
         let mut descs = Vec::with_capacity(layout.offsets.len());
-        for (off, len) in layout.offsets.iter().zip(&layout.lens) {
-            if *len == 0 {
+        let mut dests = Vec::new();
+        let mut srcs = Vec::new();
+        for (k, (off, len)) in layout.offsets.iter().zip(&layout.lens).enumerate() {
+            if let Some(src) = &pull {
+                if *len > 0 {
+                    dests.push(
+                        self.mem
+                            .dest(&block, *off, *len)
+                            .map_err(|e| err(ErrorKind::OutOfMemory, e))?,
+                    );
+                    srcs.push(src.descs[k]);
+                }
+            } else if *len == 0 {
                 descs.push(RemoteDesc::new(0, 0, 0));
             } else {
                 descs.push(
@@ -827,16 +1018,37 @@ impl<M: Memory> Unit<M> {
                 layout,
                 reserved: incoming,
                 deadline: now + self.cfg.prepare_ttl,
+                reading: pull.is_some(),
             },
         );
-        Ok(Response::PutReady { descs, agent: None })
+        Ok(match pull {
+            Some(src) => PutNext::Read(Output::Read {
+                session,
+                put: id,
+                dests,
+                srcs,
+                agent: src.agent.into_vec(),
+            }),
+            None => PutNext::Reply(Response::PutReady { descs, agent: None }),
+        })
     }
 
     fn commit(&mut self, session: SessionId, put: u64) -> Result<Response, RemoteError> {
+        if self.puts.get(&(session, put)).is_some_and(|p| p.reading) {
+            return Err(err(
+                ErrorKind::BadRequest,
+                format!("PUT {put} is pulled by the unit; there is nothing to commit"),
+            ));
+        }
         let p = self
             .puts
             .remove(&(session, put))
             .ok_or_else(|| err(ErrorKind::UnknownTransfer, format!("no prepared PUT {put}")))?;
+        self.store_put(p)
+    }
+
+    /// Stores the values of a PUT whose payload is in its block (committed or read).
+    fn store_put(&mut self, p: PendingPut<M::Block>) -> Result<Response, RemoteError> {
         let len = M::block_len(&p.block);
         self.leased -= len;
         self.reserved -= p.reserved;
@@ -1062,7 +1274,7 @@ impl<M: Memory> Unit<M> {
         id: u64,
         get: u64,
         descs: Vec<RemoteDesc>,
-    ) -> Vec<Output> {
+    ) -> Vec<Output<M::Dest>> {
         let fail = |kind, msg: String| {
             vec![Output::Reply {
                 session,
@@ -1283,6 +1495,10 @@ mod tests {
                 live: self.0.clone(),
             })
         }
+        type Dest = RemoteDesc;
+        fn dest(&self, block: &Block, offset: u64, len: u64) -> Result<RemoteDesc, String> {
+            self.remote(block, offset, len)
+        }
         fn remote(&self, _: &Block, offset: u64, len: u64) -> Result<RemoteDesc, String> {
             Ok(RemoteDesc::new(1, offset, len))
         }
@@ -1319,6 +1535,7 @@ mod tests {
                 fields: vec!["x".into()],
                 meta: ByteBuf::from(frames.meta.to_vec()),
                 inline: None,
+                pull: None,
             },
         );
         match out.into_iter().next() {
@@ -1423,6 +1640,84 @@ mod tests {
             );
             assert_eq!(s.sessions, 0);
             assert_eq!(s.keys, 1, "the stored value stays");
+            unit.teardown();
+            drop(unit);
+            assert_eq!(leased.load(Ordering::Relaxed), 0, "every block is back");
+        });
+    }
+
+    /// A pulled PUT's READ completing on the executor, the session's teardown and the timer,
+    /// in any order on three threads: the READ's block is stored or released exactly once and
+    /// the accounting ends at zero.
+    #[test]
+    fn loom_pulled_put_read_teardown_and_timer() {
+        model(|| {
+            let leased = Arc::new(AtomicU64::new(0));
+            let cfg = UnitConfig {
+                inline_max: 16,
+                ..UnitConfig::default()
+            };
+            let mut unit = Unit::new(cfg.clone(), Counted(leased.clone()));
+            unit.set_pull_puts(true);
+            let now = Instant::now();
+            unit.open_session(1);
+            unit.session_ready(1);
+            let t = tessera_framecodec::Tensor::from_slice(&[256], &[0u8; 256]).unwrap();
+            let v = Value::List(vec![Value::List(vec![Value::Tensor(t)])]);
+            let frames = tessera_framecodec::encode(&v).unwrap();
+            let descs = frames
+                .payloads
+                .iter()
+                .map(|f| RemoteDesc::new(3, 0, f.len() as u64))
+                .collect();
+            let put = Request::Put {
+                partition: "p".into(),
+                indexes: vec![1],
+                fields: vec!["x".into()],
+                meta: ByteBuf::from(frames.meta.to_vec()),
+                inline: None,
+                pull: Some(crate::proto::PullSource {
+                    descs,
+                    agent: ByteBuf::new(),
+                }),
+            };
+            assert!(matches!(
+                unit.handle(now, 1, 1, put).into_iter().next(),
+                Some(Output::Read { put: 1, .. })
+            ));
+            assert!(unit.stats().leased_bytes > 0);
+
+            let unit = Arc::new(Mutex::new(unit));
+            let executor = {
+                let unit = unit.clone();
+                thread::spawn(move || {
+                    unit.lock().unwrap().read_done(1, 1, Ok(()));
+                })
+            };
+            let timer = {
+                let unit = unit.clone();
+                thread::spawn(move || {
+                    unit.lock().unwrap().handle_timeout(now + cfg.prepare_ttl);
+                })
+            };
+            unit.lock()
+                .unwrap()
+                .close_session(1, now, TornDown::Signalled);
+            executor.join().unwrap();
+            timer.join().unwrap();
+            let mut unit = unit.lock().unwrap();
+            let s = unit.stats();
+            assert_eq!(
+                (
+                    s.leased_bytes,
+                    s.quarantined_bytes,
+                    s.pending_puts,
+                    s.sessions
+                ),
+                (0, 0, 0, 0)
+            );
+            assert!(s.keys <= 1);
+            assert_eq!(unit.release_closed(1), 0, "nothing held for late WRITEs");
             unit.teardown();
             drop(unit);
             assert_eq!(leased.load(Ordering::Relaxed), 0, "every block is back");

@@ -9,7 +9,7 @@ use crate::core::{Output, Stats};
 use crate::error::ErrorKind;
 use crate::proto::Response;
 
-pub(crate) fn request(op: &'static str, took: Duration, out: &[Output]) {
+pub(crate) fn request<D>(op: &'static str, took: Duration, out: &[Output<D>]) {
     metrics::histogram!("tessera_storage_request_seconds", "op" => op).record(took.as_secs_f64());
     for o in out {
         if let Output::Reply {

@@ -48,6 +48,16 @@ impl Backend {
         }
     }
 
+    /// Whether PUT payloads are pulled: the client names its frames and the unit READs them,
+    /// instead of the client WRITEing into a block the unit exposes. True for the one-sided
+    /// engines (`ucx`, `nixl`), so that the unit is always the initiator of their transfers:
+    /// over UCX's tcp transport a client that dies while it WRITEs into the unit can abort the
+    /// unit's process (inside UCX, answering the dead client's emulated put), while an
+    /// initiator just sees its request fail. The one place this choice is made.
+    pub fn pulls_puts(self) -> bool {
+        matches!(self, Backend::Ucx | Backend::Nixl)
+    }
+
     /// The cargo feature of this crate that the backend needs, if any.
     pub fn feature(self) -> Option<&'static str> {
         match self {
@@ -178,6 +188,7 @@ pub(crate) struct PoolMemory {
 
 impl Memory for PoolMemory {
     type Block = PoolBlock;
+    type Dest = LocalDesc;
 
     fn lease(&mut self, size: u64, align: u64) -> Result<PoolBlock, String> {
         self.pool.lease(size, align)
@@ -185,6 +196,13 @@ impl Memory for PoolMemory {
 
     fn remote(&self, block: &PoolBlock, offset: u64, len: u64) -> Result<RemoteDesc, String> {
         block.remote_range(offset, len).map_err(|e| e.to_string())
+    }
+
+    /// The descriptor keeps the block leased as long as it and any READ using it live, so a
+    /// block dropped by the core while its READ is in flight is not leased again before the
+    /// READ is gone.
+    fn dest(&self, block: &PoolBlock, offset: u64, len: u64) -> Result<LocalDesc, String> {
+        block.desc_range(offset, len).map_err(|e| e.to_string())
     }
 
     fn freeze(&self, block: PoolBlock, len: u64) -> Bytes {

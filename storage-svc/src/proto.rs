@@ -7,8 +7,9 @@ use tessera_transport::RemoteDesc;
 
 use crate::error::{ErrorKind, WireError};
 
-/// Protocol version carried by every envelope.
-pub const PROTOCOL_VERSION: u16 = 1;
+/// Protocol version carried by every envelope. Version 2: a PUT may carry the sources of its
+/// payload for the unit to READ ([`Request::Put::pull`]).
+pub const PROTOCOL_VERSION: u16 = 2;
 
 /// Bytes of the length prefix.
 pub const LEN_PREFIX: usize = 4;
@@ -38,6 +39,11 @@ pub enum Request {
         meta: ByteBuf,
         /// The payload frames when they travel inline; `None` asks for a receive block.
         inline: Option<Vec<ByteBuf>>,
+        /// Over the one-sided engines (see `Backend::pulls_puts`): where the unit READs the
+        /// payload frames from, instead of answering `PutReady` for the client to WRITE.
+        /// The client keeps the frames registered until the unit answered.
+        #[serde(default)]
+        pull: Option<PullSource>,
     },
     /// The payload of the PUT prepared under this request id has been written.
     Commit {
@@ -83,6 +89,16 @@ pub enum Request {
     },
     /// Report keys, bytes and memory.
     Stats,
+}
+
+/// The client's payload frames of a pulled PUT.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PullSource {
+    /// One descriptor per payload frame, in the client's registrations (empty frames get a
+    /// zero-length descriptor).
+    pub descs: Vec<RemoteDesc>,
+    /// The client's agent metadata, naming the registrations the descriptors point into.
+    pub agent: ByteBuf,
 }
 
 /// A response, unit to client, carrying the id of the request it answers.

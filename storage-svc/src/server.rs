@@ -1,5 +1,6 @@
 //! The tokio driver of a unit: accepts control connections, moves bytes between sockets and
-//! the protocol core, and runs each peer's WRITEs on that peer's own executor.
+//! the protocol core, and runs each peer's transfers (GET WRITEs, pulled-PUT READs) on that
+//! peer's own executor.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -12,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
-use tessera_transport::{Agent, LinkState, Peer, RemoteDesc};
+use tessera_transport::{Agent, LinkState, LocalDesc, Peer, RemoteDesc};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{mpsc, watch};
@@ -58,9 +59,9 @@ pub struct ServerConfig {
     /// executor) fit, so a client that does not read its answers stops being read instead of
     /// growing the unit's memory. Must exceed `transfer_queue` by 3 or more.
     pub reply_queue: usize,
-    /// GET WRITEs queued on one client's executor, at most. A session reads its next request
-    /// only when one more fits; a WRITE that still finds the queue full is answered with
-    /// `ErrorKind::Busy`.
+    /// Transfers (GET WRITEs, pulled-PUT READs) queued on one client's executor, at most. A
+    /// session reads its next request only when one more fits; a transfer that still finds
+    /// the queue full is answered with `ErrorKind::Busy`.
     pub transfer_queue: usize,
     /// The protocol core's settings.
     pub unit: UnitConfig,
@@ -122,7 +123,18 @@ pub enum ServerError {
     Config(String),
 }
 
-type Job = (u64, u64, Vec<Bytes>, Vec<RemoteDesc>);
+/// A transfer on a session's executor.
+enum Job {
+    /// A GET's WRITE into the client's block: request id, GET id, frames, descriptors.
+    Write(u64, u64, Vec<Bytes>, Vec<RemoteDesc>),
+    /// A pulled PUT's READ of the client's frames into the unit's block.
+    Read {
+        put: u64,
+        dests: Vec<LocalDesc>,
+        srcs: Vec<RemoteDesc>,
+        agent: Vec<u8>,
+    },
+}
 
 struct SessionHandle {
     replies: mpsc::Sender<Vec<u8>>,
@@ -218,7 +230,8 @@ impl Server {
             (Listener::Tcp(l), a.to_string())
         };
         let generation = pool.generation();
-        let unit = Unit::new(cfg.unit.clone(), PoolMemory { pool });
+        let mut unit = Unit::new(cfg.unit.clone(), PoolMemory { pool });
+        unit.set_pull_puts(backend.pulls_puts());
         let shared = Arc::new(Shared {
             unit: Mutex::new(unit),
             agent,
@@ -610,6 +623,7 @@ fn op_name(req: &Request) -> &'static str {
         Request::Put {
             inline: Some(_), ..
         } => "put_inline",
+        Request::Put { pull: Some(_), .. } => "put_pull",
         Request::Put { .. } => "put_prepare",
         Request::Commit { .. } => "put_commit",
         Request::Cancel { .. } => "cancel",
@@ -643,7 +657,7 @@ fn send(shared: &Shared, sid: SessionId, id: u64, resp: &Response) {
     }
 }
 
-fn dispatch(shared: &Arc<Shared>, out: Vec<Output>) {
+fn dispatch(shared: &Arc<Shared>, out: Vec<Output<LocalDesc>>) {
     for o in out {
         match o {
             Output::Reply {
@@ -683,7 +697,7 @@ fn dispatch(shared: &Arc<Shared>, out: Vec<Output>) {
                     let Some(jobs) = h.jobs.as_ref() else {
                         return Err(false);
                     };
-                    match jobs.try_send((id, get, frames, descs)) {
+                    match jobs.try_send(Job::Write(id, get, frames, descs)) {
                         Ok(()) => {
                             let depth = h.queue_depth.fetch_add(1, Ordering::Relaxed) + 1;
                             crate::metrics::queue_depth(&h.peer, depth);
@@ -707,6 +721,48 @@ fn dispatch(shared: &Arc<Shared>, out: Vec<Output>) {
                         get,
                         id,
                         Err("session has no executor".into()),
+                    ),
+                };
+                dispatch(shared, out);
+            }
+            Output::Read {
+                session,
+                put,
+                dests,
+                srcs,
+                agent,
+            } => {
+                let job = Job::Read {
+                    put,
+                    dests,
+                    srcs,
+                    agent,
+                };
+                let sent = match lock(&shared.sessions).get(&session) {
+                    Some(h) => match h.jobs.as_ref().map(|jobs| jobs.try_send(job)) {
+                        Some(Ok(())) => {
+                            let depth = h.queue_depth.fetch_add(1, Ordering::Relaxed) + 1;
+                            crate::metrics::queue_depth(&h.peer, depth);
+                            Ok(())
+                        }
+                        Some(Err(mpsc::error::TrySendError::Full(_))) => Err(true),
+                        _ => Err(false),
+                    },
+                    None => Err(false),
+                };
+                let out = match sent {
+                    Ok(()) => continue,
+                    Err(true) => lock(&shared.unit).read_refused(
+                        session,
+                        put,
+                        ErrorKind::Busy,
+                        "the transfer queue for this client is full; retry",
+                    ),
+                    Err(false) => lock(&shared.unit).read_refused(
+                        session,
+                        put,
+                        ErrorKind::PeerFailed,
+                        "session has no executor",
                     ),
                 };
                 dispatch(shared, out);
@@ -780,8 +836,33 @@ async fn executor(
     depth: Arc<AtomicU64>,
 ) {
     let label = peer.name().to_owned();
-    while let Some((id, get, frames, descs)) = rx.recv().await {
+    while let Some(job) = rx.recv().await {
         crate::metrics::queue_depth(&label, depth.fetch_sub(1, Ordering::Relaxed) - 1);
+        let (id, get, frames, descs) = match job {
+            Job::Write(id, get, frames, descs) => (id, get, frames, descs),
+            Job::Read {
+                put,
+                dests,
+                srcs,
+                agent,
+            } => {
+                let result = CatchUnwind(Box::pin(read(&shared, &agent, &dests, &srcs)))
+                    .await
+                    .unwrap_or_else(|what| {
+                        tracing::error!(session = sid, put, panic = %what, "PUT READ panicked");
+                        crate::metrics::error(ErrorKind::Internal);
+                        Err(format!("the unit failed reading this PUT ({what})"))
+                    });
+                // The destinations keep the block leased until the READ is gone.
+                drop(dests);
+                if let Err(e) = &result {
+                    tracing::warn!(session = sid, put, error = %e, "PUT READ failed");
+                }
+                let out = lock(&shared.unit).read_done(sid, put, result);
+                dispatch(&shared, out);
+                continue;
+            }
+        };
         let result = CatchUnwind(Box::pin(async {
             #[cfg(test)]
             fault::before_write(sid, get);
@@ -813,6 +894,26 @@ async fn write(
         .write(&locals, descs, None)
         .map_err(|e| e.to_string())?;
     drop(locals);
+    match tokio::time::timeout(shared.cfg.transfer_timeout, t).await {
+        Ok(r) => r.map_err(|e| e.to_string()),
+        Err(_) => Err("transfer timed out".into()),
+    }
+}
+
+/// READs a pulled PUT's frames from the client into the unit's block. The client's metadata
+/// names the registrations its frames live in (registered for this PUT): the peer learns them
+/// first.
+async fn read(
+    shared: &Shared,
+    metadata: &[u8],
+    dests: &[LocalDesc],
+    srcs: &[RemoteDesc],
+) -> Result<(), String> {
+    let peer = shared
+        .agent
+        .add_remote(metadata)
+        .map_err(|e| e.to_string())?;
+    let t = peer.read(dests, srcs, None).map_err(|e| e.to_string())?;
     match tokio::time::timeout(shared.cfg.transfer_timeout, t).await {
         Ok(r) => r.map_err(|e| e.to_string()),
         Err(_) => Err("transfer timed out".into()),
@@ -1037,6 +1138,7 @@ mod tests {
             fields: vec!["x".into()],
             meta: serde_bytes::ByteBuf::from(frames.meta.to_vec()),
             inline: None,
+            pull: None,
         }
     }
 
@@ -1281,6 +1383,7 @@ mod tests {
                     fields: vec!["x".into()],
                     meta: serde_bytes::ByteBuf::from(meta.clone()),
                     inline: Some(Vec::new()),
+                    pull: None,
                 };
                 wr.write_all(&proto::encode_frame(i, &put).unwrap())
                     .await

@@ -167,6 +167,7 @@ async fn session_lost_after_prepare_releases_its_block() {
         fields: vec!["x".into()],
         meta: ByteBuf::from(frames.meta.to_vec()),
         inline: None,
+        pull: None,
     };
     let r = roundtrip(&mut s, 1, &req);
     assert!(matches!(r, Response::PutReady { .. }), "{r:?}");

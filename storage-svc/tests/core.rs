@@ -11,7 +11,7 @@ use proptest::prelude::*;
 use serde_bytes::ByteBuf;
 use tessera_framecodec::{encode, Tensor, Value};
 use tessera_storage::core::{Memory, Output, PoolStats, TornDown, Unit, UnitConfig};
-use tessera_storage::proto::{Request, Response};
+use tessera_storage::proto::{PullSource, Request, Response};
 use tessera_storage::ErrorKind;
 use tessera_transport::RemoteDesc;
 
@@ -51,6 +51,10 @@ impl Memory for VecMem {
             live: self.live.clone(),
         })
     }
+    type Dest = RemoteDesc;
+    fn dest(&self, block: &VecBlock, offset: u64, len: u64) -> Result<RemoteDesc, String> {
+        self.remote(block, offset, len)
+    }
     fn remote(&self, _b: &VecBlock, offset: u64, len: u64) -> Result<RemoteDesc, String> {
         Ok(RemoteDesc::new(1, offset, len))
     }
@@ -78,6 +82,8 @@ struct Harness {
     unit: Unit<VecMem>,
     now: Instant,
     next: u64,
+    /// PUT payloads are pulled (the unit READs them) instead of pushed.
+    pull: bool,
 }
 
 const S: u64 = 1;
@@ -102,7 +108,53 @@ impl Harness {
         );
         assert!(matches!(out[..], [Output::Accept { .. }]));
         unit.session_ready(S);
-        Self { unit, now, next: 1 }
+        Self {
+            unit,
+            now,
+            next: 1,
+            pull: false,
+        }
+    }
+
+    /// A unit whose backend pulls PUT payloads.
+    fn pulling(cfg: UnitConfig) -> Self {
+        let mut h = Self::new(cfg);
+        h.unit.set_pull_puts(true);
+        h.pull = true;
+        h
+    }
+
+    /// The source descriptors a client names for `frames`.
+    fn sources(frames: &tessera_framecodec::Frames) -> PullSource {
+        PullSource {
+            descs: frames
+                .payloads
+                .iter()
+                .map(|f| RemoteDesc::new(5, 0, f.len() as u64))
+                .collect(),
+            agent: ByteBuf::from(b"client".to_vec()),
+        }
+    }
+
+    /// A pulled PUT up to its READ: the request id and what the core asked for.
+    fn pull_put(&mut self, part: &str, idx: &[u64], value: &Value) -> (u64, Vec<Output>) {
+        let frames = encode(value).unwrap();
+        let id = self.next;
+        self.next += 1;
+        let out = self.unit.handle(
+            self.now,
+            S,
+            id,
+            Request::Put {
+                partition: part.into(),
+                indexes: idx.to_vec(),
+                fields: vec!["f".into()],
+                meta: ByteBuf::from(frames.meta.to_vec()),
+                inline: None,
+                pull: Some(Self::sources(&frames)),
+            },
+        );
+        (id, out)
     }
 
     fn req(&mut self, r: Request) -> (u64, Response) {
@@ -112,15 +164,38 @@ impl Harness {
         (id, single(out))
     }
 
-    /// A PUT through the payload plane: PREPARE, "write" each frame, COMMIT.
+    /// A PUT through the payload plane: PREPARE, "write" each frame, COMMIT; or, pulling,
+    /// PUT naming the frames, "read" them, READ done.
     fn put(&mut self, part: &str, idx: &[u64], fields: &[&str], value: &Value) -> Response {
         let frames = encode(value).unwrap();
+        if self.pull {
+            assert_eq!(fields, ["f"]);
+            let (id, out) = self.pull_put(part, idx, value);
+            let Some(Output::Read {
+                put, dests, srcs, ..
+            }) = out.into_iter().next()
+            else {
+                panic!("expected a READ")
+            };
+            assert_eq!(put, id);
+            let nonempty: Vec<u64> = frames
+                .payloads
+                .iter()
+                .map(|f| f.len() as u64)
+                .filter(|l| *l > 0)
+                .collect();
+            assert_eq!(srcs.iter().map(|d| d.len).collect::<Vec<_>>(), nonempty);
+            assert_eq!(dests.iter().map(|d| d.len).collect::<Vec<_>>(), nonempty);
+            // The test memory cannot be written from outside: the "READ" leaves it zeroed.
+            return single(self.unit.read_done(S, id, Ok(())));
+        }
         let (id, r) = self.req(Request::Put {
             partition: part.into(),
             indexes: idx.to_vec(),
             fields: fields.iter().map(|f| f.to_string()).collect(),
             meta: ByteBuf::from(frames.meta.to_vec()),
             inline: None,
+            pull: None,
         });
         match r {
             Response::PutReady { descs, .. } => {
@@ -149,6 +224,7 @@ impl Harness {
                     .map(|f| ByteBuf::from(f.to_vec()))
                     .collect(),
             ),
+            pull: None,
         })
         .1
     }
@@ -350,6 +426,7 @@ fn prepared_put_lifecycle_cancel_ttl_quarantine() {
             fields: vec!["x".into()],
             meta: ByteBuf::from(frames.meta.to_vec()),
             inline: None,
+            pull: None,
         })
     };
     // Cancel without a write: everything is freed.
@@ -415,6 +492,7 @@ fn expose(unit: &mut Unit<VecMem>, now: Instant, session: u64, id: u64, partitio
             fields: vec!["x".into()],
             meta: ByteBuf::from(frames.meta.to_vec()),
             inline: None,
+            pull: None,
         },
     );
     assert!(matches!(single(out), Response::PutReady { .. }));
@@ -472,6 +550,7 @@ fn close_after_ready_keeps_the_block_until_the_link_is_torn_down() {
         fields: vec!["x".into()],
         meta: ByteBuf::from(frames.meta.to_vec()),
         inline: None,
+        pull: None,
     };
     let refused = single(h.unit.handle(h.now, 2, 3, put.clone()));
     assert!(matches!(refused, Response::Error(_)), "{refused:?}");
@@ -631,6 +710,7 @@ fn bad_requests_are_errors() {
         fields: vec!["a".into()],
         meta: ByteBuf::from(vec![1, 2, 3]),
         inline: None,
+        pull: None,
     });
     assert_eq!(kind(&r), Some(ErrorKind::Protocol));
     assert_eq!(h.stats().keys, 0);
@@ -673,12 +753,13 @@ fn sample(tag: u8, i: u64, big: bool) -> Value {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
     #[test]
-    fn model(ops in proptest::collection::vec(op(), 1..40), compact in any::<bool>()) {
-        let mut h = Harness::new(UnitConfig {
+    fn model(ops in proptest::collection::vec(op(), 1..40), compact in any::<bool>(), pull in any::<bool>()) {
+        let cfg = UnitConfig {
             compact_dead_fraction: if compact { 0.5 } else { 0.0 },
             inline_max: 1024,
             ..UnitConfig::default()
-        });
+        };
+        let mut h = if pull { Harness::pulling(cfg) } else { Harness::new(cfg) };
         let mut model: BTreeMap<u64, Value> = BTreeMap::new();
         for op in ops {
             match op {
@@ -715,7 +796,7 @@ proptest! {
             prop_assert_eq!(s.keys, model.len() as u64);
             let bytes: u64 = model.values().map(tessera_storage::core::logical_bytes).sum();
             prop_assert_eq!(s.bytes, bytes);
-            prop_assert_eq!(s.leased_bytes, 0);
+            prop_assert_eq!((s.leased_bytes, s.pending_puts), (0, 0));
         }
         h.req(Request::DropPartition { partition: "p".into() });
         prop_assert_eq!(h.stats().pool.used, 0);
@@ -765,4 +846,122 @@ fn a_refused_transfer_is_answered_busy_and_can_be_retried() {
     assert_eq!(h.stats().pending_gets, 0);
     // Not a failed session: the GET works again.
     assert_eq!(h.get("p", &[0], &["x"]), Ok(v));
+}
+
+/// A pulled PUT: the core checks it and leases the block before asking for a READ, keeps it
+/// out of the prepare TTL while the READ runs, stores on success, frees on a READ that was
+/// never queued, quarantines on a failed READ until the session goes, and refuses the other
+/// mode and COMMIT / CANCEL of a PUT it is reading.
+#[test]
+fn pulled_put_lifecycle() {
+    let ttl = Duration::from_secs(5);
+    let cfg = UnitConfig {
+        prepare_ttl: ttl,
+        capacity_bytes: 1 << 20,
+        ..UnitConfig::default()
+    };
+    let big = |n: usize| batch(1, vec![Value::Bytes(vec![0u8; n].into())]);
+    let v = big(100_000);
+    let frames = encode(&v).unwrap();
+    let put = |pull: Option<PullSource>| Request::Put {
+        partition: "p".into(),
+        indexes: vec![1],
+        fields: vec!["f".into()],
+        meta: ByteBuf::from(frames.meta.to_vec()),
+        inline: None,
+        pull,
+    };
+
+    // The mode is the backend's: each unit refuses the other one.
+    let mut pushing = Harness::new(cfg.clone());
+    let r = pushing.req(put(Some(Harness::sources(&frames)))).1;
+    assert_eq!(kind(&r), Some(ErrorKind::BadRequest), "{r:?}");
+    let mut h = Harness::pulling(cfg.clone());
+    let r = h.req(put(None)).1;
+    assert_eq!(kind(&r), Some(ErrorKind::BadRequest), "{r:?}");
+    // Sources that do not match the frames, or a PUT both inline and pulled.
+    let mut wrong = Harness::sources(&frames);
+    wrong.descs[0].len += 1;
+    assert_eq!(
+        kind(&h.req(put(Some(wrong))).1),
+        Some(ErrorKind::BadRequest)
+    );
+    let mut both = put(Some(Harness::sources(&frames)));
+    if let Request::Put { inline, .. } = &mut both {
+        *inline = Some(vec![]);
+    }
+    assert_eq!(kind(&h.req(both).1), Some(ErrorKind::BadRequest));
+    // Capacity is checked before anything is leased.
+    let (_, out) = h.pull_put("p", &[1], &big(2 << 20));
+    assert_eq!(kind(&single(out)), Some(ErrorKind::Capacity));
+    let s = h.stats();
+    assert_eq!((s.leased_bytes, s.pool.used, s.pending_puts), (0, 0, 0));
+
+    // READ queued: leased, not subject to the prepare TTL, neither committable nor cancellable.
+    let (id, out) = h.pull_put("p", &[1], &v);
+    assert!(
+        matches!(out[..], [Output::Read { put, .. }] if put == id),
+        "{out:?}"
+    );
+    let s = h.stats();
+    assert!(s.leased_bytes >= 100_000 && s.pending_puts == 1, "{s:?}");
+    assert_eq!(h.unit.poll_timeout(), None);
+    assert!(h.unit.handle_timeout(h.now + 10 * ttl).is_empty());
+    assert_eq!(
+        kind(&h.req(Request::Commit { put: id }).1),
+        Some(ErrorKind::BadRequest)
+    );
+    let cancel = Request::Cancel {
+        of: id,
+        maybe_written: false,
+    };
+    assert_eq!(kind(&h.req(cancel).1), Some(ErrorKind::BadRequest));
+    // READ done: stored, the block now holds the values.
+    assert_eq!(single(h.unit.read_done(S, id, Ok(()))), Response::Done);
+    assert!(h.unit.read_done(S, id, Ok(())).is_empty(), "answered once");
+    let s = h.stats();
+    assert_eq!(
+        (s.keys, s.bytes, s.leased_bytes, s.pending_puts),
+        (1, 100_000, 0, 0)
+    );
+    assert!(s.bytes_in >= 100_000);
+    assert_eq!(h.get("p", &[1], &["f"]).unwrap(), v);
+    let stored = s.pool.used;
+
+    // A READ the driver could not queue: nothing read, block freed, the client may retry.
+    let (id, _) = h.pull_put("p", &[2], &v);
+    let r = single(h.unit.read_refused(S, id, ErrorKind::Busy, "queue full"));
+    assert_eq!(kind(&r), Some(ErrorKind::Busy));
+    let s = h.stats();
+    assert_eq!((s.leased_bytes, s.pool.used, s.keys), (0, stored, 1));
+
+    // A failed READ: quarantined (it may still land), the session fails.
+    let (id, _) = h.pull_put("p", &[2], &v);
+    let r = single(h.unit.read_done(S, id, Err("peer gone".into())));
+    assert_eq!(kind(&r), Some(ErrorKind::Transfer));
+    let s = h.unit.stats();
+    assert!(
+        s.quarantined_bytes >= 100_000 && s.leased_bytes == 0,
+        "{s:?}"
+    );
+    assert_eq!(kind(&h.req(Request::Stats).1), Some(ErrorKind::PeerFailed));
+    // It stays quarantined past the session, until the client's transfers are torn down.
+    h.unit.close_session(S, h.now, TornDown::Signalled);
+    assert!(h.unit.stats().quarantined_bytes >= 100_000);
+    assert!(h.unit.release_closed(S) >= 100_000);
+    let s = h.unit.stats();
+    assert_eq!((s.quarantined_bytes, s.pool.used, s.keys), (0, stored, 1));
+
+    // The session closes while its READ runs: the PUT is released, a late completion ignored.
+    let mut h = Harness::pulling(cfg);
+    // Never exposed to the client, its block is not held for late WRITEs.
+    let (id, _) = h.pull_put("p", &[3], &v);
+    h.unit.close_session(S, h.now, TornDown::Signalled);
+    assert_eq!(h.unit.release_closed(S), 0);
+    assert!(h.unit.read_done(S, id, Ok(())).is_empty());
+    let s = h.unit.stats();
+    assert_eq!(
+        (s.leased_bytes, s.pool.used, s.keys, s.pending_puts),
+        (0, 0, 0, 0)
+    );
 }
