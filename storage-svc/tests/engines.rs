@@ -1,9 +1,8 @@
 //! The storage unit over the one-sided engines, `ucx` and `nixl` (behind the features of the
 //! same name): the unit runs as its own process (the `tessera-storage` binary), clients here,
 //! with the same scenarios as `e2e` and `faults` run over shm and tcp. Inline small payloads,
-//! frame-native PUTs (the client WRITEs into the unit's block, from frames registered in
-//! place), deferred GETs (the unit WRITEs into the client's pool), and killed clients (for
-//! ucx only by name, see below).
+//! frame-native PUTs (the unit READs the client's frames, registered in place, into its
+//! block), deferred GETs (the unit WRITEs into the client's pool), and killed clients.
 //!
 //! Run with `cargo xtask deps` done and `UCX_MODULES=^ib UCX_NET_DEVICES=lo`, one feature per
 //! cargo invocation, as `cargo xtask test` does.
@@ -74,19 +73,15 @@ macro_rules! engine_tests {
 engine_tests!("ucx", ucx, Backend::Ucx);
 engine_tests!("nixl", nixl, Backend::Nixl);
 
-/// Left out of `cargo xtask test`: over the UCX engine the unit process itself intermittently
-/// aborts when a client is killed in the middle of its PUT WRITE (UCX prints
-/// `ucp_request.inl:356 Fatal: unexpected error: Endpoint timeout`; 3 runs of 12 here, with
-/// `UCX_TLS` unset). The abort is inside UCX 1.22: the unit is the target of a PUT that UCX
-/// emulates over tcp with active messages, and the completion it sends back for a fragment
-/// the dead client sent (`ucp_put_handler` -> `ucp_rma_sw_send_cmpl`) fails with
-/// `UCS_ERR_ENDPOINT_TIMEOUT`, which `ucp_request_send` treats as fatal, inside one
-/// `ucp_worker_progress` call. `tessera-transport`'s `ucx_two_process` test
-/// `tcp_initiator_killed_mid_write` reproduces it without the unit. The test stays as it is,
-/// a test that can fail; run it by name with `-- --ignored`.
+/// A client killed in the middle of its PUT (while the unit READs its frames) and of its GET
+/// (while the unit WRITEs into its pool): the unit survives, releases everything, and serves
+/// others. Over UCX's tcp transport a client that died while it WRITEs into the unit used to
+/// abort the unit inside UCX 1.22 (`tessera-transport`'s `ucx_two_process` test
+/// `tcp_initiator_killed_mid_write` still shows it); since the unit pulls PUT payloads over
+/// the one-sided engines, it is the initiator of every transfer and only sees its own
+/// requests fail.
 #[cfg(feature = "ucx")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "UCX 1.22 can abort the unit when a client dies mid-WRITE over tcp (see the doc)"]
 async fn ucx_client_killed_mid_put_and_mid_get_leaks_nothing() {
     scenarios::client_killed_mid_put_and_mid_get_leaks_nothing(Backend::Ucx).await;
 }
