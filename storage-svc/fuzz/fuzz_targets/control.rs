@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use libfuzzer_sys::fuzz_target;
-use tessera_storage::core::{Memory, PoolStats, Unit, UnitConfig};
+use tessera_storage::core::{Memory, Output, PoolStats, Unit, UnitConfig};
 use tessera_storage::proto::{decode_body, frame_len, Request};
 use tessera_transport::RemoteDesc;
 
@@ -21,8 +21,12 @@ impl Memory for VecMem {
         }
         Ok(vec![0; size as usize])
     }
+    type Dest = RemoteDesc;
     fn remote(&self, _: &Vec<u8>, offset: u64, len: u64) -> Result<RemoteDesc, String> {
         Ok(RemoteDesc::new(1, offset, len))
+    }
+    fn dest(&self, block: &Vec<u8>, offset: u64, len: u64) -> Result<RemoteDesc, String> {
+        self.remote(block, offset, len)
     }
     fn freeze(&self, block: Vec<u8>, len: u64) -> Bytes {
         Bytes::from(block).slice(..len as usize)
@@ -45,6 +49,8 @@ fuzz_target!(|data: &[u8]| {
         ..UnitConfig::default()
     };
     let mut unit = Unit::new(cfg, VecMem);
+    // Both ways a PUT's payload can arrive: pushed (READY, COMMIT) or pulled (READ).
+    unit.set_pull_puts(data.first().is_some_and(|b| b & 0x80 != 0));
     unit.open_session(1);
     let now = Instant::now();
     let mut rest = data;
@@ -57,7 +63,11 @@ fuzz_target!(|data: &[u8]| {
         rest = &rest[body.len()..];
         if let Ok((id, req)) = decode_body::<Request>(body) {
             let hello = matches!(req, Request::Hello { .. });
-            let _ = unit.handle(now, 1, id, req);
+            for out in unit.handle(now, 1, id, req) {
+                if let Output::Read { put, .. } = out {
+                    let _ = unit.read_done(1, put, Ok(()));
+                }
+            }
             if hello {
                 unit.session_ready(1);
             }
