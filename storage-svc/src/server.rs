@@ -1142,6 +1142,36 @@ mod tests {
         }
     }
 
+    /// A unit on `backend` whose closed sessions wait `grace` for late WRITEs.
+    async fn unit_with_grace(backend: Backend, grace: Duration) -> Server {
+        Server::start(ServerConfig {
+            bind: "127.0.0.1:0".into(),
+            backend,
+            pool_bytes: 32 << 20,
+            unit: UnitConfig {
+                late_write_grace: grace,
+                ..UnitConfig::default()
+            },
+            ..ServerConfig::default()
+        })
+        .await
+        .unwrap()
+    }
+
+    /// A raw control connection that said HELLO (request id 1) as `agent`, and the unit's
+    /// agent metadata from its welcome.
+    async fn hello(server: &Server, agent: &Agent) -> (TcpStream, Vec<u8>) {
+        let mut s = TcpStream::connect(server.addr()).await.unwrap();
+        let hello = Request::Hello {
+            token: None,
+            agent: agent.metadata(),
+        };
+        let Response::Welcome { agent: md, .. } = call(&mut s, 1, &hello).await else {
+            panic!("no welcome")
+        };
+        (s, md)
+    }
+
     /// Polls the unit's STATS until `f` holds (a hang guard, not a timing assertion).
     async fn until(server: &Server, what: &str, f: impl Fn(&Stats) -> bool) -> Stats {
         for _ in 0..6000 {
@@ -1161,28 +1191,9 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_panicking_session_releases_its_leases_and_quarantine() {
         arm("panic-holding-leases", Fault::Handle);
-        let server = Server::start(ServerConfig {
-            bind: "127.0.0.1:0".into(),
-            backend: Backend::Inproc,
-            pool_bytes: 32 << 20,
-            unit: UnitConfig {
-                late_write_grace: Duration::from_millis(100),
-                ..UnitConfig::default()
-            },
-            ..ServerConfig::default()
-        })
-        .await
-        .unwrap();
+        let server = unit_with_grace(Backend::Inproc, Duration::from_millis(100)).await;
         let agent = Backend::Inproc.agent("raw").unwrap();
-        let mut s = TcpStream::connect(server.addr()).await.unwrap();
-        let hello = Request::Hello {
-            token: None,
-            agent: agent.metadata(),
-        };
-        assert!(matches!(
-            call(&mut s, 1, &hello).await,
-            Response::Welcome { .. }
-        ));
+        let (mut s, _) = hello(&server, &agent).await;
         assert!(matches!(
             call(&mut s, 2, &prepare("p")).await,
             Response::PutReady { .. }
@@ -1222,28 +1233,9 @@ mod tests {
     /// lasts, and the unit's teardown still frees everything.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_closed_sessions_exposed_block_waits_for_the_grace() {
-        let server = Server::start(ServerConfig {
-            bind: "127.0.0.1:0".into(),
-            backend: Backend::Inproc,
-            pool_bytes: 32 << 20,
-            unit: UnitConfig {
-                late_write_grace: Duration::from_secs(3600),
-                ..UnitConfig::default()
-            },
-            ..ServerConfig::default()
-        })
-        .await
-        .unwrap();
+        let server = unit_with_grace(Backend::Inproc, Duration::from_secs(3600)).await;
         let agent = Backend::Inproc.agent("raw").unwrap();
-        let mut s = TcpStream::connect(server.addr()).await.unwrap();
-        let hello = Request::Hello {
-            token: None,
-            agent: agent.metadata(),
-        };
-        assert!(matches!(
-            call(&mut s, 1, &hello).await,
-            Response::Welcome { .. }
-        ));
+        let (mut s, _) = hello(&server, &agent).await;
         assert!(matches!(
             call(&mut s, 2, &prepare("p")).await,
             Response::PutReady { .. }
@@ -1263,28 +1255,10 @@ mod tests {
     /// late writer's agent is gone (its link closed), the quarantine is released.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_late_write_over_tcp_never_lands_in_a_reused_block() {
-        let server = Server::start(ServerConfig {
-            bind: "127.0.0.1:0".into(),
-            backend: Backend::Tcp,
-            pool_bytes: 32 << 20,
-            unit: UnitConfig {
-                // Over tcp the link decides, never the clock.
-                late_write_grace: Duration::ZERO,
-                ..UnitConfig::default()
-            },
-            ..ServerConfig::default()
-        })
-        .await
-        .unwrap();
+        // Over tcp the link decides, never the clock.
+        let server = unit_with_grace(Backend::Tcp, Duration::ZERO).await;
         let agent = Backend::Tcp.agent("late").unwrap();
-        let mut s = TcpStream::connect(server.addr()).await.unwrap();
-        let hello = Request::Hello {
-            token: None,
-            agent: agent.metadata(),
-        };
-        let Response::Welcome { agent: md, .. } = call(&mut s, 1, &hello).await else {
-            panic!("no welcome")
-        };
+        let (mut s, md) = hello(&server, &agent).await;
         let peer = agent.add_remote(&md).unwrap();
         let Response::PutReady { descs, agent: md } = call(&mut s, 2, &prepare("p")).await else {
             panic!("no READY")
