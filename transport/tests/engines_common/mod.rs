@@ -1,5 +1,5 @@
-//! The two-process tests of the `ucx` and `nixl` backends: this process against a real second
-//! one (`tessera-transport-peer`), with the transports given in the environment.
+//! The two-process tests of every backend: this process against a real second one
+//! (`tessera-transport-peer`), with the `ucx`/`nixl` transports given in the environment.
 
 #![allow(dead_code)]
 
