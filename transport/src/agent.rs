@@ -177,9 +177,11 @@ impl Agent {
                 region_len: region.len(),
             });
         }
-        if let Some(entry) = host.registry.find(region.id(), offset, len) {
-            let start = offset - entry.offset;
-            return Ok(Registration { entry, start, len });
+        if region.mark_registered() {
+            if let Some(entry) = host.registry.find(region, offset, len) {
+                let start = offset - entry.offset;
+                return Ok(Registration { entry, start, len });
+            }
         }
         let id = next_id();
         let key = self.core.transport.register(&RegInfo {
@@ -440,92 +442,104 @@ pub(crate) struct Registry {
 
 #[derive(Default)]
 struct Table {
-    by_id: HashMap<u64, Weak<RegEntry>>,
-    /// Ranges of regions, as `region id << 64 | offset`: a region is under 2^64 bytes, so no
-    /// range crosses into the next region's key space.
-    by_range: IntervalIndex,
-    /// Ranges of addresses.
+    /// Ids are our own counter, not peer input: the fast hasher is safe here.
+    by_id: HashMap<u64, Slot, rustc_hash::FxBuildHasher>,
+    /// Address ranges of the live registrations. The cache's question "a registration of
+    /// this region covering this range?" is asked here too, as the range's addresses with
+    /// the region's id checked, so one index serves both lookups.
     by_addr: IntervalIndex,
     /// Bytes the live registrations cover.
     bytes: u64,
 }
 
-fn range_key(region: u64, offset: u64) -> u128 {
-    (u128::from(region) << 64) | u128::from(offset)
+struct Slot {
+    entry: Weak<RegEntry>,
+    region: u64,
+}
+
+/// The address range `base..base + len` as index keys.
+fn addr_range(base: *const u8, len: u64) -> (u64, u64) {
+    let lo = base as usize as u64;
+    (lo, lo.saturating_add(len))
 }
 
 impl Table {
     /// Entry `id` if it is live (one whose last owner is dropping it is not).
     fn live(&self, id: u64) -> Option<Arc<RegEntry>> {
-        self.by_id.get(&id).and_then(Weak::upgrade)
+        self.by_id.get(&id).and_then(|s| s.entry.upgrade())
     }
 }
 
 impl Registry {
     /// A live registration of `region` covering `offset..offset + len`.
-    fn find(&self, region: u64, offset: u64, len: u64) -> Option<Arc<RegEntry>> {
+    fn find(&self, region: &Region, offset: u64, len: u64) -> Option<Arc<RegEntry>> {
+        let (lo, hi) = addr_range(region.as_ptr().wrapping_add(offset as usize), len);
+        let id = region.id();
         let t = lock(&self.table);
-        let lo = range_key(region, offset);
-        t.by_range
-            .find_covering(lo, lo + u128::from(len), |id| t.live(id))
+        // The region is checked before upgrading: an entry is never dropped under the lock.
+        t.by_addr.find_covering(lo, hi, |reg| {
+            let slot = t.by_id.get(&reg).filter(|s| s.region == id)?;
+            slot.entry.upgrade()
+        })
     }
 
     pub(crate) fn lookup(&self, id: u64) -> Option<(Region, u64, u64)> {
-        let entry = lock(&self.table).by_id.get(&id).and_then(Weak::upgrade)?;
+        let entry = lock(&self.table).live(id)?;
         // The lock is released before `entry` can drop.
         Some((entry.region.clone(), entry.offset, entry.len))
     }
 
     fn insert(&self, entry: &Arc<RegEntry>) {
+        let (lo, hi) = addr_range(entry.base(), entry.len);
         let mut t = lock(&self.table);
-        t.by_id.insert(entry.id, Arc::downgrade(entry));
-        let lo = range_key(entry.region.id(), entry.offset);
-        t.by_range.insert(lo, lo + u128::from(entry.len), entry.id);
-        let base = entry.base() as usize as u128;
-        t.by_addr
-            .insert(base, base + u128::from(entry.len), entry.id);
+        t.by_id.insert(
+            entry.id,
+            Slot {
+                entry: Arc::downgrade(entry),
+                region: entry.region.id(),
+            },
+        );
+        t.by_addr.insert(lo, hi, entry.id);
         t.bytes += entry.len;
     }
 
     fn remove(&self, entry: &RegEntry) {
+        let (lo, _) = addr_range(entry.base(), entry.len);
         let mut t = lock(&self.table);
         t.by_id.remove(&entry.id);
-        if t.by_range
-            .remove(range_key(entry.region.id(), entry.offset), entry.id)
-        {
+        if t.by_addr.remove(lo, entry.id) {
             t.bytes -= entry.len;
         }
-        t.by_addr.remove(entry.base() as usize as u128, entry.id);
     }
 
     /// A live registration covering `addr..addr + len`.
     fn find_addr(&self, addr: usize, len: u64) -> Option<Arc<RegEntry>> {
-        let lo = addr as u128;
+        let (lo, hi) = addr_range(addr as *const u8, len);
         let t = lock(&self.table);
-        t.by_addr
-            .find_covering(lo, lo + u128::from(len), |id| t.live(id))
+        t.by_addr.find_covering(lo, hi, |id| t.live(id))
     }
 
     fn remote_regs(&self) -> Vec<RemoteReg> {
         let t = lock(&self.table);
-        let mut regs: Vec<RemoteReg> = t
-            .by_id
-            .values()
-            .filter_map(Weak::upgrade)
+        let live: Vec<Arc<RegEntry>> = t.by_id.values().filter_map(|s| s.entry.upgrade()).collect();
+        // An entry whose other owners let go meanwhile drops here, after the lock.
+        drop(t);
+        let mut regs: Vec<RemoteReg> = live
+            .iter()
             .map(|e| RemoteReg {
                 id: e.id,
                 len: e.len,
                 key: e.key.clone(),
             })
             .collect();
-        drop(t);
+        drop(live);
         regs.sort_unstable_by_key(|r| r.id);
         regs
     }
 
     fn stats(&self) -> (usize, u64) {
         let t = lock(&self.table);
-        (t.by_range.len(), t.bytes)
+        (t.by_addr.len(), t.bytes)
     }
 
     /// Pins every span's registration into `grant`. Never drops an `Arc<RegEntry>` while the
@@ -543,7 +557,7 @@ impl Registry {
                     let found = t
                         .by_id
                         .get(&reg)
-                        .and_then(Weak::upgrade)
+                        .and_then(|s| s.entry.upgrade())
                         .ok_or(RejectReason::UnknownRegistration)?;
                     grant.pins.push(found);
                     grant.pins.last().ok_or(RejectReason::Malformed)?

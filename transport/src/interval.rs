@@ -8,36 +8,55 @@
 //! so the shape is deterministic and balanced in expectation.
 
 /// A set of `(start, end, id)` ranges; ids are unique.
-#[derive(Default)]
+///
+/// Nodes live in one vector and link by index, with a free list: inserting and removing
+/// allocate nothing once the vector has grown to the index's high-water mark.
 pub(crate) struct IntervalIndex {
-    root: Link,
+    nodes: Vec<Node>,
+    root: Idx,
+    /// Head of the list of free slots, linked through `left`.
+    free: Idx,
     len: usize,
 }
 
-type Link = Option<Box<Node>>;
-
-struct Node {
-    start: u128,
-    end: u128,
-    id: u64,
-    prio: u64,
-    /// Largest `end` in this subtree.
-    max_end: u128,
-    left: Link,
-    right: Link,
+impl Default for IntervalIndex {
+    fn default() -> Self {
+        Self {
+            nodes: Vec::new(),
+            root: NIL,
+            free: NIL,
+            len: 0,
+        }
+    }
 }
 
-impl Node {
-    fn key(&self) -> (u128, u64) {
-        (self.start, self.id)
-    }
+type Idx = u32;
 
-    fn update(&mut self) {
-        let mut m = self.end;
-        for child in [&self.left, &self.right].into_iter().flatten() {
-            m = m.max(child.max_end);
+/// No node.
+const NIL: Idx = Idx::MAX;
+
+struct Node {
+    start: u64,
+    end: u64,
+    /// Largest `end` in this subtree.
+    max_end: u64,
+    id: u64,
+    prio: u64,
+    left: Idx,
+    right: Idx,
+}
+
+impl Default for Node {
+    fn default() -> Self {
+        Self {
+            start: 0,
+            end: 0,
+            max_end: 0,
+            id: 0,
+            prio: 0,
+            left: NIL,
+            right: NIL,
         }
-        self.max_end = m;
     }
 }
 
@@ -49,103 +68,213 @@ fn priority(id: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// Splits `t` into keys `< key` and keys `>= key`.
-fn split(t: Link, key: (u128, u64)) -> (Link, Link) {
-    match t {
-        None => (None, None),
-        Some(mut n) => {
-            if n.key() < key {
-                let (l, r) = split(n.right.take(), key);
-                n.right = l;
-                n.update();
-                (Some(n), r)
-            } else {
-                let (l, r) = split(n.left.take(), key);
-                n.left = r;
-                n.update();
-                (l, Some(n))
-            }
-        }
-    }
-}
-
-/// Joins two treaps where every key of `a` is below every key of `b`.
-fn merge(a: Link, b: Link) -> Link {
-    match (a, b) {
-        (None, t) | (t, None) => t,
-        (Some(mut x), Some(mut y)) => {
-            if x.prio > y.prio {
-                x.right = merge(x.right.take(), Some(y));
-                x.update();
-                Some(x)
-            } else {
-                y.left = merge(Some(x), y.left.take());
-                y.update();
-                Some(y)
-            }
-        }
-    }
-}
-
 impl IntervalIndex {
     /// Number of ranges.
     pub(crate) fn len(&self) -> usize {
         self.len
     }
 
-    /// Adds `start..end` as `id` (an id already present is a caller bug and is ignored).
-    pub(crate) fn insert(&mut self, start: u128, end: u128, id: u64) {
-        let (l, r) = split(self.root.take(), (start, id));
-        let (dup, r) = split(r, (start, id.saturating_add(1)));
-        let added = dup.is_none();
-        let node = dup.or_else(|| {
-            Some(Box::new(Node {
-                start,
-                end,
-                id,
-                prio: priority(id),
-                max_end: end,
-                left: None,
-                right: None,
-            }))
-        });
-        self.root = merge(merge(l, node), r);
-        if added {
-            self.len += 1;
+    fn key(&self, n: Idx) -> (u64, u64) {
+        let n = &self.nodes[n as usize];
+        (n.start, n.id)
+    }
+
+    fn max_end(&self, n: Idx) -> u64 {
+        if n == NIL {
+            0
+        } else {
+            self.nodes[n as usize].max_end
         }
     }
 
-    /// Removes the range `id` that starts at `start`; true if it was there.
-    pub(crate) fn remove(&mut self, start: u128, id: u64) -> bool {
-        let (l, r) = split(self.root.take(), (start, id));
-        let (hit, r) = split(r, (start, id.saturating_add(1)));
-        self.root = merge(l, r);
-        let removed = hit.is_some();
-        if removed {
-            self.len -= 1;
+    fn update(&mut self, n: Idx) {
+        let (l, r) = {
+            let node = &self.nodes[n as usize];
+            (node.left, node.right)
+        };
+        let m = self.max_end(l).max(self.max_end(r));
+        let node = &mut self.nodes[n as usize];
+        node.max_end = node.end.max(m);
+    }
+
+    /// Splits subtree `t` into keys `< key` and keys `>= key`.
+    fn split(&mut self, t: Idx, key: (u64, u64)) -> (Idx, Idx) {
+        if t == NIL {
+            return (NIL, NIL);
         }
-        removed
+        if self.key(t) < key {
+            let (l, r) = self.split(self.nodes[t as usize].right, key);
+            self.nodes[t as usize].right = l;
+            self.update(t);
+            (t, r)
+        } else {
+            let (l, r) = self.split(self.nodes[t as usize].left, key);
+            self.nodes[t as usize].left = r;
+            self.update(t);
+            (l, t)
+        }
+    }
+
+    /// Joins subtrees `a` and `b`, every key of `a` below every key of `b`.
+    fn merge(&mut self, a: Idx, b: Idx) -> Idx {
+        if a == NIL {
+            return b;
+        }
+        if b == NIL {
+            return a;
+        }
+        if self.nodes[a as usize].prio > self.nodes[b as usize].prio {
+            let m = self.merge(self.nodes[a as usize].right, b);
+            self.nodes[a as usize].right = m;
+            self.update(a);
+            a
+        } else {
+            let m = self.merge(a, self.nodes[b as usize].left);
+            self.nodes[b as usize].left = m;
+            self.update(b);
+            b
+        }
+    }
+
+    /// Puts node `n` into subtree `t`: it descends to where `n`'s priority belongs and
+    /// splits only the subtree below that point.
+    fn put(&mut self, t: Idx, n: Idx) -> Idx {
+        if t == NIL {
+            return n;
+        }
+        let key = self.key(n);
+        if self.nodes[n as usize].prio > self.nodes[t as usize].prio {
+            let (l, r) = self.split(t, key);
+            let node = &mut self.nodes[n as usize];
+            node.left = l;
+            node.right = r;
+            self.update(n);
+            return n;
+        }
+        if key < self.key(t) {
+            let c = self.put(self.nodes[t as usize].left, n);
+            self.nodes[t as usize].left = c;
+        } else {
+            let c = self.put(self.nodes[t as usize].right, n);
+            self.nodes[t as usize].right = c;
+        }
+        let end = self.nodes[n as usize].end;
+        let node = &mut self.nodes[t as usize];
+        node.max_end = node.max_end.max(end);
+        t
+    }
+
+    /// Takes the node with `key` out of subtree `t`: the new subtree root and the node.
+    fn take(&mut self, t: Idx, key: (u64, u64)) -> (Idx, Idx) {
+        if t == NIL {
+            return (NIL, NIL);
+        }
+        let here = self.key(t);
+        if key == here {
+            let (l, r) = {
+                let node = &self.nodes[t as usize];
+                (node.left, node.right)
+            };
+            return (self.merge(l, r), t);
+        }
+        let hit = if key < here {
+            let (c, hit) = self.take(self.nodes[t as usize].left, key);
+            self.nodes[t as usize].left = c;
+            hit
+        } else {
+            let (c, hit) = self.take(self.nodes[t as usize].right, key);
+            self.nodes[t as usize].right = c;
+            hit
+        };
+        if hit != NIL {
+            self.update(t);
+        }
+        (t, hit)
+    }
+
+    fn contains(&self, key: (u64, u64)) -> bool {
+        let mut t = self.root;
+        while t != NIL {
+            let here = self.key(t);
+            if key == here {
+                return true;
+            }
+            let n = &self.nodes[t as usize];
+            t = if key < here { n.left } else { n.right };
+        }
+        false
+    }
+
+    /// Adds `start..end` as `id` (an id already present is a caller bug and is ignored).
+    pub(crate) fn insert(&mut self, start: u64, end: u64, id: u64) {
+        if self.contains((start, id)) {
+            return;
+        }
+        let node = Node {
+            start,
+            end,
+            max_end: end,
+            id,
+            prio: priority(id),
+            left: NIL,
+            right: NIL,
+        };
+        let n = if self.free == NIL {
+            let n = Idx::try_from(self.nodes.len())
+                .ok()
+                .filter(|&n| n != NIL)
+                .expect("an interval index holds fewer than 2^32 - 1 ranges");
+            self.nodes.push(node);
+            n
+        } else {
+            let n = self.free;
+            self.free = self.nodes[n as usize].left;
+            self.nodes[n as usize] = node;
+            n
+        };
+        self.root = self.put(self.root, n);
+        self.len += 1;
+    }
+
+    /// Removes the range `id` that starts at `start`; true if it was there.
+    pub(crate) fn remove(&mut self, start: u64, id: u64) -> bool {
+        let (root, hit) = self.take(self.root, (start, id));
+        self.root = root;
+        if hit == NIL {
+            return false;
+        }
+        self.nodes[hit as usize] = Node {
+            left: self.free,
+            ..Node::default()
+        };
+        self.free = hit;
+        self.len -= 1;
+        true
     }
 
     /// The first `f(id)` that is `Some`, over the ids of ranges with `start <= lo` and
     /// `end >= hi`, in ascending `(start, id)` order.
     pub(crate) fn find_covering<T>(
         &self,
-        lo: u128,
-        hi: u128,
+        lo: u64,
+        hi: u64,
         mut f: impl FnMut(u64) -> Option<T>,
     ) -> Option<T> {
         fn visit<T>(
-            link: &Link,
-            lo: u128,
-            hi: u128,
+            nodes: &[Node],
+            t: Idx,
+            lo: u64,
+            hi: u64,
             f: &mut impl FnMut(u64) -> Option<T>,
         ) -> Option<T> {
-            let n = link.as_deref()?;
+            if t == NIL {
+                return None;
+            }
+            let n = &nodes[t as usize];
             if n.max_end < hi {
                 return None;
             }
-            if let Some(found) = visit(&n.left, lo, hi, f) {
+            if let Some(found) = visit(nodes, n.left, lo, hi, f) {
                 return Some(found);
             }
             if n.start > lo {
@@ -156,20 +285,9 @@ impl IntervalIndex {
                     return Some(found);
                 }
             }
-            visit(&n.right, lo, hi, f)
+            visit(nodes, n.right, lo, hi, f)
         }
-        visit(&self.root, lo, hi, &mut f)
-    }
-}
-
-impl Drop for IntervalIndex {
-    /// Frees the nodes without recursion.
-    fn drop(&mut self) {
-        let mut stack: Vec<Box<Node>> = self.root.take().into_iter().collect();
-        while let Some(mut n) = stack.pop() {
-            stack.extend(n.left.take());
-            stack.extend(n.right.take());
-        }
+        visit(&self.nodes, self.root, lo, hi, &mut f)
     }
 }
 
@@ -199,12 +317,12 @@ mod tests {
         #[test]
         fn matches_a_naive_oracle(ops in proptest::collection::vec(op(), 1..200)) {
             let mut index = IntervalIndex::default();
-            let mut oracle: Vec<(u128, u128, u64)> = Vec::new();
+            let mut oracle: Vec<(u64, u64, u64)> = Vec::new();
             let mut next = 1u64;
             for op in ops {
                 match op {
                     Op::Insert(s, l) => {
-                        let (s, e) = (s as u128, s as u128 + l as u128);
+                        let (s, e) = (s as u64, s as u64 + l as u64);
                         index.insert(s, e, next);
                         oracle.push((s, e, next));
                         next += 1;
@@ -216,8 +334,8 @@ mod tests {
                     }
                     Op::Remove(_) => {}
                     Op::Query(s, l) => {
-                        let (lo, hi) = (s as u128, s as u128 + l as u128);
-                        let mut want: Vec<(u128, u64)> = oracle
+                        let (lo, hi) = (s as u64, s as u64 + l as u64);
+                        let mut want: Vec<(u64, u64)> = oracle
                             .iter()
                             .filter(|&&(s, e, _)| s <= lo && e >= hi)
                             .map(|&(s, _, id)| (s, id))
@@ -247,21 +365,27 @@ mod tests {
         let mut index = IntervalIndex::default();
         let n = 1u64 << 14;
         for i in 0..n {
-            index.insert(i as u128 * 100, i as u128 * 100 + 50, i + 1);
+            index.insert(i * 100, i * 100 + 50, i + 1);
         }
-        assert!(depth(&index.root) <= 4 * 14, "depth {}", depth(&index.root));
+        assert!(depth(&index) <= 4 * 14, "depth {}", depth(&index));
         assert_eq!(index.find_covering(123_460, 123_470, Some), None);
         assert_eq!(index.find_covering(123_410, 123_420, Some), Some(1235));
         for i in (0..n).step_by(2) {
-            assert!(index.remove(i as u128 * 100, i + 1));
+            assert!(index.remove(i * 100, i + 1));
         }
-        assert!(depth(&index.root) <= 4 * 13, "depth {}", depth(&index.root));
+        assert!(depth(&index) <= 4 * 13, "depth {}", depth(&index));
         assert_eq!(index.find_covering(123_410, 123_420, Some), None);
         assert_eq!(index.find_covering(123_310, 123_320, Some), Some(1234));
     }
 
-    fn depth(l: &Link) -> usize {
-        l.as_ref()
-            .map_or(0, |n| 1 + depth(&n.left).max(depth(&n.right)))
+    fn depth(index: &IntervalIndex) -> usize {
+        fn at(index: &IntervalIndex, t: Idx) -> usize {
+            if t == NIL {
+                return 0;
+            }
+            let n = &index.nodes[t as usize];
+            1 + at(index, n.left).max(at(index, n.right))
+        }
+        at(index, index.root)
     }
 }

@@ -37,6 +37,10 @@ struct Mapping {
     ptr: NonNull<u8>,
     len: u64,
     kind: Kind,
+    /// Set by the first registration: the registration cache has nothing for a region that
+    /// was never registered, so its first registration skips the lookup. A hint, not part of
+    /// any protocol (std's atomic under loom too).
+    registered: std::sync::atomic::AtomicBool,
 }
 
 enum Kind {
@@ -248,6 +252,7 @@ impl Region {
                 ptr,
                 len,
                 kind,
+                registered: std::sync::atomic::AtomicBool::new(false),
             }),
         }
     }
@@ -260,6 +265,18 @@ impl Region {
     /// Always false: a region is never empty.
     pub fn is_empty(&self) -> bool {
         false
+    }
+
+    /// Whether this memory (any clone) was registered before; marks it registered.
+    pub(crate) fn mark_registered(&self) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
+        // A load and a store, not a swap: a locked instruction per registration shows in
+        // bulk registration, and two first registrations racing only both skip the lookup.
+        let before = self.inner.registered.load(Relaxed);
+        if !before {
+            self.inner.registered.store(true, Relaxed);
+        }
+        before
     }
 
     /// A process-unique id of the underlying memory, shared by clones.

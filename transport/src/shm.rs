@@ -496,11 +496,13 @@ impl ShmConnection {
     fn copy(&self, xfer: &Xfer) -> Result<(), TransferError> {
         let plan = xfer.plan();
         let mut copied = 0u64;
+        // The mapping of the current registration, held (not cloned) across its segments: an
+        // atomic per segment would wait for the previous copy's stores to drain.
         let mut current: Option<(u64, Arc<Mapped>)> = None;
         for seg in plan.segments() {
-            let m = match &current {
-                Some((reg, m)) if *reg == seg.remote_reg => m.clone(),
-                _ => {
+            let m: &Mapped = match &mut current {
+                Some((reg, m)) if *reg == seg.remote_reg => m,
+                slot => {
                     let m = lock(&self.state)
                         .mapped
                         .get(&seg.remote_reg)
@@ -512,8 +514,7 @@ impl ShmConnection {
                                 seg.remote_reg
                             )),
                         })?;
-                    current = Some((seg.remote_reg, m.clone()));
-                    m
+                    &slot.insert((seg.remote_reg, m)).1
                 }
             };
             match seg.remote_offset.checked_add(seg.len) {
