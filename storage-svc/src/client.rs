@@ -253,25 +253,46 @@ impl Client {
             }),
             pull: None,
         };
-        let (id, resp) = conn.call(req).await?;
-        let descs = match resp {
+        let answer = conn.send(req)?;
+        // The frames are registered while the unit prepares its block.
+        let locals = (!inline).then(|| {
+            source_descs(
+                &self.agent,
+                frames.payloads.iter().filter(|f| !f.is_empty()),
+            )
+        });
+        let (id, resp) = answer.wait().await?;
+        let terr = |message: String| ClientError::Transport { unit, message };
+        let ready = match resp {
             Response::Done => return Ok(()),
-            Response::PutReady { descs, agent } => {
-                if let Some(md) = agent {
-                    // The unit registered more memory: its peer handle learns the new
-                    // registrations before any WRITE names them.
-                    self.agent
-                        .add_remote(&md)
-                        .map_err(|e| ClientError::Transport {
-                            unit,
-                            message: e.to_string(),
-                        })?;
-                }
-                descs
-            }
+            Response::PutReady { descs, agent } => match (agent, locals) {
+                (_, Some(Err(e))) => Err(terr(e)),
+                (_, None) => Err(terr("READY for an inline PUT".into())),
+                // The unit registered more memory: its peer handle learns the new
+                // registrations before any WRITE names them.
+                (Some(md), Some(Ok(locals))) => self
+                    .agent
+                    .add_remote(&md)
+                    .map(|_| (descs, locals))
+                    .map_err(|e| terr(e.to_string())),
+                (None, Some(Ok(locals))) => Ok((descs, locals)),
+            },
             other => return Err(conn.unexpected(other)),
         };
-        if let Err(e) = self.write_frames(conn, &frames, &descs).await {
+        let (descs, locals) = match ready {
+            Ok(r) => r,
+            Err(e) => {
+                // Nothing was written: the unit frees the block.
+                let _ = conn
+                    .call(Request::Cancel {
+                        of: id,
+                        maybe_written: false,
+                    })
+                    .await;
+                return Err(e);
+            }
+        };
+        if let Err(e) = self.write_frames(conn, &frames, &descs, locals).await {
             // The block may hold part of the payload: the unit quarantines it. No retry.
             let _ = conn
                 .call(Request::Cancel {
@@ -341,11 +362,14 @@ impl Client {
         }
     }
 
+    /// WRITEs the non-empty frames, registered as `locals` in order, to the block's `descs`
+    /// (one per frame).
     async fn write_frames(
         &self,
         conn: &Conn,
         frames: &Frames,
         descs: &[RemoteDesc],
+        locals: Vec<LocalDesc>,
     ) -> Result<(), ClientError> {
         let terr = |message: String| ClientError::Transport {
             unit: conn.unit,
@@ -354,8 +378,7 @@ impl Client {
         if descs.len() != frames.payloads.len() {
             return Err(terr("READY descriptors do not match the frames".into()));
         }
-        let mut sources = Vec::with_capacity(descs.len());
-        let mut remotes = Vec::with_capacity(descs.len());
+        let mut remotes = Vec::with_capacity(locals.len());
         for (f, d) in frames.payloads.iter().zip(descs) {
             if f.is_empty() {
                 continue;
@@ -363,10 +386,8 @@ impl Client {
             if d.len != f.len() as u64 {
                 return Err(terr("READY descriptor length mismatch".into()));
             }
-            sources.push(f);
             remotes.push(*d);
         }
-        let locals = source_descs(&self.agent, sources).map_err(terr)?;
         let t = conn
             .peer
             .write(&locals, &remotes, None)
@@ -649,8 +670,13 @@ impl Conn {
     }
 
     async fn call(&self, req: Request) -> Result<(u64, Response), ClientError> {
+        self.send(req)?.wait().await
+    }
+
+    /// Sends `req`; its answer comes through the returned [`Answer`].
+    fn send(&self, req: Request) -> Result<Answer<'_>, ClientError> {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
-        call_raw(self.unit, &self.tx, &self.waiters, id, req, self.timeout).await
+        send_raw(self.unit, &self.tx, &self.waiters, id, req, self.timeout)
     }
 
     fn unexpected(&self, resp: Response) -> ClientError {
@@ -669,37 +695,81 @@ async fn call_raw(
     req: Request,
     timeout: Duration,
 ) -> Result<(u64, Response), ClientError> {
+    send_raw(unit, tx, waiters, id, req, timeout)?.wait().await
+}
+
+/// Sends `req` as request `id` and returns the wait for its answer: the request is on its way
+/// when this returns, so the caller can work while the unit does.
+fn send_raw<'a>(
+    unit: usize,
+    tx: &mpsc::UnboundedSender<Vec<u8>>,
+    waiters: &'a Waiters,
+    id: u64,
+    req: Request,
+    timeout: Duration,
+) -> Result<Answer<'a>, ClientError> {
     let buf = proto::encode_frame(id, &req).map_err(|source| ClientError::Wire { unit, source })?;
     let (otx, orx) = oneshot::channel();
-    let closed = || ClientError::Io {
-        unit,
-        source: std::io::Error::new(std::io::ErrorKind::ConnectionAborted, "connection closed"),
-    };
     {
         let mut w = lock(waiters);
         if w.closed {
-            return Err(closed());
+            return Err(connection_closed(unit));
         }
         w.map.insert(id, otx);
     }
     if tx.send(buf).is_err() {
         lock(waiters).map.remove(&id);
-        return Err(closed());
+        return Err(connection_closed(unit));
     }
-    // A unit that never answers (stopped, or a session task that died) must not hold the
-    // caller forever.
-    let Ok(answer) = tokio::time::timeout(timeout, orx).await else {
-        lock(waiters).map.remove(&id);
-        return Err(ClientError::Timeout {
+    Ok(Answer {
+        unit,
+        id,
+        rx: orx,
+        waiters,
+        timeout,
+    })
+}
+
+fn connection_closed(unit: usize) -> ClientError {
+    ClientError::Io {
+        unit,
+        source: std::io::Error::new(std::io::ErrorKind::ConnectionAborted, "connection closed"),
+    }
+}
+
+/// A sent request's answer to come.
+struct Answer<'a> {
+    unit: usize,
+    id: u64,
+    rx: oneshot::Receiver<Result<Response, ClientError>>,
+    waiters: &'a Waiters,
+    timeout: Duration,
+}
+
+impl Answer<'_> {
+    async fn wait(self) -> Result<(u64, Response), ClientError> {
+        let Self {
             unit,
-            after: timeout,
-        });
-    };
-    match answer {
-        Ok(Ok(Response::Error(source))) => Err(ClientError::Remote { unit, source }),
-        Ok(Ok(r)) => Ok((id, r)),
-        Ok(Err(e)) => Err(e),
-        Err(_) => Err(closed()),
+            id,
+            rx,
+            waiters,
+            timeout,
+        } = self;
+        // A unit that never answers (stopped, or a session task that died) must not hold the
+        // caller forever.
+        let Ok(answer) = tokio::time::timeout(timeout, rx).await else {
+            lock(waiters).map.remove(&id);
+            return Err(ClientError::Timeout {
+                unit,
+                after: timeout,
+            });
+        };
+        match answer {
+            Ok(Ok(Response::Error(source))) => Err(ClientError::Remote { unit, source }),
+            Ok(Ok(r)) => Ok((id, r)),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(connection_closed(unit)),
+        }
     }
 }
 
