@@ -4,8 +4,11 @@
 use anyhow::{bail, Result};
 
 pub(crate) fn pin(cpu: usize) -> Result<()> {
-    let online = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let cpu = cpu % online.max(1);
+    // The machine's cores, not this process's: `available_parallelism` counts the affinity
+    // mask, which a child inherits from a parent already pinned to one core.
+    // SAFETY: sysconf has no memory-safety obligations.
+    let online = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+    let cpu = cpu % usize::try_from(online).unwrap_or(1).max(1);
     // SAFETY: a zeroed cpu_set_t is an empty set; CPU_SET writes inside it; the call only
     // reads the set.
     let rc = unsafe {
