@@ -312,6 +312,13 @@ async fn serve(s: Serve) -> Result<()> {
     if let Some(addr) = s.metrics {
         metrics_exporter_prometheus::PrometheusBuilder::new()
             .with_http_listener(addr)
+            // A peer's queue-depth series goes once the peer has been quiet this long, so
+            // clients coming and going do not grow the exposition forever; the unit's own
+            // gauges are refreshed every 200 ms and stay.
+            .idle_timeout(
+                metrics_util::MetricKindMask::GAUGE,
+                Some(std::time::Duration::from_secs(300)),
+            )
             .install()
             .context("starting the metrics endpoint")?;
     }
