@@ -27,9 +27,8 @@ fn config_file_round_trips_and_flags_override() {
     let text = String::from_utf8(out.stdout).unwrap();
     assert!(text.contains("capacity_bytes = 12345"), "{text}");
     assert!(text.contains("bind = \"127.0.0.1:7470\""), "{text}");
-    let dir = std::env::temp_dir().join(format!("tessera-storage-cfg-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("unit.toml");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("unit.toml");
     std::fs::write(
         &path,
         text.replace("capacity_bytes = 12345", "capacity_bytes = 777"),
@@ -57,7 +56,6 @@ fn config_file_round_trips_and_flags_override() {
         .output()
         .unwrap();
     assert!(!out.status.success());
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -179,9 +179,8 @@ pub async fn client_killed_mid_put_and_mid_get_leaks_nothing(backend: Backend) {
     let unit = UnitProcess::start(backend, &["--late-write-grace", "300"]);
     let other = unit.client().await;
     let base = stats(&other).await.pool.used;
-    let dir = std::env::temp_dir().join(format!("tessera-storage-faults-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let file = dir.join("big.bin");
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("big.bin");
     std::fs::write(&file, vec![0x5au8; BIG]).unwrap();
 
     // Mid-PUT: kill the client once its PUT holds a receive block (or once it is done).
@@ -263,5 +262,5 @@ pub async fn client_killed_mid_put_and_mid_get_leaks_nothing(backend: Backend) {
         .unwrap();
     let got = other.get("p", &[3], &["x"]).await.unwrap();
     assert_eq!(got[0][0], Value::Bytes(vec![1u8; 1 << 20].into()));
-    let _ = std::fs::remove_dir_all(&dir);
+    drop(dir);
 }
