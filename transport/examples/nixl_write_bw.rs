@@ -5,31 +5,15 @@
 //! write that pre-touches both buffers). `TESSERA_NIXL_PROGRESS_DELAY_US` sets NIXL's
 //! progress-thread delay.
 
+#[path = "bw_common/mod.rs"]
+mod bw_common;
+
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
+use bw_common::{hex, pin, unhex};
 use tessera_transport::nixl::{NixlConfig, NixlEngine, XferOpDesc};
-
-fn pin(cpu: usize) {
-    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET writes inside it; the call
-    // only reads the set.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(cpu, &mut set);
-        libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set);
-    }
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len() / 2)
-        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap_or(0))
-        .collect()
-}
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
