@@ -8,10 +8,10 @@
 //! | [`notify_to`] | the engine's notification handler: notifications go to [`Host::notify`] |
 //! | [`Regs`] | registration id -> the engine's handle on the local memory, shared by the adapter and its connections |
 //! | [`Link`] | a [`Connection`]: the peer's handle (closed once, by [`Connection::close`]) and the keys it announced, kept in step with [`Connection::update`] |
-//! | [`track`] | a posted transfer's [`Completion`], reported exactly once: by the engine's callback or, when posting failed, by the adapter |
+//! | [`Link::post_plan`], [`track`] | a plan's local registrations looked up, its segments posted with the notification, and its [`Completion`] reported exactly once: by the engine's callback or, when posting failed, after the handles the post borrowed are dropped |
 //!
-//! What differs stays in each adapter: how it starts its engine and registers memory, how a
-//! transfer is posted (what an empty plan or a closed handle becomes), and how the engine's
+//! What differs stays in each adapter: how it starts its engine and registers memory, what an
+//! empty plan or a closed handle becomes, the engine's call that posts, and how the engine's
 //! errors read as [`TransferError`]s.
 //!
 //! Both engines are FFI wrappers that never run under loom, so this module takes its locks
@@ -21,9 +21,9 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::backend::{Connection, Host, PeerInfo, Xfer};
+use crate::backend::{Connection, Host, Op, PeerInfo, Xfer};
 use crate::error::{BackendError, Side, TransferError};
-use crate::transfer::{Completion, Plan};
+use crate::transfer::{Completion, Plan, Segment};
 
 /// Locks `m`, ignoring poisoning: every value behind these locks stays consistent between
 /// statements.
@@ -138,8 +138,10 @@ impl<R: Clone> Regs<R> {
 pub(crate) trait PeerHandle: Send + Sync + Sized + 'static {
     /// The engine's handle on local memory.
     type Region: Clone + Send + Sync + 'static;
+    /// One segment of a transfer as the engine takes it, borrowing its local memory.
+    type Op<'a>;
     /// The engine's error.
-    type Error: fmt::Display;
+    type Error: fmt::Display + 'static;
     /// The backend's kind, for errors.
     const KIND: &'static str;
     /// How an error names the closed handle of peer `{:?}`: "the endpoint of", ...
@@ -151,7 +153,32 @@ pub(crate) trait PeerHandle: Send + Sync + Sized + 'static {
     /// Forgets the key of the peer's registration `id`.
     fn remove_remote(&self, id: u64);
 
-    /// Posts `xfer` on `link` (see [`Connection::post`]).
+    /// Segment `s` of a plan, over `local`, its local registration.
+    fn op<'a>(local: &'a Self::Region, s: &Segment) -> Self::Op<'a>;
+
+    /// The remote registration an op names.
+    fn remote_of(op: &Self::Op<'_>) -> u64;
+
+    /// Posts `ops` and the notification; unless this returns an error, the engine runs
+    /// `done` once with the outcome.
+    fn post_ops(
+        &self,
+        op: Op,
+        ops: &[Self::Op<'_>],
+        notify: Option<Vec<u8>>,
+        done: impl FnOnce(Result<(), Self::Error>) + Send + 'static,
+    ) -> Result<(), Self::Error>;
+
+    /// The engine's error as a transfer error naming `peer`; `remote_reg` gives the remote
+    /// registration of op `index`, for range errors.
+    fn transfer_error(
+        peer: &str,
+        e: Self::Error,
+        remote_reg: impl Fn(usize) -> u64,
+    ) -> TransferError;
+
+    /// Posts `xfer` on `link` (see [`Connection::post`]): what an empty plan or a closed
+    /// connection becomes, then [`Link::post_plan`].
     fn post(link: &Link<Self>, xfer: Xfer);
 }
 
@@ -192,9 +219,40 @@ impl<P: PeerHandle> Link<P> {
         lock(&self.handle).clone()
     }
 
-    /// The adapter's registrations.
-    pub(crate) fn regs(&self) -> &Regs<P::Region> {
-        &self.regs
+    /// Posts the plan `done` owns: looks up its local registrations (a missing one fails the
+    /// transfer), then takes the peer's handle from `handle` and posts the plan's segments
+    /// with the notification. The completion is reported by the engine's callback or, when
+    /// nothing was posted, here, after the handles the post borrowed are dropped.
+    pub(crate) fn post_plan(
+        &self,
+        done: Completion,
+        notify: Option<Vec<u8>>,
+        handle: impl FnOnce() -> Result<Arc<P>, P::Error>,
+    ) {
+        let mems = match self.regs.of_plan(done.plan(), &self.peer) {
+            Ok(m) => m,
+            Err(e) => {
+                done.complete(Err(e));
+                return;
+            }
+        };
+        let ops: Vec<P::Op<'_>> = done
+            .plan()
+            .segments()
+            .iter()
+            .zip(&mems)
+            .map(|(s, m)| P::op(m, s))
+            .collect();
+        let op = done.plan().op();
+        let peer = self.peer.clone();
+        let (tracked, callback) = track(done, move |e| P::transfer_error(&peer, e, |_| 0));
+        let posted = handle().and_then(|h| h.post_ops(op, &ops, notify, callback));
+        if let Err(e) = posted {
+            let err = P::transfer_error(&self.peer, e, |i| ops.get(i).map_or(0, P::remote_of));
+            drop(ops);
+            drop(mems);
+            tracked.fail(err);
+        }
     }
 }
 
@@ -241,7 +299,7 @@ impl<P: PeerHandle> Connection for Link<P> {
 }
 
 /// A transfer's [`Completion`] while the engine holds its callback: [`track`] makes both.
-pub(crate) struct Tracked {
+struct Tracked {
     slot: Arc<Mutex<Option<Completion>>>,
 }
 
@@ -249,7 +307,7 @@ impl Tracked {
     /// Posting failed: reports `err`, unless the callback already reported an outcome.
     /// Drop the handles the post borrowed first, so the transfer's memory is released
     /// before whoever awaits it hears.
-    pub(crate) fn fail(self, err: TransferError) {
+    fn fail(self, err: TransferError) {
         if let Some(done) = lock(&self.slot).take() {
             done.complete(Err(err));
         }
@@ -258,7 +316,7 @@ impl Tracked {
 
 /// Holds `done` for an engine's callback: the callback reports the engine's outcome (errors
 /// through `to_error`); if the engine never runs it, [`Tracked::fail`] reports instead.
-pub(crate) fn track<E: 'static>(
+fn track<E: 'static>(
     done: Completion,
     to_error: impl FnOnce(E) -> TransferError + Send + 'static,
 ) -> (Tracked, impl FnOnce(Result<(), E>) + Send + 'static) {

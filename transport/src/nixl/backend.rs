@@ -12,9 +12,10 @@
 //! What both one-sided adapters do alike lives in the crate's `onesided` module and is shared
 //! with `ucx`: the engine slot (started once, taken out at shutdown), the table of local
 //! registrations, the connection that keeps the peer's keys in step with each update and
-//! drops its handle on close, and the reporting of each posted transfer's completion exactly
-//! once. This file keeps what differs: starting the engine, registering, connecting, how a
-//! transfer is posted and how the engine's errors read.
+//! drops its handle on close, and posting a plan (its local registrations looked up, its
+//! segments handed to the engine, its completion reported exactly once). This file keeps
+//! what differs: starting the engine, registering, connecting, what an empty plan or a closed
+//! connection becomes, the engine's call that posts, and how the engine's errors read.
 //!
 //! Because the address changes with each registration, a metadata update with new
 //! registrations reaches the engine as a new connection to the same peer (the old one is
@@ -31,6 +32,7 @@ use super::{NixlConfig, NixlEngine, NixlEngineError, NixlPeer, NixlRegion, XferK
 use crate::backend::{Connection, Host, Op, PeerInfo, RegInfo, Transport, Xfer};
 use crate::error::{BackendError, RegisterError, Side, TransferError};
 use crate::onesided::{self, EngineSlot, Link, PeerHandle, Regs};
+use crate::transfer::Segment;
 
 const KIND: &str = "nixl";
 
@@ -123,53 +125,10 @@ impl Transport for Nixl {
     }
 }
 
-fn transfer_error(
-    peer: &str,
-    e: NixlEngineError,
-    remote_reg: impl Fn(usize) -> u64,
-) -> TransferError {
-    let peer = peer.to_owned();
-    match e {
-        NixlEngineError::TransferFailed { source, .. } => TransferError::PeerGone {
-            peer,
-            detail: format!("NIXL reported the transfer failed: {source}"),
-        },
-        NixlEngineError::Shutdown(_) => TransferError::PeerGone {
-            peer,
-            detail: "this agent's engine is shut down".into(),
-        },
-        NixlEngineError::Timeout { after, .. } => TransferError::Timeout { peer, after },
-        NixlEngineError::OutOfRange {
-            side: Side::Remote,
-            index,
-            offset,
-            len,
-            reg_len,
-        } => TransferError::OutOfRange {
-            peer,
-            side: Side::Remote,
-            index,
-            reg: remote_reg(index),
-            offset,
-            len,
-            reg_len,
-        },
-        NixlEngineError::UnknownRemote { index, id, .. } => TransferError::UnknownRegistration {
-            peer,
-            side: Side::Remote,
-            index,
-            reg: id,
-        },
-        other => TransferError::Backend {
-            peer,
-            source: backend_error(other),
-        },
-    }
-}
-
 /// A connection is a [`Link`] over the peer's loaded metadata.
 impl PeerHandle for NixlPeer {
     type Region = NixlRegion;
+    type Op<'a> = XferOpDesc<'a>;
     type Error = NixlEngineError;
     const KIND: &'static str = KIND;
     const CLOSED: &'static str = "the connection to";
@@ -182,9 +141,83 @@ impl PeerHandle for NixlPeer {
         NixlPeer::remove_remote(self, id);
     }
 
+    fn op<'a>(local: &'a NixlRegion, s: &Segment) -> XferOpDesc<'a> {
+        XferOpDesc {
+            local,
+            local_offset: s.local_offset,
+            remote: s.remote_reg,
+            remote_offset: s.remote_offset,
+            len: s.len,
+        }
+    }
+
+    fn remote_of(op: &XferOpDesc<'_>) -> u64 {
+        op.remote
+    }
+
+    /// One NIXL request over the segments, with the notification.
+    fn post_ops(
+        &self,
+        op: Op,
+        ops: &[XferOpDesc<'_>],
+        notify: Option<Vec<u8>>,
+        done: impl FnOnce(Result<(), NixlEngineError>) + Send + 'static,
+    ) -> Result<(), NixlEngineError> {
+        let kind = match op {
+            Op::Write => XferKind::Write,
+            Op::Read => XferKind::Read,
+        };
+        NixlPeer::post(self, kind, ops, notify, done)
+    }
+
+    fn transfer_error(
+        peer: &str,
+        e: NixlEngineError,
+        remote_reg: impl Fn(usize) -> u64,
+    ) -> TransferError {
+        let peer = peer.to_owned();
+        match e {
+            NixlEngineError::TransferFailed { source, .. } => TransferError::PeerGone {
+                peer,
+                detail: format!("NIXL reported the transfer failed: {source}"),
+            },
+            NixlEngineError::Shutdown(_) => TransferError::PeerGone {
+                peer,
+                detail: "this agent's engine is shut down".into(),
+            },
+            NixlEngineError::Timeout { after, .. } => TransferError::Timeout { peer, after },
+            NixlEngineError::OutOfRange {
+                side: Side::Remote,
+                index,
+                offset,
+                len,
+                reg_len,
+            } => TransferError::OutOfRange {
+                peer,
+                side: Side::Remote,
+                index,
+                reg: remote_reg(index),
+                offset,
+                len,
+                reg_len,
+            },
+            NixlEngineError::UnknownRemote { index, id, .. } => {
+                TransferError::UnknownRegistration {
+                    peer,
+                    side: Side::Remote,
+                    index,
+                    reg: id,
+                }
+            }
+            other => TransferError::Backend {
+                peer,
+                source: backend_error(other),
+            },
+        }
+    }
+
     /// A closed connection fails the transfer first; a plan with no segments only sends its
-    /// notification, if any, in place; otherwise one NIXL request carries the segments and
-    /// the notification.
+    /// notification, if any, in place.
     fn post(link: &Link<Self>, xfer: Xfer) {
         let Xfer { notify, done } = xfer;
         let Some(handle) = link.handle() else {
@@ -199,43 +232,12 @@ impl PeerHandle for NixlPeer {
             let result = match &notify {
                 Some(msg) => handle
                     .notify(msg)
-                    .map_err(|e| transfer_error(link.peer(), e, |_| 0)),
+                    .map_err(|e| Self::transfer_error(link.peer(), e, |_| 0)),
                 None => Ok(()),
             };
             done.complete(result);
             return;
         }
-        let mems = match link.regs().of_plan(done.plan(), link.peer()) {
-            Ok(m) => m,
-            Err(e) => {
-                done.complete(Err(e));
-                return;
-            }
-        };
-        let ops: Vec<XferOpDesc<'_>> = done
-            .plan()
-            .segments()
-            .iter()
-            .zip(&mems)
-            .map(|(s, m)| XferOpDesc {
-                local: m,
-                local_offset: s.local_offset,
-                remote: s.remote_reg,
-                remote_offset: s.remote_offset,
-                len: s.len,
-            })
-            .collect();
-        let kind = match done.plan().op() {
-            Op::Write => XferKind::Write,
-            Op::Read => XferKind::Read,
-        };
-        let peer = link.peer().to_owned();
-        let (tracked, callback) = onesided::track(done, move |e| transfer_error(&peer, e, |_| 0));
-        if let Err(e) = handle.post(kind, &ops, notify, callback) {
-            let err = transfer_error(link.peer(), e, |i| ops.get(i).map_or(0, |o| o.remote));
-            drop(ops);
-            drop(mems);
-            tracked.fail(err);
-        }
+        link.post_plan(done, notify, || Ok(handle));
     }
 }

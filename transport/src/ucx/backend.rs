@@ -12,9 +12,10 @@
 //! What both one-sided adapters do alike lives in the crate's `onesided` module and is shared
 //! with `nixl`: the engine slot (started once, taken out at shutdown), the table of local
 //! registrations, the connection that keeps the peer's keys in step with each update and
-//! drops its handle on close, and the reporting of each posted transfer's completion exactly
-//! once. This file keeps what differs: starting the engine, registering, connecting, how a
-//! transfer is posted and how the engine's errors read.
+//! drops its handle on close, and posting a plan (its local registrations looked up, its
+//! segments handed to the engine, its completion reported exactly once). This file keeps
+//! what differs: starting the engine, registering, connecting, what an empty plan or a closed
+//! connection becomes, the engine's call that posts, and how the engine's errors read.
 //!
 //! **What the target checks.** UCX RMA is one-sided: the target's engine never sees a put or
 //! a get, so it cannot validate requests against its live registrations the way `shm` and
@@ -32,6 +33,7 @@ use super::{MemRegion, RmaKind, RmaOp, UcxConfig, UcxEndpoint, UcxEngine, UcxErr
 use crate::backend::{Connection, Host, Op, PeerInfo, RegInfo, Transport, Xfer};
 use crate::error::{BackendError, RegisterError, Side, TransferError};
 use crate::onesided::{self, EngineSlot, Link, PeerHandle, Regs};
+use crate::transfer::Segment;
 
 const KIND: &str = "ucx";
 /// How long [`Transport::connect`] waits for the peer to answer.
@@ -147,50 +149,10 @@ impl Transport for Ucx {
     }
 }
 
-/// A UCX error as a transfer error naming `peer`; `remote_reg` gives the remote registration
-/// of op `index`, for range errors.
-fn transfer_error(peer: &str, e: UcxError, remote_reg: impl Fn(usize) -> u64) -> TransferError {
-    let peer = peer.to_owned();
-    match e {
-        UcxError::PeerGone { message, .. } => TransferError::PeerGone {
-            peer,
-            detail: message,
-        },
-        UcxError::Shutdown(_) => TransferError::PeerGone {
-            peer,
-            detail: "the endpoint or this agent's engine is shut down".into(),
-        },
-        UcxError::OutOfRange {
-            side: Side::Remote,
-            index,
-            offset,
-            len,
-            reg_len,
-        } => TransferError::OutOfRange {
-            peer,
-            side: Side::Remote,
-            index,
-            reg: remote_reg(index),
-            offset,
-            len,
-            reg_len,
-        },
-        UcxError::UnknownRemote { index, id, .. } => TransferError::UnknownRegistration {
-            peer,
-            side: Side::Remote,
-            index,
-            reg: id,
-        },
-        other => TransferError::Backend {
-            peer,
-            source: backend_error(other),
-        },
-    }
-}
-
 /// A connection is a [`Link`] over the peer's endpoint.
 impl PeerHandle for UcxEndpoint {
     type Region = MemRegion;
+    type Op<'a> = RmaOp<'a>;
     type Error = UcxError;
     const KIND: &'static str = KIND;
     const CLOSED: &'static str = "the endpoint of";
@@ -203,9 +165,76 @@ impl PeerHandle for UcxEndpoint {
         UcxEndpoint::remove_remote(self, id);
     }
 
-    /// A plan with nothing to move and nothing to say completes at once; otherwise the
-    /// segments go as puts or gets, with the notification after them. The local
-    /// registrations are looked up before the endpoint, so a closed connection fails the
+    fn op<'a>(local: &'a MemRegion, s: &Segment) -> RmaOp<'a> {
+        RmaOp {
+            local,
+            local_offset: s.local_offset,
+            remote: s.remote_reg,
+            remote_offset: s.remote_offset,
+            len: s.len,
+        }
+    }
+
+    fn remote_of(op: &RmaOp<'_>) -> u64 {
+        op.remote
+    }
+
+    /// The segments as puts or gets, one flush, then the notification as an active message.
+    fn post_ops(
+        &self,
+        op: Op,
+        ops: &[RmaOp<'_>],
+        notify: Option<Vec<u8>>,
+        done: impl FnOnce(Result<(), UcxError>) + Send + 'static,
+    ) -> Result<(), UcxError> {
+        let kind = match op {
+            Op::Write => RmaKind::Put,
+            Op::Read => RmaKind::Get,
+        };
+        UcxEndpoint::post(self, kind, ops, notify, done)
+    }
+
+    fn transfer_error(peer: &str, e: UcxError, remote_reg: impl Fn(usize) -> u64) -> TransferError {
+        let peer = peer.to_owned();
+        match e {
+            UcxError::PeerGone { message, .. } => TransferError::PeerGone {
+                peer,
+                detail: message,
+            },
+            UcxError::Shutdown(_) => TransferError::PeerGone {
+                peer,
+                detail: "the endpoint or this agent's engine is shut down".into(),
+            },
+            UcxError::OutOfRange {
+                side: Side::Remote,
+                index,
+                offset,
+                len,
+                reg_len,
+            } => TransferError::OutOfRange {
+                peer,
+                side: Side::Remote,
+                index,
+                reg: remote_reg(index),
+                offset,
+                len,
+                reg_len,
+            },
+            UcxError::UnknownRemote { index, id, .. } => TransferError::UnknownRegistration {
+                peer,
+                side: Side::Remote,
+                index,
+                reg: id,
+            },
+            other => TransferError::Backend {
+                peer,
+                source: backend_error(other),
+            },
+        }
+    }
+
+    /// A plan with nothing to move and nothing to say completes at once. Otherwise the local
+    /// registrations are looked up before the endpoint, and a closed connection fails the
     /// transfer as a shut-down endpoint.
     fn post(link: &Link<Self>, xfer: Xfer) {
         let Xfer { notify, done } = xfer;
@@ -213,43 +242,9 @@ impl PeerHandle for UcxEndpoint {
             done.complete(Ok(()));
             return;
         }
-        let mems = match link.regs().of_plan(done.plan(), link.peer()) {
-            Ok(m) => m,
-            Err(e) => {
-                done.complete(Err(e));
-                return;
-            }
-        };
-        let ops: Vec<RmaOp<'_>> = done
-            .plan()
-            .segments()
-            .iter()
-            .zip(&mems)
-            .map(|(s, m)| RmaOp {
-                local: m,
-                local_offset: s.local_offset,
-                remote: s.remote_reg,
-                remote_offset: s.remote_offset,
-                len: s.len,
-            })
-            .collect();
-        let kind = match done.plan().op() {
-            Op::Write => RmaKind::Put,
-            Op::Read => RmaKind::Get,
-        };
-        // The completion is reported by the engine's callback, or here when nothing was
-        // posted (the callback is then dropped unrun).
-        let peer = link.peer().to_owned();
-        let (tracked, callback) = onesided::track(done, move |e| transfer_error(&peer, e, |_| 0));
-        let posted = match link.handle() {
-            Some(ep) => ep.post(kind, &ops, notify, callback),
-            None => Err(UcxError::Shutdown(link.peer().to_owned())),
-        };
-        if let Err(e) = posted {
-            let err = transfer_error(link.peer(), e, |i| ops.get(i).map_or(0, |o| o.remote));
-            drop(ops);
-            drop(mems);
-            tracked.fail(err);
-        }
+        link.post_plan(done, notify, || {
+            link.handle()
+                .ok_or_else(|| UcxError::Shutdown(link.peer().to_owned()))
+        });
     }
 }
