@@ -3,11 +3,7 @@
 //! (pinned to cpu 1); both pre-touch their SIZE (256 MiB by default); after one untimed write, `ITERS` writes
 //! are timed back to back and the average is printed as `GBPS <value>`.
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Command, Stdio};
-use std::time::Instant;
-
-use crate::bw_common::{hex, pin, unhex};
+use crate::bw_common::{announce, gbps, hex, pin, unhex, Target};
 
 use tessera_transport::{Agent, Op, Region, RemoteDesc};
 
@@ -32,28 +28,15 @@ pub(crate) fn main(make: impl Fn(&str) -> Agent) {
     region.fill(0, len, 0x5a).expect("pre-touch");
     let reg = agent.register(&region).expect("register");
     if target {
-        println!("META {}", hex(&agent.metadata()));
-        println!("REG {}", reg.id());
-        std::io::stdout().flush().ok();
-        let mut line = String::new();
-        let _ = std::io::stdin().read_line(&mut line);
+        announce(&[
+            format!("META {}", hex(&agent.metadata())),
+            format!("REG {}", reg.id()),
+        ]);
         return;
     }
-    let exe = std::env::current_exe().expect("exe");
-    let mut child = Command::new(exe)
-        .arg("--target")
-        .args(rest)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("spawn target");
-    let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
-    let mut next = || lines.next().and_then(Result::ok).unwrap_or_default();
-    let meta = unhex(next().trim_start_matches("META "));
-    let remote_reg: u64 = next()
-        .trim_start_matches("REG ")
-        .parse()
-        .expect("target registration");
+    let mut child = Target::spawn(rest);
+    let meta = unhex(&child.next("META "));
+    let remote_reg: u64 = child.next("REG ").parse().expect("target registration");
     let peer = agent.add_remote(&meta).expect("add the target");
     let prepared = peer
         .prepare(
@@ -62,18 +45,9 @@ pub(crate) fn main(make: impl Fn(&str) -> Agent) {
             &[RemoteDesc::new(remote_reg, 0, len)],
         )
         .expect("prepare");
-    prepared
-        .post(None)
-        .expect("post")
-        .wait()
-        .expect("warm-up write");
-    let start = Instant::now();
-    for _ in 0..iters {
+    let gbps = gbps(len, iters, || {
         prepared.post(None).expect("post").wait().expect("write");
-    }
-    let secs = start.elapsed().as_secs_f64();
-    let gbps = (len as f64 * f64::from(iters)) / secs / 1e9;
+    });
     println!("GBPS {gbps:.4}");
-    drop(child.stdin.take());
-    let _ = child.wait();
+    child.finish();
 }
