@@ -1463,65 +1463,10 @@ pub fn decode_inline(meta: &[u8], frames: Vec<ByteBuf>) -> Result<Value, String>
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sync::{model, thread, Arc, AtomicU64, Mutex, Ordering};
+    use crate::sync::{model, thread, Arc, Mutex};
+    use crate::testing::VecMem;
 
-    /// Heap blocks that count the bytes leased.
-    struct Counted(Arc<AtomicU64>);
-
-    struct Block {
-        buf: Vec<u8>,
-        live: Arc<AtomicU64>,
-    }
-
-    impl Drop for Block {
-        fn drop(&mut self) {
-            self.live
-                .fetch_sub(self.buf.len() as u64, Ordering::Relaxed);
-        }
-    }
-
-    impl AsRef<[u8]> for Block {
-        fn as_ref(&self) -> &[u8] {
-            &self.buf
-        }
-    }
-
-    impl Memory for Counted {
-        type Block = Block;
-        fn lease(&mut self, size: u64, _: u64) -> Result<Block, String> {
-            self.0.fetch_add(size, Ordering::Relaxed);
-            Ok(Block {
-                buf: vec![0; size as usize],
-                live: self.0.clone(),
-            })
-        }
-        type Dest = RemoteDesc;
-        fn dest(&self, block: &Block, offset: u64, len: u64) -> Result<RemoteDesc, String> {
-            self.remote(block, offset, len)
-        }
-        fn remote(&self, _: &Block, offset: u64, len: u64) -> Result<RemoteDesc, String> {
-            Ok(RemoteDesc::new(1, offset, len))
-        }
-        fn freeze(&self, block: Block, len: u64) -> Bytes {
-            Bytes::from_owner(block).slice(..len as usize)
-        }
-        fn block_len(b: &Block) -> u64 {
-            b.buf.len() as u64
-        }
-        fn copy_in(&mut self, data: &[u8], align: u64) -> Result<Bytes, String> {
-            let mut b = self.lease(data.len() as u64, align)?;
-            b.buf.copy_from_slice(data);
-            Ok(Bytes::from_owner(b))
-        }
-        fn usage(&self) -> PoolStats {
-            PoolStats {
-                used: self.0.load(Ordering::Relaxed),
-                ..PoolStats::default()
-            }
-        }
-    }
-
-    fn prepare(unit: &mut Unit<Counted>, now: Instant, id: u64) -> Response {
+    fn prepare(unit: &mut Unit<VecMem>, now: Instant, id: u64) -> Response {
         let t = tessera_framecodec::Tensor::from_slice(&[256], &[0u8; 256]).unwrap();
         let v = Value::List(vec![Value::List(vec![Value::Tensor(t)])]);
         let frames = tessera_framecodec::encode(&v).unwrap();
@@ -1550,12 +1495,12 @@ mod tests {
     #[test]
     fn loom_session_executor_and_timer_release_everything() {
         model(|| {
-            let leased = Arc::new(AtomicU64::new(0));
+            let leased = VecMem::new(u64::MAX);
             let cfg = UnitConfig {
                 inline_max: 16,
                 ..UnitConfig::default()
             };
-            let mut unit = Unit::new(cfg.clone(), Counted(leased.clone()));
+            let mut unit = Unit::new(cfg.clone(), leased.clone());
             let now = Instant::now();
             unit.open_session(1);
             unit.session_ready(1);
@@ -1642,7 +1587,7 @@ mod tests {
             assert_eq!(s.keys, 1, "the stored value stays");
             unit.teardown();
             drop(unit);
-            assert_eq!(leased.load(Ordering::Relaxed), 0, "every block is back");
+            assert_eq!(leased.live(), 0, "every block is back");
         });
     }
 
@@ -1652,12 +1597,12 @@ mod tests {
     #[test]
     fn loom_pulled_put_read_teardown_and_timer() {
         model(|| {
-            let leased = Arc::new(AtomicU64::new(0));
+            let leased = VecMem::new(u64::MAX);
             let cfg = UnitConfig {
                 inline_max: 16,
                 ..UnitConfig::default()
             };
-            let mut unit = Unit::new(cfg.clone(), Counted(leased.clone()));
+            let mut unit = Unit::new(cfg.clone(), leased.clone());
             unit.set_pull_puts(true);
             let now = Instant::now();
             unit.open_session(1);
@@ -1720,7 +1665,7 @@ mod tests {
             assert_eq!(unit.release_closed(1), 0, "nothing held for late WRITEs");
             unit.teardown();
             drop(unit);
-            assert_eq!(leased.load(Ordering::Relaxed), 0, "every block is back");
+            assert_eq!(leased.live(), 0, "every block is back");
         });
     }
 }

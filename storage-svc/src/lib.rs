@@ -10,6 +10,8 @@ mod plane;
 pub mod proto;
 mod server;
 mod sync;
+#[doc(hidden)]
+pub mod testing;
 
 pub use crate::client::{remote_error, Client, ClientConfig, Modulo, Placement};
 pub use crate::core::{PartitionStats, PoolStats, Stats, UnitConfig};

@@ -2,81 +2,17 @@
 //! plain map.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use proptest::prelude::*;
 use serde_bytes::ByteBuf;
 use tessera_framecodec::{encode, Tensor, Value};
-use tessera_storage::core::{Memory, Output, PoolStats, TornDown, Unit, UnitConfig};
+use tessera_storage::core::{Output, TornDown, Unit, UnitConfig};
 use tessera_storage::proto::{PullSource, Request, Response};
+use tessera_storage::testing::VecMem;
 use tessera_storage::ErrorKind;
 use tessera_transport::RemoteDesc;
-
-/// Vector memory that counts live blocks and bytes.
-#[derive(Clone, Default)]
-struct VecMem {
-    live: Arc<AtomicU64>,
-    cap: u64,
-}
-
-struct VecBlock {
-    buf: Vec<u8>,
-    live: Arc<AtomicU64>,
-}
-
-impl Drop for VecBlock {
-    fn drop(&mut self) {
-        self.live.fetch_sub(self.buf.len() as u64, Ordering::SeqCst);
-    }
-}
-
-impl AsRef<[u8]> for VecBlock {
-    fn as_ref(&self) -> &[u8] {
-        &self.buf
-    }
-}
-
-impl Memory for VecMem {
-    type Block = VecBlock;
-    fn lease(&mut self, size: u64, _align: u64) -> Result<VecBlock, String> {
-        if self.live.load(Ordering::SeqCst) + size > self.cap {
-            return Err("pool full".into());
-        }
-        self.live.fetch_add(size, Ordering::SeqCst);
-        Ok(VecBlock {
-            buf: vec![0; size as usize],
-            live: self.live.clone(),
-        })
-    }
-    type Dest = RemoteDesc;
-    fn dest(&self, block: &VecBlock, offset: u64, len: u64) -> Result<RemoteDesc, String> {
-        self.remote(block, offset, len)
-    }
-    fn remote(&self, _b: &VecBlock, offset: u64, len: u64) -> Result<RemoteDesc, String> {
-        Ok(RemoteDesc::new(1, offset, len))
-    }
-    fn freeze(&self, block: VecBlock, len: u64) -> Bytes {
-        Bytes::from_owner(block).slice(..len as usize)
-    }
-    fn block_len(b: &VecBlock) -> u64 {
-        b.buf.len() as u64
-    }
-    fn copy_in(&mut self, data: &[u8], align: u64) -> Result<Bytes, String> {
-        let mut b = self.lease(data.len() as u64, align)?;
-        b.buf.copy_from_slice(data);
-        Ok(Bytes::from_owner(b))
-    }
-    fn usage(&self) -> PoolStats {
-        PoolStats {
-            capacity: self.cap,
-            used: self.live.load(Ordering::SeqCst),
-            ..PoolStats::default()
-        }
-    }
-}
 
 struct Harness {
     unit: Unit<VecMem>,
@@ -90,10 +26,7 @@ const S: u64 = 1;
 
 impl Harness {
     fn new(cfg: UnitConfig) -> Self {
-        let mem = VecMem {
-            cap: 1 << 24,
-            ..VecMem::default()
-        };
+        let mem = VecMem::new(1 << 24);
         let mut unit = Unit::new(cfg, mem);
         unit.open_session(S);
         let now = Instant::now();
@@ -305,7 +238,7 @@ fn hello_first_and_token() {
         token: Some("s3cret".into()),
         ..UnitConfig::default()
     };
-    let mut unit = Unit::new(cfg, VecMem::default());
+    let mut unit = Unit::new(cfg, VecMem::new(0));
     let now = Instant::now();
     unit.open_session(7);
     assert_eq!(

@@ -4,6 +4,8 @@
 //! (SIZE in MiB, or KiB with a `K` suffix); NIXL's
 //! UCX backend takes its transports from `UCX_TLS`.
 
+#[path = "bw_common/agent.rs"]
+mod agent;
 #[path = "bw_common/mod.rs"]
 mod bw_common;
 
@@ -11,5 +13,5 @@ use tessera_transport::nixl::{Nixl, NixlConfig};
 use tessera_transport::Agent;
 
 fn main() {
-    bw_common::main(|name| Agent::new(name, Nixl::new(NixlConfig::new(name))).expect("agent"));
+    agent::main(|name| Agent::new(name, Nixl::new(NixlConfig::new(name))).expect("agent"));
 }

@@ -5,31 +5,11 @@
 //! write that pre-touches both buffers). `TESSERA_NIXL_PROGRESS_DELAY_US` sets NIXL's
 //! progress-thread delay.
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Command, Stdio};
-use std::time::Instant;
+#[path = "bw_common/mod.rs"]
+mod bw_common;
 
+use bw_common::{announce, gbps, hex, pin, unhex, Target};
 use tessera_transport::nixl::{NixlConfig, NixlEngine, XferOpDesc};
-
-fn pin(cpu: usize) {
-    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET writes inside it; the call
-    // only reads the set.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(cpu, &mut set);
-        libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set);
-    }
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len() / 2)
-        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap_or(0))
-        .collect()
-}
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -52,37 +32,16 @@ fn main() {
     // SAFETY: `buf` outlives the registration (dropped at the end of main, after `region`).
     let region = unsafe { engine.register(buf.as_mut_ptr(), len as u64) }.expect("register");
     if target {
-        println!("MD:{}", hex(&engine.metadata().expect("metadata")));
-        println!("KEY:{}", hex(&region.remote_key()));
-        std::io::stdout().flush().ok();
-        let mut line = String::new();
-        let _ = std::io::stdin().read_line(&mut line);
+        announce(&[
+            format!("MD:{}", hex(&engine.metadata().expect("metadata"))),
+            format!("KEY:{}", hex(&region.remote_key())),
+        ]);
         drop(region);
         return;
     }
-    let exe = std::env::current_exe().expect("exe");
-    let mut child = Command::new(exe)
-        .arg("--target")
-        .args(rest)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("spawn target");
-    let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
-    let md = unhex(
-        lines
-            .next()
-            .and_then(Result::ok)
-            .unwrap_or_default()
-            .trim_start_matches("MD:"),
-    );
-    let key = unhex(
-        lines
-            .next()
-            .and_then(Result::ok)
-            .unwrap_or_default()
-            .trim_start_matches("KEY:"),
-    );
+    let mut child = Target::spawn(rest);
+    let md = unhex(&child.next("MD:"));
+    let key = unhex(&child.next("KEY:"));
     let peer = engine.load_remote(&md).expect("load_remote");
     peer.add_remote(1, &key).expect("key");
     let op = [XferOpDesc {
@@ -92,19 +51,11 @@ fn main() {
         remote_offset: 0,
         len: len as u64,
     }];
-    peer.write(&op, None)
-        .expect("post")
-        .wait()
-        .expect("warm-up write");
-    let start = Instant::now();
-    for _ in 0..iters {
+    let gbps = gbps(len as u64, iters, || {
         peer.write(&op, None).expect("post").wait().expect("write");
-    }
-    let secs = start.elapsed().as_secs_f64();
-    let gbps = (len as f64 * f64::from(iters)) / secs / 1e9;
+    });
     println!("nixl engine write {mib} MiB x {iters}: {gbps:.2} GB/s");
-    drop(child.stdin.take());
-    let _ = child.wait();
+    child.finish();
     drop(peer);
     drop(region);
 }

@@ -5,6 +5,8 @@
 //! come from `UCX_TLS`; `TESSERA_UCX_ERR_MODE=none` drops peer error handling (compare with
 //! `ucx_perftest` without `-e`; the default compares with `ucx_perftest -e`).
 
+#[path = "bw_common/agent.rs"]
+mod agent;
 #[path = "bw_common/mod.rs"]
 mod bw_common;
 
@@ -12,7 +14,7 @@ use tessera_transport::ucx::{ErrorHandling, Ucx, UcxConfig};
 use tessera_transport::Agent;
 
 fn main() {
-    bw_common::main(|name| {
+    agent::main(|name| {
         let mut config = UcxConfig::new(name);
         if std::env::var("TESSERA_UCX_ERR_MODE").is_ok_and(|m| m == "none") {
             config.error_handling = ErrorHandling::None;

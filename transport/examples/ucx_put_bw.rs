@@ -6,31 +6,11 @@
 //! `TESSERA_UCX_ERR_MODE=none` drops peer error handling (compare with `ucx_perftest` without
 //! `-e`; the default compares with `ucx_perftest -e`).
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Command, Stdio};
-use std::time::Instant;
+#[path = "bw_common/mod.rs"]
+mod bw_common;
 
+use bw_common::{announce, gbps, hex, pin, unhex, Target};
 use tessera_transport::ucx::{ErrorHandling, RmaOp, UcxConfig, UcxEngine};
-
-fn pin(cpu: usize) {
-    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET writes inside it; the call
-    // only reads the set.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(cpu, &mut set);
-        libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set);
-    }
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len() / 2)
-        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap_or(0))
-        .collect()
-}
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -56,37 +36,16 @@ fn main() {
     // SAFETY: `buf` outlives the registration (dropped at the end of main, after `region`).
     let region = unsafe { engine.register(buf.as_mut_ptr(), len as u64) }.expect("register");
     if target {
-        println!("ADDR:{}", hex(engine.address()));
-        println!("KEY:{}", hex(region.remote_key()));
-        std::io::stdout().flush().ok();
-        let mut line = String::new();
-        let _ = std::io::stdin().read_line(&mut line);
+        announce(&[
+            format!("ADDR:{}", hex(engine.address())),
+            format!("KEY:{}", hex(region.remote_key())),
+        ]);
         drop(region);
         return;
     }
-    let exe = std::env::current_exe().expect("exe");
-    let mut child = Command::new(exe)
-        .arg("--target")
-        .args(rest)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("spawn target");
-    let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
-    let addr = unhex(
-        lines
-            .next()
-            .and_then(Result::ok)
-            .unwrap_or_default()
-            .trim_start_matches("ADDR:"),
-    );
-    let key = unhex(
-        lines
-            .next()
-            .and_then(Result::ok)
-            .unwrap_or_default()
-            .trim_start_matches("KEY:"),
-    );
+    let mut child = Target::spawn(rest);
+    let addr = unhex(&child.next("ADDR:"));
+    let key = unhex(&child.next("KEY:"));
     let ep = engine.connect("bw-target", &addr).expect("connect");
     ep.add_remote(1, &key).expect("key");
     let op = [RmaOp {
@@ -96,19 +55,11 @@ fn main() {
         remote_offset: 0,
         len: len as u64,
     }];
-    ep.put(&op, None)
-        .expect("post")
-        .wait()
-        .expect("warm-up put");
-    let start = Instant::now();
-    for _ in 0..iters {
+    let gbps = gbps(len as u64, iters, || {
         ep.put(&op, None).expect("post").wait().expect("put");
-    }
-    let secs = start.elapsed().as_secs_f64();
-    let gbps = (len as f64 * f64::from(iters)) / secs / 1e9;
+    });
     println!("ucx engine put {mib} MiB x {iters}: {gbps:.2} GB/s");
-    drop(child.stdin.take());
-    let _ = child.wait();
+    child.finish();
     drop(ep);
     drop(region);
 }

@@ -10,6 +10,8 @@ mod interval;
 mod metadata;
 #[cfg(feature = "nixl")]
 pub mod nixl;
+#[cfg(any(feature = "ucx", feature = "nixl"))]
+mod onesided;
 mod pool;
 mod region;
 pub mod shm;

@@ -1,15 +1,14 @@
-//! Two-process WRITE bandwidth through the `Agent` API, shared by the `ucx_agent_bw` and
-//! `nixl_agent_bw` examples: the initiator (pinned to cpu 0) spawns itself as the target
-//! (pinned to cpu 1); both pre-touch their SIZE (256 MiB by default); after one untimed write, `ITERS` writes
-//! are timed back to back and the average is printed as `GBPS <value>`.
+//! Helpers shared by the two-process bandwidth examples (`ucx_put_bw`, `nixl_write_bw`,
+//! `ucx_agent_bw`, `nixl_agent_bw`): pin a process to a core, and pass bytes as hex over the
+//! target's stdout, spawn the target and time the transfers. The `Agent`-level runner is
+//! `agent.rs` beside this file.
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Command, Stdio};
+use std::io::{BufRead, BufReader, Lines, Write};
+use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::Instant;
 
-use tessera_transport::{Agent, Op, Region, RemoteDesc};
-
-fn pin(cpu: usize) {
+/// Pins this process to `cpu`.
+pub(crate) fn pin(cpu: usize) {
     // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET writes inside it; the call
     // only reads the set.
     unsafe {
@@ -19,79 +18,71 @@ fn pin(cpu: usize) {
     }
 }
 
-fn hex(bytes: &[u8]) -> String {
+/// `bytes` as lowercase hex.
+pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-fn unhex(s: &str) -> Vec<u8> {
+/// The bytes of a hex string (a bad pair reads as 0).
+pub(crate) fn unhex(s: &str) -> Vec<u8> {
     (0..s.len() / 2)
         .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap_or(0))
         .collect()
 }
 
-/// Runs the initiator or, with `--target`, the target. `make` builds the agent.
-pub(crate) fn main(make: impl Fn(&str) -> Agent) {
-    let args: Vec<String> = std::env::args().collect();
-    let target = args.get(1).is_some_and(|a| a == "--target");
-    let rest = if target { &args[2..] } else { &args[1..] };
-    // SIZE in MiB, or in KiB with a `K` suffix (`64K`).
-    let len: u64 = rest
-        .first()
-        .and_then(|s| match s.strip_suffix('K') {
-            Some(kib) => kib.parse::<u64>().ok().map(|k| k << 10),
-            None => s.parse::<u64>().ok().map(|m| m << 20),
-        })
-        .unwrap_or(256 << 20);
-    let iters: u32 = rest.get(1).and_then(|s| s.parse().ok()).unwrap_or(5);
-    // Before the engine exists, so that its threads inherit the core.
-    pin(usize::from(target));
-    let agent = make(if target { "bw-target" } else { "bw-init" });
-    let region = Region::new(len).expect("region");
-    region.fill(0, len, 0x5a).expect("pre-touch");
-    let reg = agent.register(&region).expect("register");
-    if target {
-        println!("META {}", hex(&agent.metadata()));
-        println!("REG {}", reg.id());
-        std::io::stdout().flush().ok();
-        let mut line = String::new();
-        let _ = std::io::stdin().read_line(&mut line);
-        return;
+/// The target's side of the handshake: prints `lines` for the initiator, then waits until the
+/// initiator writes a line or closes this process's stdin.
+pub(crate) fn announce(lines: &[String]) {
+    for line in lines {
+        println!("{line}");
     }
-    let exe = std::env::current_exe().expect("exe");
-    let mut child = Command::new(exe)
-        .arg("--target")
-        .args(rest)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("spawn target");
-    let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
-    let mut next = || lines.next().and_then(Result::ok).unwrap_or_default();
-    let meta = unhex(next().trim_start_matches("META "));
-    let remote_reg: u64 = next()
-        .trim_start_matches("REG ")
-        .parse()
-        .expect("target registration");
-    let peer = agent.add_remote(&meta).expect("add the target");
-    let prepared = peer
-        .prepare(
-            Op::Write,
-            &[reg.desc(0, len).expect("local")],
-            &[RemoteDesc::new(remote_reg, 0, len)],
-        )
-        .expect("prepare");
-    prepared
-        .post(None)
-        .expect("post")
-        .wait()
-        .expect("warm-up write");
+    std::io::stdout().flush().ok();
+    let mut line = String::new();
+    let _ = std::io::stdin().read_line(&mut line);
+}
+
+/// The initiator's side: this executable, spawned as the target.
+pub(crate) struct Target {
+    child: Child,
+    lines: Lines<BufReader<ChildStdout>>,
+}
+
+impl Target {
+    /// Spawns this executable with `--target` and `args`.
+    pub(crate) fn spawn(args: &[String]) -> Self {
+        let exe = std::env::current_exe().expect("exe");
+        let mut child = Command::new(exe)
+            .arg("--target")
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn target");
+        let lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
+        Self { child, lines }
+    }
+
+    /// The next line the target announced, without `prefix` (empty once it is gone).
+    pub(crate) fn next(&mut self, prefix: &str) -> String {
+        let line = self.lines.next().and_then(Result::ok).unwrap_or_default();
+        line.trim_start_matches(prefix).to_owned()
+    }
+
+    /// Lets the target exit and waits for it.
+    pub(crate) fn finish(mut self) {
+        drop(self.child.stdin.take());
+        let _ = self.child.wait();
+    }
+}
+
+/// Runs `transfer` once untimed (it pre-touches both sides), then `iters` times back to back;
+/// returns the GB/s of the timed runs, `len` bytes each.
+pub(crate) fn gbps(len: u64, iters: u32, mut transfer: impl FnMut()) -> f64 {
+    transfer();
     let start = Instant::now();
     for _ in 0..iters {
-        prepared.post(None).expect("post").wait().expect("write");
+        transfer();
     }
     let secs = start.elapsed().as_secs_f64();
-    let gbps = (len as f64 * f64::from(iters)) / secs / 1e9;
-    println!("GBPS {gbps:.4}");
-    drop(child.stdin.take());
-    let _ = child.wait();
+    (len as f64 * f64::from(iters)) / secs / 1e9
 }
