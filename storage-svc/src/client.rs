@@ -18,7 +18,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::core::{decode_inline, Stats};
 use crate::error::{ClientError, ErrorKind, RemoteError};
 use crate::plane::{freeze, source_descs, Backend};
-use crate::proto::{self, PullSource, Request, Response};
+use crate::proto::{self, frame_descs, PullSource, Request, Response};
 
 /// Which unit holds an index. TransferQueue's placement is [`Modulo`].
 pub trait Placement: Send + Sync {
@@ -84,7 +84,7 @@ type Waiters = Arc<Mutex<Pending>>;
 
 struct Conn {
     unit: usize,
-    tx: mpsc::UnboundedSender<Vec<u8>>,
+    tx: mpsc::UnboundedSender<Outgoing>,
     waiters: Waiters,
     next: AtomicU64,
     peer: Peer,
@@ -253,8 +253,10 @@ impl Client {
             }),
             pull: None,
         };
-        let answer = conn.send(req)?;
-        // The frames are registered while the unit prepares its block.
+        let mut answer = conn.send(req, !inline)?;
+        // The frames are registered while the unit prepares its block: once the request is
+        // on its way (the writer may share this thread's core).
+        answer.sent().await;
         let locals = (!inline).then(|| {
             source_descs(
                 &self.agent,
@@ -265,7 +267,7 @@ impl Client {
         let terr = |message: String| ClientError::Transport { unit, message };
         let ready = match resp {
             Response::Done => return Ok(()),
-            Response::PutReady { descs, agent } => match (agent, locals) {
+            Response::PutReady { block, agent } => match (agent, locals) {
                 (_, Some(Err(e))) => Err(terr(e)),
                 (_, None) => Err(terr("READY for an inline PUT".into())),
                 // The unit registered more memory: its peer handle learns the new
@@ -273,13 +275,13 @@ impl Client {
                 (Some(md), Some(Ok(locals))) => self
                     .agent
                     .add_remote(&md)
-                    .map(|_| (descs, locals))
+                    .map(|_| (block, locals))
                     .map_err(|e| terr(e.to_string())),
-                (None, Some(Ok(locals))) => Ok((descs, locals)),
+                (None, Some(Ok(locals))) => Ok((block, locals)),
             },
             other => return Err(conn.unexpected(other)),
         };
-        let (descs, locals) = match ready {
+        let (block, locals) = match ready {
             Ok(r) => r,
             Err(e) => {
                 // Nothing was written: the unit frees the block.
@@ -292,7 +294,7 @@ impl Client {
                 return Err(e);
             }
         };
-        if let Err(e) = self.write_frames(conn, &frames, &descs, locals).await {
+        if let Err(e) = self.write_frames(conn, &frames, &block, locals).await {
             // The block may hold part of the payload: the unit quarantines it. No retry.
             let _ = conn
                 .call(Request::Cancel {
@@ -362,31 +364,25 @@ impl Client {
         }
     }
 
-    /// WRITEs the non-empty frames, registered as `locals` in order, to the block's `descs`
-    /// (one per frame).
+    /// WRITEs the non-empty frames, registered as `locals` in order, into the unit's receive
+    /// `block`, laid out as the unit lays them out.
     async fn write_frames(
         &self,
         conn: &Conn,
         frames: &Frames,
-        descs: &[RemoteDesc],
+        block: &RemoteDesc,
         locals: Vec<LocalDesc>,
     ) -> Result<(), ClientError> {
         let terr = |message: String| ClientError::Transport {
             unit: conn.unit,
             message,
         };
-        if descs.len() != frames.payloads.len() {
-            return Err(terr("READY descriptors do not match the frames".into()));
-        }
-        let mut remotes = Vec::with_capacity(locals.len());
-        for (f, d) in frames.payloads.iter().zip(descs) {
-            if f.is_empty() {
-                continue;
-            }
-            if d.len != f.len() as u64 {
-                return Err(terr("READY descriptor length mismatch".into()));
-            }
-            remotes.push(*d);
+        let layout = frames
+            .layout(conn.align)
+            .map_err(|e| ClientError::Codec(e.to_string()))?;
+        let remotes = frame_descs(block, &layout).map_err(terr)?;
+        if remotes.len() != locals.len() {
+            return Err(terr("the layout does not match the frames".into()));
         }
         let t = conn
             .peer
@@ -493,17 +489,17 @@ impl Client {
                 return Err(ClientError::OutOfMemory(e.to_string()));
             }
         };
-        let mut descs = Vec::with_capacity(layout.offsets.len());
-        for (off, len) in layout.offsets.iter().zip(&layout.lens) {
-            descs.push(if *len == 0 {
-                RemoteDesc::new(0, 0, 0)
-            } else {
-                block
-                    .remote_range(*off, *len)
-                    .map_err(|e| ClientError::OutOfMemory(e.to_string()))?
-            });
-        }
-        let done = tokio::time::timeout(self.timeout, conn.call(Request::GetInto { get, descs }));
+        // The unit lays the frames out in the block as this client did.
+        let exposed = block
+            .remote_range(0, layout.size.max(1))
+            .map_err(|e| ClientError::OutOfMemory(e.to_string()))?;
+        let done = tokio::time::timeout(
+            self.timeout,
+            conn.call(Request::GetInto {
+                get,
+                block: exposed,
+            }),
+        );
         match done.await {
             Ok(Ok((_, Response::GetDone))) => {}
             Ok(Ok((_, other))) => return Err(conn.unexpected(other)),
@@ -615,7 +611,7 @@ impl Conn {
             let (r, w) = s.into_split();
             (Box::new(r), Box::new(w))
         };
-        let (tx, rx) = mpsc::unbounded_channel::<Vec<u8>>();
+        let (tx, rx) = mpsc::unbounded_channel::<Outgoing>();
         let waiters: Waiters = Arc::default();
         tokio::spawn(write_loop(w, rx));
         tokio::spawn(read_loop(unit, r, waiters.clone(), cfg.max_message_bytes));
@@ -670,13 +666,22 @@ impl Conn {
     }
 
     async fn call(&self, req: Request) -> Result<(u64, Response), ClientError> {
-        self.send(req)?.wait().await
+        self.send(req, false)?.wait().await
     }
 
-    /// Sends `req`; its answer comes through the returned [`Answer`].
-    fn send(&self, req: Request) -> Result<Answer<'_>, ClientError> {
+    /// Sends `req`; its answer comes through the returned [`Answer`], which with `confirm`
+    /// can also tell when the request is on the socket.
+    fn send(&self, req: Request, confirm: bool) -> Result<Answer<'_>, ClientError> {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
-        send_raw(self.unit, &self.tx, &self.waiters, id, req, self.timeout)
+        send_raw(
+            self.unit,
+            &self.tx,
+            &self.waiters,
+            id,
+            req,
+            self.timeout,
+            confirm,
+        )
     }
 
     fn unexpected(&self, resp: Response) -> ClientError {
@@ -689,24 +694,27 @@ impl Conn {
 
 async fn call_raw(
     unit: usize,
-    tx: &mpsc::UnboundedSender<Vec<u8>>,
+    tx: &mpsc::UnboundedSender<Outgoing>,
     waiters: &Waiters,
     id: u64,
     req: Request,
     timeout: Duration,
 ) -> Result<(u64, Response), ClientError> {
-    send_raw(unit, tx, waiters, id, req, timeout)?.wait().await
+    send_raw(unit, tx, waiters, id, req, timeout, false)?
+        .wait()
+        .await
 }
 
 /// Sends `req` as request `id` and returns the wait for its answer: the request is on its way
 /// when this returns, so the caller can work while the unit does.
 fn send_raw<'a>(
     unit: usize,
-    tx: &mpsc::UnboundedSender<Vec<u8>>,
+    tx: &mpsc::UnboundedSender<Outgoing>,
     waiters: &'a Waiters,
     id: u64,
     req: Request,
     timeout: Duration,
+    confirm: bool,
 ) -> Result<Answer<'a>, ClientError> {
     let buf = proto::encode_frame(id, &req).map_err(|source| ClientError::Wire { unit, source })?;
     let (otx, orx) = oneshot::channel();
@@ -717,7 +725,14 @@ fn send_raw<'a>(
         }
         w.map.insert(id, otx);
     }
-    if tx.send(buf).is_err() {
+    let (written, sent) = match confirm {
+        true => {
+            let (tx, rx) = oneshot::channel();
+            (Some(tx), Some(rx))
+        }
+        false => (None, None),
+    };
+    if tx.send(Outgoing { buf, written }).is_err() {
         lock(waiters).map.remove(&id);
         return Err(connection_closed(unit));
     }
@@ -725,6 +740,7 @@ fn send_raw<'a>(
         unit,
         id,
         rx: orx,
+        sent,
         waiters,
         timeout,
     })
@@ -742,11 +758,21 @@ struct Answer<'a> {
     unit: usize,
     id: u64,
     rx: oneshot::Receiver<Result<Response, ClientError>>,
+    /// Fires once the request is on the socket (when asked for).
+    sent: Option<oneshot::Receiver<()>>,
     waiters: &'a Waiters,
     timeout: Duration,
 }
 
 impl Answer<'_> {
+    /// Until the connection's writer put the request on the socket (or gave up: the answer
+    /// then reports it).
+    async fn sent(&mut self) {
+        if let Some(rx) = self.sent.take() {
+            let _ = rx.await;
+        }
+    }
+
     async fn wait(self) -> Result<(u64, Response), ClientError> {
         let Self {
             unit,
@@ -754,6 +780,7 @@ impl Answer<'_> {
             rx,
             waiters,
             timeout,
+            ..
         } = self;
         // A unit that never answers (stopped, or a session task that died) must not hold the
         // caller forever.
@@ -773,13 +800,22 @@ impl Answer<'_> {
     }
 }
 
+/// A request for the connection's writer, and whom to tell once it is on the socket.
+struct Outgoing {
+    buf: Vec<u8>,
+    written: Option<oneshot::Sender<()>>,
+}
+
 async fn write_loop(
     mut w: Box<dyn AsyncWrite + Send + Unpin>,
-    mut rx: mpsc::UnboundedReceiver<Vec<u8>>,
+    mut rx: mpsc::UnboundedReceiver<Outgoing>,
 ) {
-    while let Some(buf) = rx.recv().await {
-        if w.write_all(&buf).await.is_err() {
+    while let Some(out) = rx.recv().await {
+        if w.write_all(&out.buf).await.is_err() {
             break;
+        }
+        if let Some(tx) = out.written {
+            let _ = tx.send(());
         }
     }
 }

@@ -22,7 +22,7 @@ use tessera_framecodec::{decode, decode_contiguous, Decoder, Encoder, Limits, Re
 use tessera_transport::RemoteDesc;
 
 use crate::error::{ErrorKind, RemoteError};
-use crate::proto::{Request, Response};
+use crate::proto::{frame_descs, Request, Response};
 
 /// Identifies a control connection (a session). A client that reconnects is a new session.
 pub type SessionId = u64;
@@ -330,6 +330,8 @@ enum PutNext<D> {
 
 struct PendingGet {
     frames: Vec<Bytes>,
+    /// Where the client's block takes them: the layout of the meta sent with `GetReady`.
+    layout: RecvLayout,
     writing: bool,
     deadline: Instant,
 }
@@ -813,7 +815,7 @@ impl<M: Memory> Unit<M> {
                 indexes,
                 fields,
             } => self.get(now, session, id, &partition, &indexes, &fields),
-            Request::GetInto { get, descs } => return self.get_into(session, id, get, descs),
+            Request::GetInto { get, block } => return self.get_into(session, id, get, block),
             Request::Clear {
                 partition,
                 indexes,
@@ -982,11 +984,10 @@ impl<M: Memory> Unit<M> {
             .mem
             .lease(layout.size, layout.align)
             .map_err(|e| err(ErrorKind::OutOfMemory, e))?;
-        let mut descs = Vec::with_capacity(layout.offsets.len());
         let mut dests = Vec::new();
         let mut srcs = Vec::new();
-        for (k, (off, len)) in layout.offsets.iter().zip(&layout.lens).enumerate() {
-            if let Some(src) = &pull {
+        if let Some(src) = &pull {
+            for (k, (off, len)) in layout.offsets.iter().zip(&layout.lens).enumerate() {
                 if *len > 0 {
                     dests.push(
                         self.mem
@@ -995,16 +996,17 @@ impl<M: Memory> Unit<M> {
                     );
                     srcs.push(src.descs[k]);
                 }
-            } else if *len == 0 {
-                descs.push(RemoteDesc::new(0, 0, 0));
-            } else {
-                descs.push(
-                    self.mem
-                        .remote(&block, *off, *len)
-                        .map_err(|e| err(ErrorKind::OutOfMemory, e))?,
-                );
             }
         }
+        // Pushed: the client lays the frames out in the block as this unit did.
+        let exposed = match pull {
+            Some(_) => None,
+            None => Some(
+                self.mem
+                    .remote(&block, 0, layout.size)
+                    .map_err(|e| err(ErrorKind::OutOfMemory, e))?,
+            ),
+        };
         self.leased += M::block_len(&block);
         self.reserved += incoming;
         self.puts.insert(
@@ -1021,15 +1023,18 @@ impl<M: Memory> Unit<M> {
                 reading: pull.is_some(),
             },
         );
-        Ok(match pull {
-            Some(src) => PutNext::Read(Output::Read {
+        Ok(match (pull, exposed) {
+            (Some(src), _) => PutNext::Read(Output::Read {
                 session,
                 put: id,
                 dests,
                 srcs,
                 agent: src.agent.into_vec(),
             }),
-            None => PutNext::Reply(Response::PutReady { descs, agent: None }),
+            (None, Some(block)) => PutNext::Reply(Response::PutReady { block, agent: None }),
+            (None, None) => {
+                return Err(err(ErrorKind::Protocol, "no receive block exposed"));
+            }
         })
     }
 
@@ -1106,7 +1111,8 @@ impl<M: Memory> Unit<M> {
         }
         let mut added = 0u64;
         let mut new_keys = 0u64;
-        let mut old = Vec::new();
+        // What the replaced entries accounted for; their values drop as they are replaced.
+        let mut old: Vec<(u64, Option<u64>)> = Vec::new();
         let part = self.partitions.entry(partition.to_owned()).or_default();
         for (field, items) in fields.iter().zip(rows) {
             let map = part.fields.entry(field.clone()).or_default();
@@ -1124,7 +1130,7 @@ impl<M: Memory> Unit<M> {
                         block,
                     },
                 ) {
-                    Some(prev) => old.push(prev),
+                    Some(prev) => old.push((prev.bytes, prev.block)),
                     None => new_keys += 1,
                 }
             }
@@ -1132,22 +1138,27 @@ impl<M: Memory> Unit<M> {
         part.keys += new_keys;
         part.bytes += added;
         self.used += added;
-        for e in old {
-            if let Some(p) = self.partitions.get_mut(partition) {
-                p.bytes -= e.bytes;
-            }
-            self.forget(e);
+        if let Some(p) = self.partitions.get_mut(partition) {
+            p.bytes -= old.iter().map(|(bytes, _)| bytes).sum::<u64>();
+        }
+        for (bytes, block) in old {
+            self.release(bytes, block);
         }
         Ok(())
     }
 
     /// Accounts for an entry leaving the store (its `Value` drops with it).
     fn forget(&mut self, e: Entry) {
-        self.used -= e.bytes;
-        if let Some(id) = e.block {
+        self.release(e.bytes, e.block);
+    }
+
+    /// Accounts for `bytes` of stored values leaving the store, from `block` if any.
+    fn release(&mut self, bytes: u64, block: Option<u64>) {
+        self.used -= bytes;
+        if let Some(id) = block {
             let compact = match self.blocks.get_mut(&id) {
                 Some(b) => {
-                    b.live -= e.bytes;
+                    b.live -= bytes;
                     if b.live == 0 {
                         self.blocks.remove(&id);
                         false
@@ -1257,10 +1268,14 @@ impl<M: Memory> Unit<M> {
                     .collect(),
             });
         }
+        let layout = frames
+            .layout(self.cfg.align)
+            .map_err(|e| err(ErrorKind::TooLarge, format!("layout: {e}")))?;
         self.gets.insert(
             (session, id),
             PendingGet {
                 frames: frames.payloads.iter().cloned().collect(),
+                layout,
                 writing: false,
                 deadline: now + self.cfg.prepare_ttl,
             },
@@ -1273,7 +1288,7 @@ impl<M: Memory> Unit<M> {
         session: SessionId,
         id: u64,
         get: u64,
-        descs: Vec<RemoteDesc>,
+        block: RemoteDesc,
     ) -> Vec<Output<M::Dest>> {
         let fail = |kind, msg: String| {
             vec![Output::Reply {
@@ -1288,32 +1303,18 @@ impl<M: Memory> Unit<M> {
         if g.writing {
             return fail(ErrorKind::BadRequest, format!("GET {get} already written"));
         }
-        if descs.len() != g.frames.len()
-            || descs
-                .iter()
-                .zip(&g.frames)
-                .any(|(d, f)| d.len != f.len() as u64)
-        {
-            return fail(
-                ErrorKind::BadRequest,
-                "descriptors do not match the frames".into(),
-            );
-        }
+        let descs = match frame_descs(&block, &g.layout) {
+            Ok(d) => d,
+            Err(e) => return fail(ErrorKind::BadRequest, e),
+        };
         g.writing = true;
-        let mut frames = Vec::new();
-        let mut ds = Vec::new();
-        for (f, d) in g.frames.iter().zip(descs) {
-            if !f.is_empty() {
-                frames.push(f.clone());
-                ds.push(d);
-            }
-        }
+        let frames: Vec<Bytes> = g.frames.iter().filter(|f| !f.is_empty()).cloned().collect();
         vec![Output::Write {
             session,
             id,
             get,
             frames,
-            descs: ds,
+            descs,
         }]
     }
 
@@ -1538,7 +1539,7 @@ mod tests {
             ));
             let into = Request::GetInto {
                 get: 5,
-                descs: vec![RemoteDesc::new(7, 0, 256)],
+                block: RemoteDesc::new(7, 0, 256),
             };
             assert!(matches!(
                 unit.handle(now, 1, 6, into).into_iter().next(),

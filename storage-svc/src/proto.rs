@@ -3,13 +3,14 @@
 
 use serde::{Deserialize, Serialize};
 use serde_bytes::ByteBuf;
+use tessera_framecodec::RecvLayout;
 use tessera_transport::RemoteDesc;
 
 use crate::error::{ErrorKind, WireError};
 
 /// Protocol version carried by every envelope. Version 2: a PUT may carry the sources of its
 /// payload for the unit to READ ([`Request::Put::pull`]).
-pub const PROTOCOL_VERSION: u16 = 2;
+pub const PROTOCOL_VERSION: u16 = 3;
 
 /// Bytes of the length prefix.
 pub const LEN_PREFIX: usize = 4;
@@ -70,8 +71,8 @@ pub enum Request {
     GetInto {
         /// Request id of the GET.
         get: u64,
-        /// One descriptor per payload frame, at the layout's offsets.
-        descs: Vec<RemoteDesc>,
+        /// The whole receive block, laid out from the GET's meta (see [`frame_descs`]).
+        block: RemoteDesc,
     },
     /// Remove indexes (all fields, or only `fields`). Idempotent.
     Clear {
@@ -119,8 +120,8 @@ pub enum Response {
     },
     /// A PUT's receive block is leased: WRITE frame `i` to `descs[i]`, then COMMIT.
     PutReady {
-        /// One descriptor per payload frame (empty frames get a zero-length descriptor).
-        descs: Vec<RemoteDesc>,
+        /// The whole receive block, laid out from the PUT's meta (see [`frame_descs`]).
+        block: RemoteDesc,
         /// The unit's agent metadata, when its registered memory changed since this session
         /// last got it (a new chunk the descriptors may point into): add it as the peer's
         /// metadata before writing.
@@ -224,6 +225,31 @@ impl Response {
     }
 }
 
+/// Where each non-empty payload frame goes in a receive block: frame `i` at
+/// `block.offset + layout.offsets[i]`, where `layout` is what framecodec computes from the
+/// meta with the unit's alignment (HELLO's `align`). Both ends compute it, so the block
+/// travels as one descriptor however many frames it holds. A block shorter than the layout
+/// is an error.
+pub fn frame_descs(block: &RemoteDesc, layout: &RecvLayout) -> Result<Vec<RemoteDesc>, String> {
+    if block.len < layout.size {
+        return Err(format!(
+            "receive block of {} bytes, the frames need {}",
+            block.len, layout.size
+        ));
+    }
+    if block.offset.checked_add(layout.size).is_none() {
+        return Err("receive block beyond the address space".into());
+    }
+    // Every frame ends within `layout.size`, so no offset below overflows.
+    Ok(layout
+        .offsets
+        .iter()
+        .zip(&layout.lens)
+        .filter(|(_, len)| **len > 0)
+        .map(|(off, len)| RemoteDesc::new(block.reg, block.offset + off, *len))
+        .collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -254,5 +280,28 @@ mod tests {
         let err = decode_body::<Request>(&buf).unwrap_err();
         assert_eq!(err.0, 3);
         assert!(matches!(err.1, WireError::Version { got: 9 }));
+    }
+
+    /// Frames land at the block's offset plus the layout's; empty frames get nothing; a
+    /// block shorter than the layout or one whose end overflows is refused.
+    #[test]
+    fn frame_descs_follow_the_layout() {
+        let layout = RecvLayout {
+            offsets: vec![0, 64, 64, 128],
+            lens: vec![10, 0, 50, 8],
+            size: 136,
+            align: 64,
+        };
+        let block = RemoteDesc::new(3, 1000, 136);
+        assert_eq!(
+            frame_descs(&block, &layout).unwrap(),
+            vec![
+                RemoteDesc::new(3, 1000, 10),
+                RemoteDesc::new(3, 1064, 50),
+                RemoteDesc::new(3, 1128, 8),
+            ]
+        );
+        assert!(frame_descs(&RemoteDesc::new(3, 1000, 135), &layout).is_err());
+        assert!(frame_descs(&RemoteDesc::new(3, u64::MAX - 100, 136), &layout).is_err());
     }
 }

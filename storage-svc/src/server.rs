@@ -1260,7 +1260,7 @@ mod tests {
         let agent = Backend::Tcp.agent("late").unwrap();
         let (mut s, md) = hello(&server, &agent).await;
         let peer = agent.add_remote(&md).unwrap();
-        let Response::PutReady { descs, agent: md } = call(&mut s, 2, &prepare("p")).await else {
+        let Response::PutReady { block, agent: md } = call(&mut s, 2, &prepare("p")).await else {
             panic!("no READY")
         };
         if let Some(md) = md {
@@ -1287,12 +1287,9 @@ mod tests {
         .unwrap();
         c.put("other", &[1], &column(100_000, 5)).await.unwrap();
         // The late WRITE lands.
-        let garbage: Vec<Bytes> = descs
-            .iter()
-            .map(|d| Bytes::from(vec![0xAB; d.len as usize]))
-            .collect();
+        let garbage = [Bytes::from(vec![0xAB; block.len as usize])];
         let locals = source_descs(&agent, &garbage).unwrap();
-        peer.write(&locals, &descs, None).unwrap().await.unwrap();
+        peer.write(&locals, &[block], None).unwrap().await.unwrap();
         let got = c.get("other", &[1], &["x"]).await.unwrap();
         let vals = got[0][0].as_tensor().unwrap().as_slice::<i32>().unwrap();
         assert!(

@@ -131,8 +131,8 @@ impl Harness {
             pull: None,
         });
         match r {
-            Response::PutReady { descs, .. } => {
-                assert_eq!(descs.len(), frames.payloads.len());
+            Response::PutReady { block, .. } => {
+                assert!(block.len >= frames.payload_bytes());
                 // The test memory cannot be written from outside; emulate the WRITE by
                 // refusing payloads here: only zero-length layouts reach this branch in tests
                 // that check values, other tests only check accounting.
@@ -177,14 +177,10 @@ impl Harness {
                 let table = tessera_framecodec::Decoder::new()
                     .frame_table(&meta)
                     .unwrap();
-                let descs = table
-                    .frames()
-                    .iter()
-                    .map(|f| RemoteDesc::new(9, 0, f.len))
-                    .collect();
+                let block = RemoteDesc::new(9, 0, table.total_bytes() * 2 + 4096);
                 let out =
                     self.unit
-                        .handle(self.now, S, id + 1000, Request::GetInto { get: id, descs });
+                        .handle(self.now, S, id + 1000, Request::GetInto { get: id, block });
                 let Output::Write {
                     frames,
                     get,
@@ -769,10 +765,10 @@ fn a_refused_transfer_is_answered_busy_and_can_be_retried() {
     };
     let (get, r) = h.req(ask());
     assert!(matches!(r, Response::GetReady { .. }), "{r:?}");
-    let descs = vec![RemoteDesc::new(9, 0, 64)];
+    let block = RemoteDesc::new(9, 0, 64);
     let out = h
         .unit
-        .handle(h.now, S, 100, Request::GetInto { get, descs });
+        .handle(h.now, S, 100, Request::GetInto { get, block });
     assert!(matches!(out[..], [Output::Write { .. }]));
     let r = single(h.unit.transfer_refused(S, get, 100, "queue full"));
     assert_eq!(kind(&r), Some(ErrorKind::Busy));
