@@ -136,7 +136,7 @@ async fn suite(report: &mut Report) -> Result<()> {
                 "shm_get_256m_gbps / memcpy_256m_gbps (goal >= 0.5)",
             );
             batch(&client, report, &pinned).await?;
-            small(&client, report, &pinned).await?;
+            small(&client, &unit.echo, report, &pinned).await?;
         } else if backend == Backend::Tcp {
             let raw_addr = unit.raw.clone().context("raw sink address")?;
             let raw =
@@ -198,7 +198,7 @@ async fn batch(client: &Client, report: &mut Report, pinned: &str) -> Result<()>
     Ok(())
 }
 
-async fn small(client: &Client, report: &mut Report, pinned: &str) -> Result<()> {
+async fn small(client: &Client, echo: &str, report: &mut Report, pinned: &str) -> Result<()> {
     let cols = vec![(
         "x".to_string(),
         vec![Value::Tensor(
@@ -214,15 +214,61 @@ async fn small(client: &Client, report: &mut Report, pinned: &str) -> Result<()>
         client.put("small", &[0], &cols).await?;
         runs.push(t.elapsed());
     }
-    runs.sort();
-    let median = runs[runs.len() / 2];
+    let put = median_us(runs);
+    let echo = echo.to_owned();
+    let rtt = tokio::task::spawn_blocking(move || echo_rtt(&echo)).await??;
     report.put(
         "small_put_us",
-        median.as_secs_f64() * 1e6,
+        put,
         format!("round trip of a 4-byte PUT (inline), median of {SMALL_N}; {pinned} (goal <= 50)"),
+    );
+    report.put(
+        "rtt_us",
+        rtt,
+        format!(
+            "round trip of one byte over a loopback TCP connection between the same two \
+             processes (a thread of the unit process echoes it), median of {SMALL_N}; {pinned}"
+        ),
+    );
+    report.put(
+        "small_put_vs_rtt",
+        put / rtt,
+        "small_put_us / rtt_us: a PUT's round trip in units of the machine's own cross-core round trip",
     );
     client.drop_partition("small").await?;
     Ok(())
+}
+
+fn median_us(mut runs: Vec<Duration>) -> f64 {
+    runs.sort();
+    runs[runs.len() / 2].as_secs_f64() * 1e6
+}
+
+/// Median round trip of one byte to the unit process's echo thread.
+fn echo_rtt(addr: &str) -> Result<f64> {
+    let mut s = TcpStream::connect(addr)?;
+    s.set_nodelay(true)?;
+    let mut b = [0u8; 1];
+    let mut runs = Vec::with_capacity(SMALL_N);
+    for i in 0..SMALL_N + 100 {
+        let t = Instant::now();
+        s.write_all(&[7])?;
+        s.read_exact(&mut b)?;
+        if i >= 100 {
+            runs.push(t.elapsed());
+        }
+    }
+    Ok(median_us(runs))
+}
+
+/// Echoes every byte back, one connection at a time.
+fn echo_bytes(listener: TcpListener) {
+    for s in listener.incoming() {
+        let Ok(mut s) = s else { return };
+        let _ = s.set_nodelay(true);
+        let mut b = [0u8; 1];
+        while s.read_exact(&mut b).is_ok() && s.write_all(&b).is_ok() {}
+    }
 }
 
 fn raw_tcp(addr: &str, len: usize) -> Result<f64> {
@@ -247,6 +293,9 @@ struct UnitProc {
     child: Child,
     addr: String,
     raw: Option<String>,
+    /// A one-byte echo in the unit process: the round trip between the two processes'
+    /// cores, the floor under any request's latency.
+    echo: String,
 }
 
 impl UnitProc {
@@ -270,7 +319,13 @@ impl UnitProc {
             .strip_prefix("RAW ")
             .map(str::to_owned)
             .filter(|a| a != "-");
-        Ok(Self { child, addr, raw })
+        let echo = next()?.strip_prefix("ECHO ").context("ECHO")?.to_owned();
+        Ok(Self {
+            child,
+            addr,
+            raw,
+            echo,
+        })
     }
 
     fn stop(&mut self) {
@@ -318,10 +373,14 @@ fn unit_main(kind: &str) -> Result<()> {
         } else {
             "-".into()
         };
+        let echo = TcpListener::bind("127.0.0.1:0")?;
+        let echo_addr = echo.local_addr()?.to_string();
+        std::thread::spawn(move || echo_bytes(echo));
         {
             let mut out = std::io::stdout().lock();
             writeln!(out, "ADDR {}", server.addr())?;
             writeln!(out, "RAW {raw}")?;
+            writeln!(out, "ECHO {echo_addr}")?;
             out.flush()?;
         }
         // Serve until the parent closes stdin.
