@@ -20,6 +20,8 @@ use crate::cpu::{affinity, pin, restore_affinity};
 use crate::Report;
 
 const UNIT_ENV: &str = "TESSERA_BENCH_STORAGE_UNIT";
+/// The core the unit process pins itself to (default `UNIT_CPU`).
+const UNIT_CPU_ENV: &str = "TESSERA_BENCH_STORAGE_UNIT_CPU";
 const BIG: usize = 256 << 20;
 const RUNS_BIG: usize = 5;
 const RUNS_BATCH: usize = 10;
@@ -89,7 +91,7 @@ async fn suite(report: &mut Report) -> Result<()> {
     let backends = [Backend::Shm, Backend::Tcp, Backend::Ucx];
     for backend in backends.into_iter().filter(|b| b.available()) {
         let k = backend.kind();
-        let mut unit = UnitProc::start(k)?;
+        let mut unit = UnitProc::start(k, UNIT_CPU)?;
         let client = Client::connect(ClientConfig {
             units: vec![unit.addr.clone()],
             backend,
@@ -137,6 +139,7 @@ async fn suite(report: &mut Report) -> Result<()> {
             );
             batch(&client, report, &pinned).await?;
             small(&client, &unit.echo, report, &pinned).await?;
+            same_core(report).await?;
         } else if backend == Backend::Tcp {
             let raw_addr = unit.raw.clone().context("raw sink address")?;
             let raw =
@@ -239,6 +242,52 @@ async fn small(client: &Client, echo: &str, report: &mut Report, pinned: &str) -
     Ok(())
 }
 
+/// The 4-byte PUT again with the unit process on the client's core: the round trip without
+/// the machine's cross-core wake-up (a second unit, over shm).
+async fn same_core(report: &mut Report) -> Result<()> {
+    let mut unit = UnitProc::start(Backend::Shm.kind(), CLIENT_CPU)?;
+    let client = Client::connect(ClientConfig {
+        units: vec![unit.addr.clone()],
+        backend: Backend::Shm,
+        recv_pool_bytes: 1 << 20,
+        ..ClientConfig::default()
+    })
+    .await?;
+    let cols = vec![(
+        "x".to_string(),
+        vec![Value::Tensor(
+            Tensor::from_slice(&[1], &[7i32]).expect("tensor"),
+        )],
+    )];
+    for _ in 0..100 {
+        client.put("small", &[0], &cols).await?;
+    }
+    let mut runs = Vec::with_capacity(SMALL_N);
+    for _ in 0..SMALL_N {
+        let t = Instant::now();
+        client.put("small", &[0], &cols).await?;
+        runs.push(t.elapsed());
+    }
+    let echo = unit.echo.clone();
+    let rtt = tokio::task::spawn_blocking(move || echo_rtt(&echo)).await??;
+    report.put(
+        "small_put_same_core_us",
+        median_us(runs),
+        format!(
+            "small_put_us with the unit process pinned to the client's cpu {CLIENT_CPU}, median \
+             of {SMALL_N} (goal <= 50)"
+        ),
+    );
+    report.put(
+        "rtt_same_core_us",
+        rtt,
+        format!("rtt_us with both processes on cpu {CLIENT_CPU}, median of {SMALL_N}"),
+    );
+    drop(client);
+    unit.stop();
+    Ok(())
+}
+
 fn median_us(mut runs: Vec<Duration>) -> f64 {
     runs.sort();
     runs[runs.len() / 2].as_secs_f64() * 1e6
@@ -299,10 +348,11 @@ struct UnitProc {
 }
 
 impl UnitProc {
-    fn start(kind: &str) -> Result<Self> {
+    fn start(kind: &str, cpu: usize) -> Result<Self> {
         let mut child = Command::new(std::env::current_exe()?)
             .arg("storage")
             .env(UNIT_ENV, kind)
+            .env(UNIT_CPU_ENV, cpu.to_string())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -342,7 +392,11 @@ impl Drop for UnitProc {
 }
 
 fn unit_main(kind: &str) -> Result<()> {
-    pin(UNIT_CPU)?;
+    let cpu = std::env::var(UNIT_CPU_ENV)
+        .ok()
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(UNIT_CPU);
+    pin(cpu)?;
     let backend = match kind {
         "shm" => Backend::Shm,
         "tcp" => Backend::Tcp,
