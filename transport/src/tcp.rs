@@ -601,7 +601,15 @@ async unsafe fn read_spans(r: &OwnedReadHalf, spans: &[(usize, u64)]) -> io::Res
     let stream: &TcpStream = r.as_ref();
     let fd = stream.as_raw_fd();
     let mut cur = Cursor::default();
+    let mut left: u64 = spans.iter().map(|s| s.1).sum();
+    // Back to 1 however this returns (or is dropped), for the next header.
+    let mut lowat = Lowat { fd, bytes: 1 };
     while !cur.done(spans) {
+        // Wake this reader only once a good part of what it still expects is queued: one
+        // wake-up per `LOWAT_MAX` bytes instead of one per segment burst. Never above what
+        // is still to come, so it cannot wait for bytes the peer will not send (a closed or
+        // failed connection wakes it regardless).
+        lowat.set(left.min(LOWAT_MAX) as libc::c_int);
         r.readable().await?;
         let result = stream.try_io(Interest::READABLE, || {
             let mut iov = empty_iov();
@@ -617,13 +625,51 @@ async unsafe fn read_spans(r: &OwnedReadHalf, spans: &[(usize, u64)]) -> io::Res
         });
         match result {
             Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
-            Ok(n) => cur.advance(spans, n),
+            Ok(n) => {
+                cur.advance(spans, n);
+                left -= n as u64;
+            }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(e),
         }
     }
     Ok(())
+}
+
+/// The most a payload reader asks the kernel to queue before waking it.
+const LOWAT_MAX: u64 = 256 << 10;
+
+/// The socket's `SO_RCVLOWAT` (readiness once this many bytes are queued) while a payload is
+/// read; 1 again when dropped.
+struct Lowat {
+    fd: std::os::fd::RawFd,
+    bytes: libc::c_int,
+}
+
+impl Lowat {
+    fn set(&mut self, bytes: libc::c_int) {
+        if bytes != self.bytes {
+            // SAFETY: `fd` is an open socket owned by the reader; the value is a c_int that
+            // lives across the call, with its size passed alongside.
+            unsafe {
+                libc::setsockopt(
+                    self.fd,
+                    libc::SOL_SOCKET,
+                    libc::SO_RCVLOWAT,
+                    (&bytes as *const libc::c_int).cast(),
+                    size_of::<libc::c_int>() as libc::socklen_t,
+                );
+            }
+            self.bytes = bytes;
+        }
+    }
+}
+
+impl Drop for Lowat {
+    fn drop(&mut self) {
+        self.set(1);
+    }
 }
 
 // ----- the writer ------------------------------------------------------------------------
