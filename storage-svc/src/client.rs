@@ -765,11 +765,12 @@ struct Answer<'a> {
 }
 
 impl Answer<'_> {
-    /// Until the connection's writer put the request on the socket (or gave up: the answer
-    /// then reports it).
+    /// Until the connection's writer put the request on the socket, gave up, or the answer's
+    /// own timeout passed (a unit that stopped reading blocks the writer): the answer then
+    /// reports what happened.
     async fn sent(&mut self) {
         if let Some(rx) = self.sent.take() {
-            let _ = rx.await;
+            let _ = tokio::time::timeout(self.timeout, rx).await;
         }
     }
 
