@@ -998,14 +998,23 @@ impl<M: Memory> Unit<M> {
                 }
             }
         }
-        // Pushed: the client lays the frames out in the block as this unit did.
-        let exposed = match pull {
-            Some(_) => None,
-            None => Some(
-                self.mem
+        let reading = pull.is_some();
+        let next = match pull {
+            Some(src) => PutNext::Read(Output::Read {
+                session,
+                put: id,
+                dests,
+                srcs,
+                agent: src.agent.into_vec(),
+            }),
+            // Pushed: the client lays the frames out in the block as this unit did.
+            None => PutNext::Reply(Response::PutReady {
+                block: self
+                    .mem
                     .remote(&block, 0, layout.size)
                     .map_err(|e| err(ErrorKind::OutOfMemory, e))?,
-            ),
+                agent: None,
+            }),
         };
         self.leased += M::block_len(&block);
         self.reserved += incoming;
@@ -1020,22 +1029,10 @@ impl<M: Memory> Unit<M> {
                 layout,
                 reserved: incoming,
                 deadline: now + self.cfg.prepare_ttl,
-                reading: pull.is_some(),
+                reading,
             },
         );
-        Ok(match (pull, exposed) {
-            (Some(src), _) => PutNext::Read(Output::Read {
-                session,
-                put: id,
-                dests,
-                srcs,
-                agent: src.agent.into_vec(),
-            }),
-            (None, Some(block)) => PutNext::Reply(Response::PutReady { block, agent: None }),
-            (None, None) => {
-                return Err(err(ErrorKind::Protocol, "no receive block exposed"));
-            }
-        })
+        Ok(next)
     }
 
     fn commit(&mut self, session: SessionId, put: u64) -> Result<Response, RemoteError> {
