@@ -4,6 +4,7 @@
 //! own registered pool).
 
 use std::collections::HashMap;
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -15,6 +16,7 @@ use tessera_transport::{Agent, LocalDesc, Peer, RegisteredPool, RemoteDesc};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, oneshot};
 
+use crate::busy_poll::{BusyPoll, Waiting};
 use crate::core::{decode_inline, Stats};
 use crate::error::{ClientError, ErrorKind, RemoteError};
 use crate::plane::{freeze, source_descs, Backend};
@@ -57,6 +59,9 @@ pub struct ClientConfig {
     /// before the client gives up ([`ClientError::Timeout`]; the outcome is then unknown and
     /// not retried).
     pub timeout: Duration,
+    /// Polls the control connections for answers before a worker of the caller's runtime
+    /// parks, when that runtime was built with [`BusyPoll::on_park`] (off by default).
+    pub busy_poll: Option<BusyPoll>,
 }
 
 impl Default for ClientConfig {
@@ -69,6 +74,7 @@ impl Default for ClientConfig {
             recv_pool_bytes: 1 << 30,
             max_message_bytes: 256 << 20,
             timeout: Duration::from_secs(60),
+            busy_poll: None,
         }
     }
 }
@@ -78,6 +84,8 @@ struct Pending {
     /// Set once the connection is gone: later calls fail at once instead of waiting.
     closed: bool,
     map: HashMap<u64, oneshot::Sender<Result<Response, ClientError>>>,
+    /// Polled for answers while one is awaited (`ClientConfig::busy_poll`).
+    poll: Option<BusyPoll>,
 }
 
 type Waiters = Arc<Mutex<Pending>>;
@@ -603,16 +611,27 @@ impl Conn {
             Box<dyn AsyncWrite + Send + Unpin>,
         ) = if let Some(path) = addr.strip_prefix("unix:") {
             let s = tokio::net::UnixStream::connect(path).await.map_err(io)?;
+            let fd = s.as_raw_fd();
             let (r, w) = s.into_split();
-            (Box::new(r), Box::new(w))
+            (
+                Box::new(BusyPoll::watched(cfg.busy_poll.as_ref(), fd, r, false)),
+                Box::new(w),
+            )
         } else {
             let s = tokio::net::TcpStream::connect(addr).await.map_err(io)?;
             s.set_nodelay(true).map_err(io)?;
+            let fd = s.as_raw_fd();
             let (r, w) = s.into_split();
-            (Box::new(r), Box::new(w))
+            (
+                Box::new(BusyPoll::watched(cfg.busy_poll.as_ref(), fd, r, false)),
+                Box::new(w),
+            )
         };
         let (tx, rx) = mpsc::unbounded_channel::<Outgoing>();
-        let waiters: Waiters = Arc::default();
+        let waiters: Waiters = Arc::new(Mutex::new(Pending {
+            poll: cfg.busy_poll.clone(),
+            ..Pending::default()
+        }));
         tokio::spawn(write_loop(w, rx));
         tokio::spawn(read_loop(unit, r, waiters.clone(), cfg.max_message_bytes));
         let hello = Request::Hello {
@@ -718,13 +737,14 @@ fn send_raw<'a>(
 ) -> Result<Answer<'a>, ClientError> {
     let buf = proto::encode_frame(id, &req).map_err(|source| ClientError::Wire { unit, source })?;
     let (otx, orx) = oneshot::channel();
-    {
+    let polled = {
         let mut w = lock(waiters);
         if w.closed {
             return Err(connection_closed(unit));
         }
         w.map.insert(id, otx);
-    }
+        w.poll.as_ref().map(BusyPoll::waiting)
+    };
     let (written, sent) = match confirm {
         true => {
             let (tx, rx) = oneshot::channel();
@@ -743,6 +763,7 @@ fn send_raw<'a>(
         sent,
         waiters,
         timeout,
+        _polled: polled,
     })
 }
 
@@ -762,6 +783,8 @@ struct Answer<'a> {
     sent: Option<oneshot::Receiver<()>>,
     waiters: &'a Waiters,
     timeout: Duration,
+    /// Parking workers poll for the answer while it is awaited.
+    _polled: Option<Waiting>,
 }
 
 impl Answer<'_> {
@@ -781,6 +804,7 @@ impl Answer<'_> {
             rx,
             waiters,
             timeout,
+            _polled: _waiting,
             ..
         } = self;
         // A unit that never answers (stopped, or a session task that died) must not hold the

@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 #![warn(missing_docs)]
 
+mod busy_poll;
 mod chunks;
 mod client;
 pub mod core;
@@ -13,6 +14,7 @@ mod sync;
 #[doc(hidden)]
 pub mod testing;
 
+pub use crate::busy_poll::BusyPoll;
 pub use crate::client::{remote_error, Client, ClientConfig, Modulo, Placement};
 pub use crate::core::{PartitionStats, PoolStats, Stats, UnitConfig};
 pub use crate::error::{ClientError, ErrorKind, RemoteError, WireError};

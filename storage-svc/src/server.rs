@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 use std::future::Future;
+use std::os::fd::AsRawFd;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
 use std::pin::Pin;
@@ -20,6 +21,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 use tracing::Instrument;
 
+use crate::busy_poll::BusyPoll;
 use crate::chunks::{ChunkLimits, ChunkPool};
 use crate::core::{Output, SessionId, Stats, TornDown, Unit, UnitConfig};
 use crate::error::ErrorKind;
@@ -65,6 +67,11 @@ pub struct ServerConfig {
     pub transfer_queue: usize,
     /// The protocol core's settings.
     pub unit: UnitConfig,
+    /// Polls the sessions' sockets before a worker of the server's runtime parks, when that
+    /// runtime was built with [`BusyPoll::on_park`] (off by default; the binary's
+    /// `busy_poll_us`).
+    #[serde(skip)]
+    pub busy_poll: Option<BusyPoll>,
 }
 
 mod secs {
@@ -98,6 +105,7 @@ impl Default for ServerConfig {
             reply_queue: 1024,
             transfer_queue: 64,
             unit: UnitConfig::default(),
+            busy_poll: None,
         }
     }
 }
@@ -324,12 +332,16 @@ async fn accept_loop(shared: Arc<Shared>, listener: Listener, mut stop: watch::R
                 match &listener {
                     Listener::Tcp(l) => l.accept().await.map(|(s, a)| {
                         let _ = s.set_nodelay(true);
+                        let fd = s.as_raw_fd();
                         let (r, w) = s.into_split();
+                        let r = BusyPoll::watched(shared.cfg.busy_poll.as_ref(), fd, r, true);
                         (Box::new(r) as Box<dyn AsyncRead + Send + Unpin>,
                          Box::new(w) as Box<dyn AsyncWrite + Send + Unpin>, a.to_string())
                     }),
                     Listener::Unix(l, _) => l.accept().await.map(|(s, _)| {
+                        let fd = s.as_raw_fd();
                         let (r, w) = s.into_split();
+                        let r = BusyPoll::watched(shared.cfg.busy_poll.as_ref(), fd, r, true);
                         (Box::new(r) as Box<dyn AsyncRead + Send + Unpin>,
                          Box::new(w) as Box<dyn AsyncWrite + Send + Unpin>, "unix".to_string())
                     }),

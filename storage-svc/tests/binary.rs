@@ -246,3 +246,21 @@ fn debug_log_level_prints_request_spans() {
         .output()
         .is_ok_and(|o| !o.status.success()));
 }
+
+/// The unit binary polls its sessions for 50 us by default; it serves the same with polling
+/// off and with a long window.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serves_with_busy_polling_off_and_long() {
+    for window in ["0", "2000"] {
+        let unit = UnitProcess::start(Backend::Shm, &["--busy-poll-us", window]);
+        let c = unit.client().await;
+        for i in 0..50u64 {
+            let v = Value::Bytes(vec![i as u8; 1 + (i as usize) * 997].into());
+            c.put("p", &[i], &[("x".into(), vec![v.clone()])])
+                .await
+                .unwrap();
+            let got = c.get("p", &[i], &["x"]).await.unwrap();
+            assert_eq!(got[0][0], v, "window {window} us");
+        }
+    }
+}

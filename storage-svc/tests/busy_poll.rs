@@ -1,0 +1,83 @@
+//! A unit and a client that both busy-poll their control sockets (each on its own runtime
+//! built with `BusyPoll::on_park`) store and read back values over TCP and Unix control
+//! sockets, and the pollers count what is awaited: one per open session, none once every
+//! answer arrived.
+
+use std::time::{Duration, Instant};
+
+use tessera_storage::{
+    Backend, BusyPoll, Client, ClientConfig, Server, ServerConfig, Tensor, Value,
+};
+
+fn runtime(poll: &BusyPoll) -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .on_thread_park(poll.on_park())
+        .build()
+        .unwrap()
+}
+
+fn until(what: &str, f: impl Fn() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(t.elapsed() < Duration::from_secs(20), "timed out: {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn polled_unit_and_client_round_trip() {
+    let dir = tempfile::tempdir().unwrap();
+    let unix = format!("unix:{}", dir.path().join("unit.sock").display());
+    for bind in ["127.0.0.1:0".to_owned(), unix] {
+        let unit_poll = BusyPoll::new(Duration::from_micros(200)).unwrap();
+        let unit_rt = runtime(&unit_poll);
+        let server = unit_rt
+            .block_on(Server::start(ServerConfig {
+                bind: bind.clone(),
+                backend: Backend::Shm,
+                pool_bytes: 16 << 20,
+                pool_chunk_bytes: 16 << 20,
+                busy_poll: Some(unit_poll.clone()),
+                ..ServerConfig::default()
+            }))
+            .unwrap();
+        let client_poll = BusyPoll::new(Duration::from_micros(200)).unwrap();
+        let client_rt = runtime(&client_poll);
+        let client = client_rt
+            .block_on(Client::connect(ClientConfig {
+                units: vec![server.addr().to_owned()],
+                backend: Backend::Shm,
+                recv_pool_bytes: 16 << 20,
+                busy_poll: Some(client_poll.clone()),
+                ..ClientConfig::default()
+            }))
+            .unwrap();
+        until("the session is awaited", || unit_poll.awaited() == 1);
+        client_rt.block_on(async {
+            for i in 0..200u64 {
+                // Inline (4 bytes) and through the payload plane (64 KiB), alternately.
+                let n = if i % 2 == 0 { 1 } else { 16 << 10 };
+                let data: Vec<i32> = (0..n).map(|k| k ^ (i as i32)).collect();
+                let t = Value::Tensor(Tensor::from_slice(&[n as u64], &data).unwrap());
+                client
+                    .put("p", &[i], &[("x".into(), vec![t])])
+                    .await
+                    .unwrap();
+                let got = client.get("p", &[i], &["x"]).await.unwrap();
+                assert_eq!(
+                    got[0][0].as_tensor().unwrap().to_vec::<i32>().unwrap(),
+                    data
+                );
+            }
+            client.drop_partition("p").await.unwrap();
+        });
+        assert_eq!(client_poll.awaited(), 0, "every answer arrived ({bind})");
+        drop(client);
+        until("the closed session is no longer awaited", || {
+            unit_poll.awaited() == 0
+        });
+        unit_rt.block_on(server.shutdown());
+    }
+}
