@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use serde_bytes::ByteBuf;
-use tessera_framecodec::{decode, decode_contiguous, Decoder, Encoder, Limits, RecvLayout, Value};
+use tessera_framecodec::{decode, Decoder, Encoder, Limits, RecvLayout, Value};
 use tessera_transport::RemoteDesc;
 
 use crate::error::{ErrorKind, RemoteError};
@@ -298,13 +298,20 @@ struct Closed {
     deadline: Option<Instant>,
 }
 
-struct PendingPut<B> {
+struct PendingPut {
     partition: String,
     indexes: Vec<u64>,
     fields: Vec<String>,
-    meta: Bytes,
-    block: B,
-    layout: RecvLayout,
+    /// The receive block, frozen at PREPARE before it was exposed: `value`'s views are
+    /// slices of it, and the block goes back to the pool once both are gone.
+    buf: Bytes,
+    /// The PUT's value, decoded at PREPARE (the meta needs no payload byte), so a COMMIT only
+    /// stores it. Its views are not read before the payload landed (COMMIT, or the READ done).
+    value: Value,
+    /// Bytes of the leased block (`M::block_len`).
+    block_len: u64,
+    /// Bytes of the block the frames occupy.
+    size: u64,
     reserved: u64,
     deadline: Instant,
     /// A pulled PUT whose READ is queued or in flight: it waits for `read_done`, not for a
@@ -353,7 +360,7 @@ pub struct Unit<M: Memory> {
     bytes_out: u64,
     sessions: HashMap<SessionId, Session>,
     closed: HashMap<SessionId, Closed>,
-    puts: HashMap<(SessionId, u64), PendingPut<M::Block>>,
+    puts: HashMap<(SessionId, u64), PendingPut>,
     gets: HashMap<(SessionId, u64), PendingGet>,
     /// PUT payloads are pulled (READ by the unit) instead of pushed.
     pull_puts: bool,
@@ -484,11 +491,11 @@ impl<M: Memory> Unit<M> {
                     self.release_put(p);
                     continue;
                 }
-                let len = M::block_len(&p.block);
+                let len = p.block_len;
                 self.leased -= len;
                 self.reserved -= p.reserved;
                 self.quarantined += len;
-                quarantine.push((Box::new(p.block), len, p.partition));
+                quarantine.push((Box::new((p.buf, p.value)), len, p.partition));
             }
         }
         if quarantine.is_empty() {
@@ -529,18 +536,19 @@ impl<M: Memory> Unit<M> {
         bytes
     }
 
-    fn release_put(&mut self, p: PendingPut<M::Block>) {
-        self.leased -= M::block_len(&p.block);
+    fn release_put(&mut self, p: PendingPut) {
+        self.leased -= p.block_len;
         self.reserved -= p.reserved;
     }
 
-    fn quarantine_put(&mut self, session: SessionId, p: PendingPut<M::Block>) {
-        let len = M::block_len(&p.block);
+    fn quarantine_put(&mut self, session: SessionId, p: PendingPut) {
+        let len = p.block_len;
         self.leased -= len;
         self.reserved -= p.reserved;
         self.quarantined += len;
         if let Some(s) = self.sessions.get_mut(&session) {
-            s.quarantine.push((Box::new(p.block), len, p.partition));
+            s.quarantine
+                .push((Box::new((p.buf, p.value)), len, p.partition));
         } else {
             self.quarantined -= len;
         }
@@ -1016,7 +1024,17 @@ impl<M: Memory> Unit<M> {
                 agent: None,
             }),
         };
-        self.leased += M::block_len(&block);
+        // Described for the transfer, then frozen and decoded: all before the block is
+        // exposed (READY sent, READ posted). A meta that does not decode is refused here,
+        // before anything moves, and the block (with the READ's descriptors) goes straight
+        // back.
+        let block_len = M::block_len(&block);
+        let buf = self.mem.freeze(block, layout.size);
+        let value = self
+            .decoder
+            .decode_contiguous(&meta, &buf, layout.align)
+            .map_err(|e| err(ErrorKind::Protocol, format!("decode: {e}")))?;
+        self.leased += block_len;
         self.reserved += incoming;
         self.puts.insert(
             (session, id),
@@ -1024,9 +1042,10 @@ impl<M: Memory> Unit<M> {
                 partition,
                 indexes,
                 fields,
-                meta,
-                block,
-                layout,
+                buf,
+                value,
+                block_len,
+                size: layout.size,
                 reserved: incoming,
                 deadline: now + self.cfg.prepare_ttl,
                 reading,
@@ -1050,14 +1069,11 @@ impl<M: Memory> Unit<M> {
     }
 
     /// Stores the values of a PUT whose payload is in its block (committed or read).
-    fn store_put(&mut self, p: PendingPut<M::Block>) -> Result<Response, RemoteError> {
-        let len = M::block_len(&p.block);
+    fn store_put(&mut self, p: PendingPut) -> Result<Response, RemoteError> {
+        let len = p.block_len;
         self.leased -= len;
         self.reserved -= p.reserved;
-        let size = p.layout.size;
-        let buf = self.mem.freeze(p.block, size);
-        let value = decode_contiguous(&p.meta, &buf, p.layout.align)
-            .map_err(|e| err(ErrorKind::Protocol, format!("decode: {e}")))?;
+        let size = p.size;
         self.bytes_in += size;
         let block_id = self.next_block;
         self.next_block += 1;
@@ -1069,7 +1085,7 @@ impl<M: Memory> Unit<M> {
                 partition: p.partition.clone(),
             },
         );
-        let r = self.store(&p.partition, &p.indexes, &p.fields, value, Some(block_id));
+        let r = self.store(&p.partition, &p.indexes, &p.fields, p.value, Some(block_id));
         if self.blocks.get(&block_id).is_some_and(|b| b.live == 0) {
             self.blocks.remove(&block_id);
         }
@@ -1361,7 +1377,7 @@ impl<M: Memory> Unit<M> {
             s.bytes = p.bytes;
         }
         for p in self.puts.values() {
-            per.entry(&p.partition).or_default().leased_bytes += M::block_len(&p.block);
+            per.entry(&p.partition).or_default().leased_bytes += p.block_len;
         }
         let open = self.sessions.values().map(|s| &s.quarantine);
         for q in open.chain(self.closed.values().map(|c| &c.quarantine)) {

@@ -645,6 +645,36 @@ fn bad_requests_are_errors() {
     assert_eq!(h.stats().keys, 0);
 }
 
+/// A PUT whose frame table lays out a block but whose body does not decode is refused at
+/// PREPARE, before the block is shown to anyone, and its block goes straight back. Over a
+/// pulled unit too (no READ is asked for).
+#[test]
+fn a_meta_that_does_not_decode_is_refused_before_ready() {
+    for pull in [false, true] {
+        let mut h = if pull {
+            Harness::pulling(UnitConfig::default())
+        } else {
+            Harness::new(UnitConfig::default())
+        };
+        let big = Value::Tensor(Tensor::from_slice(&[1 << 14], &vec![3u8; 1 << 14]).unwrap());
+        let frames = encode(&batch(1, vec![big])).unwrap();
+        let mut meta = frames.meta.to_vec();
+        meta.pop();
+        let pull_src = pull.then(|| Harness::sources(&frames));
+        let (_, r) = h.req(Request::Put {
+            partition: "p".into(),
+            indexes: vec![1],
+            fields: vec!["f".into()],
+            meta: ByteBuf::from(meta),
+            inline: None,
+            pull: pull_src,
+        });
+        assert_eq!(kind(&r), Some(ErrorKind::Protocol), "{r:?}");
+        let st = h.stats();
+        assert_eq!((st.keys, st.leased_bytes, st.pool.used), (0, 0, 0));
+    }
+}
+
 #[derive(Debug, Clone)]
 enum Op {
     Put { idx: Vec<u64>, big: bool, tag: u8 },
