@@ -1124,26 +1124,26 @@ impl<M: Memory> Unit<M> {
         }
         let mut added = 0u64;
         let mut new_keys = 0u64;
-        // What the replaced entries accounted for; their values drop as they are replaced.
-        let mut old: Vec<(u64, Option<u64>)> = Vec::new();
+        // What the replaced entries accounted for, per block they came from (the values of one
+        // earlier PUT share its block, so runs are merged as they come); their values drop as
+        // they are replaced.
+        let mut old: Vec<(Option<u64>, u64)> = Vec::new();
         let part = self.partitions.entry(partition.to_owned()).or_default();
         for (field, items) in fields.iter().zip(rows) {
             let map = part.fields.entry(field.clone()).or_default();
             for (index, value) in indexes.iter().zip(items) {
                 let bytes = logical_bytes(&value);
                 added += bytes;
-                if let Some(b) = block.and_then(|b| self.blocks.get_mut(&b)) {
-                    b.live += bytes;
-                }
-                match map.insert(
-                    *index,
-                    Entry {
-                        value,
-                        bytes,
-                        block,
+                let entry = Entry {
+                    value,
+                    bytes,
+                    block,
+                };
+                match map.insert(*index, entry) {
+                    Some(prev) => match old.last_mut() {
+                        Some((b, sum)) if *b == prev.block => *sum += prev.bytes,
+                        _ => old.push((prev.block, prev.bytes)),
                     },
-                ) {
-                    Some(prev) => old.push((prev.bytes, prev.block)),
                     None => new_keys += 1,
                 }
             }
@@ -1151,10 +1151,15 @@ impl<M: Memory> Unit<M> {
         part.keys += new_keys;
         part.bytes += added;
         self.used += added;
-        if let Some(p) = self.partitions.get_mut(partition) {
-            p.bytes -= old.iter().map(|(bytes, _)| bytes).sum::<u64>();
+        if let Some(b) = block.and_then(|b| self.blocks.get_mut(&b)) {
+            b.live += added;
         }
-        for (bytes, block) in old {
+        if let Some(p) = self.partitions.get_mut(partition) {
+            p.bytes -= old.iter().map(|(_, bytes)| bytes).sum::<u64>();
+        }
+        // Each block is released by what left it at once, so a block whose dead fraction
+        // passes the threshold only because of this PUT is not compacted halfway through.
+        for (block, bytes) in old {
             self.release(bytes, block);
         }
         Ok(())
