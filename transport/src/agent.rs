@@ -76,6 +76,7 @@ pub enum LinkState {
 #[non_exhaustive]
 pub struct AgentReport {
     /// Live registrations (each cached range counts once, however many guards it has).
+    /// Local-only registrations ([`Agent::register_local`]) are never listed, so never counted.
     pub registrations: usize,
     /// Bytes they cover.
     pub registered_bytes: u64,
@@ -197,10 +198,74 @@ impl Agent {
             offset,
             len,
             key,
-            transport: self.core.transport.clone(),
-            host: Arc::downgrade(host),
+            listed: Some(Listed {
+                transport: self.core.transport.clone(),
+                host: Arc::downgrade(host),
+            }),
         });
         host.registry.insert(&entry);
+        Ok(Registration {
+            entry,
+            start: 0,
+            len,
+        })
+    }
+
+    /// Whether the local side of this agent's transfers must be registered with its engine.
+    ///
+    /// `false` for engines that reach local memory by address alone (`inproc`, `shm`, `tcp`):
+    /// [`Agent::register_local`] then creates a local-only registration without asking the
+    /// engine. `true` for engines that look up their own handle of the local memory (`ucx`,
+    /// `nixl`): there `register_local` is [`Agent::register`], and whatever it registers is
+    /// exposed to peers like any registration.
+    pub fn local_side_needs_registration(&self) -> bool {
+        self.core.transport.local_side_needs_registration()
+    }
+
+    /// Registers the whole region for use only as the *local* side of this agent's own
+    /// transfers (the source of a WRITE, the destination of a READ).
+    ///
+    /// Where the engine needs no local registration (see
+    /// [`Agent::local_side_needs_registration`]), the registration is local-only: the engine
+    /// is not asked, and it is never listed in the agent's registrations, so it is absent from
+    /// [`Agent::metadata`] and from [`AgentReport::registrations`],
+    /// [`Agent::find_registered`] never returns it, and a peer naming its id is refused like
+    /// an unknown registration. Its [`Registration::remote`] descriptors are therefore
+    /// useless to peers. Creating and dropping one takes no lock. Otherwise this is exactly
+    /// [`Agent::register`].
+    ///
+    /// In both cases a live registration of this agent that already covers the region is
+    /// reused, as [`Agent::register`] does.
+    pub fn register_local(&self, region: &Region) -> Result<Registration, RegisterError> {
+        if self.core.transport.local_side_needs_registration() {
+            return self.register(region);
+        }
+        let host = &self.core.host;
+        if host.closed.load(Ordering::Acquire) {
+            return Err(RegisterError::AgentClosed {
+                agent: host.name.clone(),
+            });
+        }
+        let len = region.len();
+        if region.mark_registered() {
+            if let Some(entry) = host.registry.find(region, 0, len) {
+                // It covers the whole region, so it starts at the region's first byte.
+                return Ok(Registration {
+                    entry,
+                    start: 0,
+                    len,
+                });
+            }
+        }
+        let entry = Arc::new(RegEntry {
+            id: next_id(),
+            agent_id: host.id,
+            region: region.clone(),
+            offset: 0,
+            len,
+            key: Vec::new(),
+            listed: None,
+        });
         Ok(Registration {
             entry,
             start: 0,
@@ -586,6 +651,14 @@ pub(crate) struct RegEntry {
     offset: u64,
     pub(crate) len: u64,
     key: Vec<u8>,
+    /// Where the registration is listed: `None` for a local-only registration
+    /// ([`Agent::register_local`]), which its engine never saw and its agent's registry never
+    /// held, so dropping it releases nothing but its memory.
+    listed: Option<Listed>,
+}
+
+/// The engine that registered an entry and the agent whose registry lists it.
+struct Listed {
     transport: Arc<dyn Transport>,
     host: Weak<HostShared>,
 }
@@ -598,10 +671,13 @@ impl RegEntry {
 
 impl Drop for RegEntry {
     fn drop(&mut self) {
-        if let Some(host) = self.host.upgrade() {
+        let Some(listed) = &self.listed else {
+            return;
+        };
+        if let Some(host) = listed.host.upgrade() {
             host.registry.remove(self);
         }
-        self.transport.deregister(self.id);
+        listed.transport.deregister(self.id);
     }
 }
 

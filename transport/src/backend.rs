@@ -111,6 +111,18 @@ pub trait Transport: Send + Sync + 'static {
     /// Forgets registration `id`. Called once, after every transfer using it completed.
     fn deregister(&self, id: u64);
 
+    /// Whether the local side of a transfer (the source of a WRITE, the destination of a
+    /// READ) must be registered with this engine. Engines that reach local memory through the
+    /// segment's address alone ([`Segment::local_ptr`](crate::Segment::local_ptr)) and whose
+    /// [`register`](Transport::register) does nothing for it return `false`: the agent then
+    /// never calls them for [`Agent::register_local`](crate::Agent::register_local), and
+    /// their plans may name local registrations this engine never saw. The default, `true`,
+    /// suits engines that look up their own handle of the local memory by
+    /// [`Segment::local_reg`](crate::Segment::local_reg).
+    fn local_side_needs_registration(&self) -> bool {
+        true
+    }
+
     /// What peers need to reach this engine, placed in the agent's metadata.
     fn address(&self) -> Vec<u8>;
 

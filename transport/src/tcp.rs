@@ -258,6 +258,11 @@ impl Transport for Tcp {
 
     fn deregister(&self, _: u64) {}
 
+    fn local_side_needs_registration(&self) -> bool {
+        // Transfers reach local memory through the segment's address.
+        false
+    }
+
     fn address(&self) -> Vec<u8> {
         let local = self.local_addr();
         let addr = match (self.inner.advertise.get().copied(), local) {

@@ -137,6 +137,10 @@ macro_rules! conformance_suite {
             fn registration_cache_and_deferred_release() {
                 $crate::testing::registration_cache_and_deferred_release(&make);
             }
+            #[test]
+            fn local_only_registrations() {
+                $crate::testing::local_only_registrations(&make);
+            }
         }
     };
 }
@@ -1166,4 +1170,112 @@ pub fn registration_cache_and_deferred_release(make: Factory<'_>) {
         0,
         "registration {reg_id} released"
     );
+}
+
+/// [`Agent::register_local`]. Where the engine needs no local registration, the registration is
+/// local-only: it is the source of a WRITE and the destination of a READ, it is absent from
+/// the agent's metadata and report and from lookups by address, a peer naming its id (with
+/// forged metadata) is refused as an unknown registration and touches nothing, and dropping
+/// it while a transfer using it is in flight is safe. Where the engine needs one, it is a
+/// normal registration, listed like any other.
+pub fn local_only_registrations(make: Factory<'_>) {
+    let (a, b, a_to_b, _) = pair(make);
+    let rb = Region::new(8 << 20).unwrap();
+    let gb = b.register(&rb).unwrap();
+    let a_to_b = a.add_remote(&b.metadata()).unwrap_or(a_to_b);
+    let before = a.report();
+    let listed = |id: u64| {
+        crate::metadata::decode(&a.metadata())
+            .unwrap()
+            .regs
+            .iter()
+            .any(|r| r.id == id)
+    };
+    let local_only = !a.local_side_needs_registration();
+
+    let n = 20_000usize;
+    let ra = Region::new(1 << 16).unwrap();
+    ra.write_at(0, &pattern(70, n)).unwrap();
+    let la = a.register_local(&ra).unwrap();
+    let report = a.report();
+    if local_only {
+        assert_eq!(report.registrations, before.registrations, "never listed");
+        assert_eq!(report.registered_bytes, before.registered_bytes);
+        assert!(!listed(la.id()), "absent from the metadata");
+        assert!(a.find_registered(ra.as_ptr(), 10).is_none());
+    } else {
+        assert_eq!(report.registrations, before.registrations + 1);
+        assert!(listed(la.id()), "a normal registration");
+        assert_eq!(a.find_registered(ra.as_ptr(), 10).unwrap().id(), la.id());
+    }
+
+    // The source of a WRITE and the destination of a READ.
+    finish(
+        a_to_b
+            .write(
+                &[la.desc(0, n as u64).unwrap()],
+                &[gb.remote(1000, n as u64).unwrap()],
+                None,
+            )
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(read(&rb, 1000, n), pattern(70, n));
+    rb.write_at(200_000, &pattern(71, n)).unwrap();
+    finish(
+        a_to_b
+            .read(
+                &[la.desc(30_000, n as u64).unwrap()],
+                &[gb.remote(200_000, n as u64).unwrap()],
+                None,
+            )
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(read(&ra, 30_000, n), pattern(71, n));
+
+    if local_only {
+        // A peer that names it anyway (forged metadata) is refused, both ways, and the
+        // memory is untouched.
+        let mut info = crate::metadata::decode(&a.metadata()).unwrap();
+        info.regs.push(crate::backend::RemoteReg {
+            id: la.id(),
+            len: ra.len(),
+            key: Vec::new(),
+        });
+        let b_to_a = b.add_remote(&crate::metadata::encode(&info)).unwrap();
+        let gb_desc = [gb.desc(0, 4096).unwrap()];
+        let forged = [RemoteDesc::new(la.id(), 0, 4096)];
+        for op in [Op::Write, Op::Read] {
+            let t = b_to_a.prepare(op, &gb_desc, &forged).unwrap();
+            match finish(t.post(None).unwrap()) {
+                Err(TransferError::Rejected {
+                    reason: RejectReason::UnknownRegistration,
+                    ref peer,
+                }) => assert_eq!(peer, "agent-a"),
+                other => panic!("{op:?} naming a local-only registration: {other:?}"),
+            }
+        }
+        assert_eq!(read(&ra, 0, 4096), pattern(70, 4096), "untouched");
+    }
+
+    // Dropped, with its region, while a WRITE from it is in flight: the plan keeps it.
+    let len = 8usize << 20;
+    let big = Region::new(len as u64).unwrap();
+    big.write_at(0, &pattern(72, len)).unwrap();
+    let lbig = a.register_local(&big).unwrap();
+    let t = a_to_b
+        .write(
+            &[lbig.desc(0, len as u64).unwrap()],
+            &[gb.remote(0, len as u64).unwrap()],
+            None,
+        )
+        .unwrap();
+    drop((lbig, big, la, ra));
+    finish(t).unwrap();
+    assert_eq!(read(&rb, 0, len), pattern(72, len));
+    let after = a.report();
+    assert_eq!(after.registrations, before.registrations);
+    assert_eq!(after.registered_bytes, before.registered_bytes);
+    assert_eq!(after.in_flight, 0);
 }
