@@ -53,7 +53,7 @@ enum Kind {
 }
 
 // SAFETY: `Mapping` only holds a pointer to memory that is valid for its whole life (it owns the
-// mapping, or the foreign contract promises validity). Concurrent access to the bytes goes
+// mapping, or the foreign contract promises validity wherever it is accessed). Concurrent access to the bytes goes
 // through raw-pointer copies whose callers uphold the data-race rules documented on `Region`.
 unsafe impl Send for Mapping {}
 // SAFETY: as for `Send`: no method gives out references into the memory without `unsafe`.
@@ -209,9 +209,19 @@ impl Region {
     /// Such a region has no file descriptor, so only in-process backends (and engines that
     /// register arbitrary virtual memory) can use it.
     ///
+    /// The region itself never touches the memory: bytes are accessed only where something
+    /// asks for them. A transfer touches exactly its segments; [`Region::read_at`],
+    /// [`Region::write_at`], [`Region::fill`] and the slice accessors the bytes they name; an
+    /// engine that maps or pins memory to register it (`ucx`, `nixl`) the whole registered
+    /// range; a peer the ranges of its requests, within the registrations it can name.
+    ///
     /// # Safety
-    /// - `ptr..ptr + len` must be valid for reads and writes, and stay valid and not be
-    ///   unmapped or reused until `owner` is dropped (or forever, if `owner` is `None`);
+    /// - every byte of `ptr..ptr + len` that is ever accessed through the region must be valid
+    ///   for that access (for reads where it is read, for writes where it is written), from
+    ///   now until `owner` is dropped (or forever, if `owner` is `None`), and the memory must
+    ///   not be unmapped or reused meanwhile. Bytes that nothing accesses need not be valid;
+    ///   the caller then keeps the region from whatever could access them (its accessors, an
+    ///   engine registration that maps the whole range, a registration peers can name);
     /// - while a transfer reads or writes this memory, nothing else may access the bytes it
     ///   touches through references (only raw-pointer accesses that tolerate concurrent
     ///   modification, as for any memory shared with a device or another process).
@@ -316,8 +326,9 @@ impl Region {
     /// Copies `data` into the region at `offset`.
     pub fn write_at(&self, offset: u64, data: &[u8]) -> Result<(), RegionError> {
         self.check(offset, data.len())?;
-        // SAFETY: the range was checked to lie inside the region, which is valid for writes;
-        // `data` is a separate Rust slice, so the ranges cannot overlap.
+        // SAFETY: the range was checked to lie inside the region; our own mappings are valid
+        // for writes throughout, and foreign memory wherever it is written (the contract of
+        // `from_raw_parts`). `data` is a separate Rust slice, so the ranges cannot overlap.
         unsafe {
             std::ptr::copy_nonoverlapping(
                 data.as_ptr(),
@@ -331,8 +342,9 @@ impl Region {
     /// Copies bytes at `offset` out of the region into `out`.
     pub fn read_at(&self, offset: u64, out: &mut [u8]) -> Result<(), RegionError> {
         self.check(offset, out.len())?;
-        // SAFETY: the range was checked to lie inside the region, which is valid for reads;
-        // `out` is an exclusive Rust slice, so the ranges cannot overlap.
+        // SAFETY: the range was checked to lie inside the region; our own mappings are valid
+        // for reads throughout, and foreign memory wherever it is read (the contract of
+        // `from_raw_parts`). `out` is an exclusive Rust slice, so the ranges cannot overlap.
         unsafe {
             std::ptr::copy_nonoverlapping(
                 self.as_ptr().add(offset as usize),
@@ -347,7 +359,8 @@ impl Region {
     pub fn fill(&self, offset: u64, len: u64, byte: u8) -> Result<(), RegionError> {
         let ulen = usize::try_from(len).map_err(|_| RegionError::TooLarge { len })?;
         self.check(offset, ulen)?;
-        // SAFETY: the range was checked to lie inside the region, which is valid for writes.
+        // SAFETY: the range was checked to lie inside the region, valid for writes wherever it
+        // is written (our own mappings throughout; foreign memory by `from_raw_parts`).
         unsafe { std::ptr::write_bytes(self.as_ptr().add(offset as usize), byte, ulen) };
         Ok(())
     }
@@ -383,8 +396,9 @@ impl Region {
     /// # Safety
     /// No transfer, peer process or other thread may write the region while the slice lives.
     pub unsafe fn as_slice(&self) -> &[u8] {
-        // SAFETY: the mapping is valid for `len` bytes for as long as `self` lives; the caller
-        // promises nobody writes it meanwhile.
+        // SAFETY: the mapping is valid for `len` bytes for as long as `self` lives (foreign
+        // memory wherever it is read, by `from_raw_parts`); the caller promises nobody writes
+        // it meanwhile.
         unsafe { std::slice::from_raw_parts(self.as_ptr(), self.inner.len as usize) }
     }
 
@@ -395,8 +409,9 @@ impl Region {
     /// lives, and no other slice of it may exist.
     #[allow(clippy::mut_from_ref)]
     pub unsafe fn as_mut_slice(&self) -> &mut [u8] {
-        // SAFETY: the mapping is valid for `len` bytes for as long as `self` lives; the caller
-        // promises exclusive access meanwhile.
+        // SAFETY: the mapping is valid for `len` bytes for as long as `self` lives (foreign
+        // memory wherever it is accessed, by `from_raw_parts`); the caller promises exclusive
+        // access meanwhile.
         unsafe { std::slice::from_raw_parts_mut(self.as_ptr(), self.inner.len as usize) }
     }
 }
