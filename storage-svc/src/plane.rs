@@ -231,35 +231,173 @@ impl Memory for PoolMemory {
     }
 }
 
-/// Local descriptors of `frames` for a WRITE: memory that already lives in a registration of
-/// `agent` (a pool block, a received buffer, a frame registered earlier in the batch) reuses
-/// it; other memory is registered in place, each registration owning a reference to its
-/// frame. Never copies.
+/// Local descriptors of `frames` for a WRITE, in the order of `frames`: memory that already
+/// lives in a registration of `agent` (a pool block, a received buffer) reuses it; other
+/// memory is registered in place, the registrations owning a reference to their frames. Never
+/// copies. Frames must not be empty (callers filter them).
+///
+/// Where the agent's engine needs no local registration (`inproc`, `shm`, `tcp`), frames
+/// close together in memory share one local-only registration (see [`coalesce`]): a batch of
+/// small tensors costs a few registrations instead of one per tensor. Such descriptors are
+/// for this agent's own WRITEs only; no peer can name them. Where the engine needs a real
+/// registration (`ucx`, `nixl`, the engines whose PUTs the unit pulls, naming the client's
+/// frames), each frame is registered alone, exactly its own bytes, since whatever a real
+/// engine registers is exposed to peers.
 pub(crate) fn source_descs<'a>(
     agent: &Agent,
     frames: impl IntoIterator<Item = &'a Bytes>,
 ) -> Result<Vec<LocalDesc>, String> {
-    frames
-        .into_iter()
-        .map(|f| {
-            let found = agent
-                .find_registered(f.as_ptr(), f.len() as u64)
-                .and_then(|reg| reg.desc(0, f.len() as u64).ok());
-            match found {
+    let frames = frames.into_iter();
+    if agent.local_side_needs_registration() {
+        return frames
+            .map(|f| match find_in_registration(agent, f) {
                 Some(d) => Ok(d),
                 None => register_in_place(agent, f),
+            })
+            .collect();
+    }
+    let frames: Vec<&Bytes> = frames.collect();
+    let mut descs: Vec<Option<LocalDesc>> = Vec::with_capacity(frames.len());
+    let mut registered: Vec<(usize, usize)> = Vec::new();
+    let mut loose: Vec<Span> = Vec::new();
+    for (index, f) in frames.iter().enumerate() {
+        match agent.find_registered(f.as_ptr(), f.len() as u64) {
+            Some(reg) => {
+                let region = reg.region();
+                let lo = region.as_ptr() as usize;
+                registered.push((lo, lo + region.len() as usize));
+                descs.push(Some(
+                    reg.desc(0, f.len() as u64).map_err(|e| e.to_string())?,
+                ));
             }
-        })
+            None => {
+                loose.push(Span {
+                    addr: f.as_ptr() as usize,
+                    len: f.len(),
+                    index,
+                });
+                descs.push(None);
+            }
+        }
+    }
+    for group in coalesce(&mut loose, &registered) {
+        register_group(agent, &frames, group, &mut descs)?;
+    }
+    descs
+        .into_iter()
+        .map(|d| d.ok_or_else(|| "a frame was left without a descriptor".to_owned()))
         .collect()
+}
+
+/// A frame's bytes in memory, and its position among the frames.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Span {
+    addr: usize,
+    len: usize,
+    index: usize,
+}
+
+impl Span {
+    fn end(&self) -> usize {
+        self.addr + self.len
+    }
+}
+
+/// Largest gap between two frames of one group: under a page, so that every page a group's
+/// span touches holds a byte of one of its frames (every page size is at least this).
+const MAX_GAP: usize = 4096;
+
+/// Sorts `spans` by address and cuts them into groups, each to be registered as one span from
+/// its first byte to its last: a frame joins the group before it when it starts less than
+/// [`MAX_GAP`] bytes after the group's end (or overlaps it) and the bytes it adds to the span
+/// overlap none of the `registered` address ranges (half-open). Returns the groups as slices
+/// of `spans`, in address order.
+fn coalesce<'s>(spans: &'s mut [Span], registered: &[(usize, usize)]) -> Vec<&'s [Span]> {
+    spans.sort_unstable_by_key(|s| (s.addr, s.index));
+    let clear = |lo: usize, hi: usize| registered.iter().all(|&(a, b)| hi <= a || b <= lo);
+    let mut groups = Vec::new();
+    let mut first = 0;
+    let mut end = 0usize;
+    for (i, s) in spans.iter().enumerate() {
+        let joins = i == 0
+            || (s.addr < end.saturating_add(MAX_GAP) && (s.end() <= end || clear(end, s.end())));
+        if !joins {
+            groups.push(first..i);
+            first = i;
+        }
+        end = if joins { end.max(s.end()) } else { s.end() };
+    }
+    if !spans.is_empty() {
+        groups.push(first..spans.len());
+    }
+    let spans: &'s [Span] = spans;
+    groups.into_iter().map(|r| &spans[r]).collect()
+}
+
+/// Registers one group (sorted by address, non-empty) as one local-only registration
+/// spanning its frames, and fills in each member's descriptor.
+fn register_group(
+    agent: &Agent,
+    frames: &[&Bytes],
+    group: &[Span],
+    descs: &mut [Option<LocalDesc>],
+) -> Result<(), String> {
+    let (Some(head), Some(end)) = (group.first(), group.iter().map(Span::end).max()) else {
+        return Ok(());
+    };
+    let base = head.addr;
+    let ptr = NonNull::new(base as *mut u8).ok_or("null frame")?;
+    // The region owns every member frame, so their memory lives as long as the region, its
+    // registration and every transfer using them.
+    let members: Vec<Bytes> = group.iter().map(|s| frames[s.index].clone()).collect();
+    // SAFETY: `Region::from_raw_parts` asks that every byte anything accesses through the
+    // region be valid for that access until the owner drops, and that no reference observe a
+    // transfer's concurrent change:
+    // - the span `base..end` runs from the first byte of the lowest member frame to the last
+    //   byte of the highest, and is mapped throughout: each gap in it is under a page
+    //   (`coalesce` joins a frame only if it starts less than `MAX_GAP` = 4096 bytes after the
+    //   group's end) and lies between two member frames, so every page the span touches holds
+    //   a byte of some member, live memory of its `Bytes`;
+    // - nothing ever accesses a byte outside the member frames: the registration is
+    //   local-only (`source_descs` takes this path only where the engine needs no local
+    //   registration, and `register_local` then never asks the engine, which registers
+    //   nothing, nor lists it, so no peer can name it); its only descriptors, made below,
+    //   each name exactly one member frame; and neither the region nor the registration
+    //   leaves this function;
+    // - those descriptors are only the sources of WRITEs, which read; the member `Bytes` are
+    //   immutable (nobody writes them) and `members` keeps each alive, unmoved, until the
+    //   region, its registration and every transfer using them are gone.
+    let region =
+        unsafe { Region::from_raw_parts(ptr, (end - base) as u64, Some(Box::new(members))) }
+            .map_err(|e| e.to_string())?;
+    let reg = agent.register_local(&region).map_err(|e| e.to_string())?;
+    for s in group {
+        let desc = reg
+            .desc((s.addr - base) as u64, s.len as u64)
+            .map_err(|e| e.to_string())?;
+        descs[s.index] = Some(desc);
+    }
+    Ok(())
+}
+
+/// The frame described inside a registration of `agent` that already covers it.
+fn find_in_registration(agent: &Agent, frame: &Bytes) -> Option<LocalDesc> {
+    let len = frame.len() as u64;
+    agent
+        .find_registered(frame.as_ptr(), len)
+        .and_then(|reg| reg.desc(0, len).ok())
 }
 
 fn register_in_place(agent: &Agent, frame: &Bytes) -> Result<LocalDesc, String> {
     let len = frame.len() as u64;
     let ptr = NonNull::new(frame.as_ptr() as *mut u8).ok_or("null frame")?;
-    // SAFETY: `ptr..ptr + len` is the frame's memory, kept alive by the clone of the `Bytes`
-    // that the region owns until the region, its registration and every transfer using it are
-    // gone. The region is only ever the source of a WRITE, which reads it; nothing writes
-    // these bytes (a `Bytes` is immutable), so no reference observes a concurrent change.
+    // SAFETY: `ptr..ptr + len` is exactly the frame's memory, kept alive, unmoved, by the
+    // clone of the `Bytes` that the region owns until the region, its registration and every
+    // transfer using it are gone; all of it is valid for reads, so the engine may register
+    // the whole range. This crate only ever reads it: as the source of a WRITE, or, for a
+    // pulled PUT, by the unit's READ (the protocol's only use of the id it names). Nothing
+    // writes these bytes (a `Bytes` is immutable), so no reference observes a concurrent
+    // change.
     let region = unsafe { Region::from_raw_parts(ptr, len, Some(Box::new(frame.clone()))) }
         .map_err(|e| e.to_string())?;
     let reg = agent.register(&region).map_err(|e| e.to_string())?;
@@ -268,7 +406,205 @@ fn register_in_place(agent: &Agent, frame: &Bytes) -> Result<LocalDesc, String> 
 
 #[cfg(test)]
 mod tests {
-    use super::Backend;
+    use super::*;
+    use tessera_transport::{Inproc, RegisteredPool};
+
+    fn agent(name: &str) -> Agent {
+        Agent::new(name, Inproc::new()).unwrap()
+    }
+
+    /// Checks that `descs` name `frames` one for one, in order.
+    fn assert_describes(descs: &[LocalDesc], frames: &[Bytes]) {
+        assert_eq!(descs.len(), frames.len());
+        for (i, (d, f)) in descs.iter().zip(frames).enumerate() {
+            assert_eq!(d.as_ptr().cast_const(), f.as_ptr(), "frame {i}'s address");
+            assert_eq!(d.len(), f.len() as u64, "frame {i}'s length");
+        }
+    }
+
+    #[test]
+    fn frames_close_together_share_one_local_only_registration() {
+        let a = agent("a");
+        let buf = Bytes::from(vec![7u8; 64 << 10]);
+        // Out of address order, with gaps up to 4095 bytes and an overlap.
+        let frames = [
+            buf.slice(9_000..9_100),
+            buf.slice(0..1_000),
+            buf.slice(4_000..5_000),
+            buf.slice(900..2_000),
+            buf.slice(5_000 + 4_095..14_000),
+        ];
+        let descs = source_descs(&a, &frames).unwrap();
+        assert_describes(&descs, &frames);
+        assert!(descs.iter().all(|d| d.reg() == descs[0].reg()), "{descs:?}");
+        assert_eq!(descs[1].offset(), 0, "the span starts at the lowest frame");
+        assert_eq!(descs[0].offset(), 9_000);
+        assert_eq!(a.report().registrations, 0, "local-only: never listed");
+        assert!(a.find_registered(buf.as_ptr(), 10).is_none());
+    }
+
+    #[test]
+    fn frames_a_page_apart_or_more_are_registered_apart() {
+        let a = agent("a");
+        let buf = Bytes::from(vec![7u8; 64 << 10]);
+        // The middle of another allocation: half a mebibyte from anything else.
+        let other = Bytes::from(vec![8u8; 1 << 20]).slice(512 << 10..(512 << 10) + 100);
+        let frames = [
+            buf.slice(100..200),
+            other,
+            buf.slice(200 + 4_096..300 + 4_096),
+            buf.slice(0..100),
+        ];
+        let descs = source_descs(&a, &frames).unwrap();
+        assert_describes(&descs, &frames);
+        assert_eq!(descs[0].reg(), descs[3].reg(), "adjacent");
+        assert_ne!(descs[0].reg(), descs[2].reg(), "a gap of 4096 bytes");
+        assert_ne!(descs[0].reg(), descs[1].reg());
+        assert_ne!(descs[2].reg(), descs[1].reg());
+    }
+
+    #[test]
+    fn frames_in_a_registration_reuse_it() {
+        let a = agent("a");
+        let pool = RegisteredPool::new(&a, 1 << 16).unwrap();
+        let block = pool.lease(4096, 64).unwrap();
+        block.write_at(0, &[3; 4096]).unwrap();
+        let pooled = freeze(block, 4096);
+        let heap = Bytes::from(vec![4u8; 300]);
+        let frames = [
+            heap.slice(0..100),
+            pooled.slice(10..20),
+            heap.slice(200..300),
+        ];
+        let descs = source_descs(&a, &frames).unwrap();
+        assert_describes(&descs, &frames);
+        assert_eq!(descs[1].reg(), pool.registration().id());
+        assert_eq!(descs[0].reg(), descs[2].reg());
+        assert_ne!(descs[0].reg(), descs[1].reg());
+        assert_eq!(a.report().registrations, 1, "the pool's alone");
+    }
+
+    #[test]
+    fn groups_never_span_registered_memory() {
+        let span = |addr, len, index| Span { addr, len, index };
+        let mut spans = [
+            span(10_000, 100, 0),
+            span(10_200, 100, 1),
+            span(12_000, 100, 2),
+            span(12_050, 10, 3),
+        ];
+        // A registration in the gap between the second and third frames splits them.
+        let groups = coalesce(&mut spans, &[(11_000, 11_500)]);
+        let indexes: Vec<Vec<usize>> = groups
+            .iter()
+            .map(|g| g.iter().map(|s| s.index).collect())
+            .collect();
+        assert_eq!(indexes, [vec![0, 1], vec![2, 3]]);
+        // Without it they form one group; touching it at an end does not count.
+        assert_eq!(coalesce(&mut spans, &[(10_300, 10_300)]).len(), 1);
+        assert_eq!(coalesce(&mut spans, &[(9_000, 10_000)]).len(), 1);
+        assert_eq!(coalesce(&mut spans, &[]).len(), 1);
+        assert!(coalesce(&mut [], &[]).is_empty());
+    }
+
+    proptest::proptest! {
+        /// Any frames and registered ranges: every frame lands in exactly one group; a group
+        /// is sorted, each member starts under a page after the bytes before it, and adds no
+        /// byte of a registered range; and a group's first frame could not have joined the
+        /// group before.
+        #[test]
+        fn coalesce_groups_are_sound_and_maximal(
+            frames in proptest::collection::vec((0usize..40_000, 1usize..6_000), 0..40),
+            registered in proptest::collection::vec((0usize..40_000, 1usize..3_000), 0..4),
+        ) {
+            let registered: Vec<(usize, usize)> =
+                registered.into_iter().map(|(lo, len)| (lo, lo + len)).collect();
+            let overlaps = |lo: usize, hi: usize| {
+                lo < hi && registered.iter().any(|&(a, b)| lo < b && a < hi)
+            };
+            let mut spans: Vec<Span> = frames
+                .iter()
+                .enumerate()
+                .map(|(index, &(addr, len))| Span { addr, len, index })
+                .collect();
+            let groups = coalesce(&mut spans, &registered);
+            let mut seen: Vec<usize> = groups.iter().flat_map(|g| g.iter().map(|s| s.index)).collect();
+            seen.sort_unstable();
+            proptest::prop_assert_eq!(seen, (0..frames.len()).collect::<Vec<_>>());
+            let mut prev: Option<(usize, usize)> = None;
+            for g in &groups {
+                let head = g[0];
+                if let Some((prev_head, end)) = prev {
+                    proptest::prop_assert!(head.addr >= prev_head, "groups in address order");
+                    let could_join = head.addr < end + MAX_GAP
+                        && (head.end() <= end || !overlaps(end, head.end()));
+                    proptest::prop_assert!(!could_join, "group at {} could have joined", head.addr);
+                }
+                let mut end = head.end();
+                for w in g.windows(2) {
+                    proptest::prop_assert!(w[0].addr <= w[1].addr);
+                    let s = w[1];
+                    proptest::prop_assert!(s.addr < end + MAX_GAP);
+                    proptest::prop_assert!(!overlaps(end, s.end()));
+                    end = end.max(s.end());
+                }
+                prev = Some((head.addr, end));
+            }
+        }
+    }
+
+    /// The descriptors of one coalesced registration move exactly the frames' bytes, and the
+    /// frames' memory outlives their last user (here the transfer, after every handle of the
+    /// caller is gone).
+    #[test]
+    fn coalesced_sources_write_exactly_the_frames() {
+        let a = agent("a");
+        let b = agent("b");
+        let inbox = Region::new(1 << 16).unwrap();
+        let gb = b.register(&inbox).unwrap();
+        let peer = a.add_remote(&b.metadata()).unwrap();
+        let buf = Bytes::from((0..20_000u32).map(|i| (i % 251) as u8).collect::<Vec<_>>());
+        let frames = [
+            buf.slice(5_000..6_000),
+            buf.slice(0..3_000),
+            buf.slice(7_000..20_000),
+        ];
+        let descs = source_descs(&a, &frames).unwrap();
+        let mut at = 0;
+        let remotes: Vec<RemoteDesc> = frames
+            .iter()
+            .map(|f| {
+                let r = gb.remote(at, f.len() as u64).unwrap();
+                at += f.len() as u64;
+                r
+            })
+            .collect();
+        let expected: Vec<u8> = frames.iter().flat_map(|f| f.iter().copied()).collect();
+        let t = peer.write(&descs, &remotes, None).unwrap();
+        drop((descs, frames, buf));
+        t.wait().unwrap();
+        let mut got = vec![0u8; expected.len()];
+        inbox.read_at(0, &mut got).unwrap();
+        assert_eq!(got, expected);
+    }
+
+    /// Where the engine needs a real local registration, each frame is registered alone,
+    /// exactly its own bytes, and listed like any registration.
+    #[cfg(feature = "ucx")]
+    #[test]
+    fn ucx_registers_each_frame_alone() {
+        let a = Backend::Ucx.agent("plane").unwrap();
+        assert!(a.local_side_needs_registration());
+        let buf = Bytes::from(vec![7u8; 16 << 10]);
+        let frames = [buf.slice(0..100), buf.slice(200..300), buf.slice(300..400)];
+        let descs = source_descs(&a, &frames).unwrap();
+        assert_describes(&descs, &frames);
+        assert_ne!(descs[0].reg(), descs[1].reg());
+        assert_ne!(descs[1].reg(), descs[2].reg());
+        assert!(descs.iter().all(|d| d.offset() == 0));
+        assert_eq!(a.report().registrations, 3);
+        assert_eq!(a.report().registered_bytes, 300);
+    }
 
     /// Without its feature, `ucx` or `nixl` is an error naming the feature; with it, a
     /// payload address is refused naming UCX_NET_DEVICES. Never another engine instead.
