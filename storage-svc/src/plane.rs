@@ -263,9 +263,14 @@ pub(crate) fn source_descs<'a>(
     for (index, f) in frames.iter().enumerate() {
         match agent.find_registered(f.as_ptr(), f.len() as u64) {
             Some(reg) => {
+                // The registration lies inside its region: keep groups out of the region's
+                // range (frames found in the same region in a row record it once).
                 let region = reg.region();
                 let lo = region.as_ptr() as usize;
-                registered.push((lo, lo + region.len() as usize));
+                let range = (lo, lo + region.len() as usize);
+                if registered.last() != Some(&range) {
+                    registered.push(range);
+                }
                 descs.push(Some(
                     reg.desc(0, f.len() as u64).map_err(|e| e.to_string())?,
                 ));
