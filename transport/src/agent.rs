@@ -909,6 +909,8 @@ mod tests {
         live: Mutex<i64>,
         parked: Arc<Mutex<Vec<Xfer>>>,
         host: Mutex<Option<Host>>,
+        /// Its local side needs no registration (as `inproc`, `shm` and `tcp`).
+        by_address: bool,
     }
 
     impl Transport for Arc<Counting> {
@@ -931,6 +933,9 @@ mod tests {
         }
         fn connect(&self, _: &PeerInfo) -> Result<Arc<dyn Connection>, BackendError> {
             Ok(Arc::new(Parking(self.parked.clone())))
+        }
+        fn local_side_needs_registration(&self) -> bool {
+            !self.by_address
         }
         fn tracks_links(&self) -> bool {
             true
@@ -969,6 +974,25 @@ mod tests {
         assert_eq!(*lock(&engine.live), 0);
         let other = Region::anonymous(100).unwrap();
         assert!(agent.register_range(&other, 50, 51).is_err());
+    }
+
+    /// An engine that keeps the default (its local side needs registering) gets a normal
+    /// registration from `register_local`: the engine is asked, the registry lists it, and
+    /// the last guard deregisters it.
+    #[test]
+    fn register_local_falls_back_where_the_engine_needs_it() {
+        let engine = Arc::new(Counting::default());
+        let agent = Agent::new("a", engine.clone()).unwrap();
+        assert!(agent.local_side_needs_registration());
+        let region = Region::anonymous(4096).unwrap();
+        let reg = agent.register_local(&region).unwrap();
+        assert_eq!(*lock(&engine.live), 1);
+        assert_eq!(agent.report().registrations, 1);
+        let found = agent.find_registered(region.as_ptr(), 4096).unwrap();
+        assert_eq!(found.id(), reg.id());
+        drop((reg, found));
+        assert_eq!(*lock(&engine.live), 0);
+        assert_eq!(agent.report().registrations, 0);
     }
 
     #[test]
@@ -1141,6 +1165,48 @@ mod tests {
             completer.join().unwrap();
             drop(pool);
             assert_eq!(a.report().registrations, 0);
+        });
+    }
+
+    /// A WRITE from a local-only registration completes on another thread while its owner
+    /// drops the guard and waits: the registration lives until the completion, its release
+    /// never reaches the engine or the registry, and a listed registration next to it is
+    /// untouched, whatever the interleaving.
+    #[test]
+    fn loom_local_only_registration_outlives_its_transfer() {
+        model(|| {
+            let engine = Arc::new(Counting {
+                by_address: true,
+                ..Counting::default()
+            });
+            let a = Agent::new("a", engine.clone()).unwrap();
+            let b = Agent::new("b", Arc::new(Counting::default())).unwrap();
+            let rb = Region::anonymous(4096).unwrap();
+            let gb = b.register(&rb).unwrap();
+            let listed = a.register(&Region::anonymous(4096).unwrap()).unwrap();
+            let ra = Region::anonymous(4096).unwrap();
+            let local = a.register_local(&ra).unwrap();
+            assert_eq!(*lock(&engine.live), 1, "the engine saw only the listed one");
+            let peer = a.add_remote(&b.metadata()).unwrap();
+            let t = peer
+                .write(
+                    &[local.desc(0, 8).unwrap()],
+                    &[gb.remote(0, 8).unwrap()],
+                    None,
+                )
+                .unwrap();
+            let id = local.id();
+            drop((local, ra, peer));
+            let xfer = lock(&engine.parked).pop().unwrap();
+            assert_eq!(xfer.plan().segments()[0].local_reg, id, "the plan pins it");
+            let completer = thread::spawn(move || xfer.done.complete(Ok(())));
+            assert_eq!(t.wait(), Ok(()));
+            completer.join().unwrap();
+            assert_eq!(a.report().registrations, 1);
+            assert_eq!(*lock(&engine.live), 1);
+            drop(listed);
+            assert_eq!(a.report().registrations, 0);
+            assert_eq!(*lock(&engine.live), 0);
         });
     }
 
