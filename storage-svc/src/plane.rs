@@ -261,6 +261,12 @@ pub(crate) fn source_descs<'a>(
     let mut registered: Vec<(usize, usize)> = Vec::new();
     let mut loose: Vec<Span> = Vec::new();
     for (index, f) in frames.iter().enumerate() {
+        if f.is_empty() {
+            // It has no byte to anchor a group's span (its pointer may dangle).
+            return Err(format!(
+                "frame {index} is empty: there is nothing to describe"
+            ));
+        }
         match agent.find_registered(f.as_ptr(), f.len() as u64) {
             Some(reg) => {
                 // The registration lies inside its region: keep groups out of the region's
@@ -359,7 +365,8 @@ fn register_group(
     // region be valid for that access until the owner drops, and that no reference observe a
     // transfer's concurrent change:
     // - the span `base..end` runs from the first byte of the lowest member frame to the last
-    //   byte of the highest, and is mapped throughout: each gap in it is under a page
+    //   byte of the one that ends last (members are never empty: `source_descs` refuses
+    //   empty frames), and is mapped throughout: each gap in it is under a page
     //   (`coalesce` joins a frame only if it starts less than `MAX_GAP` = 4096 bytes after the
     //   group's end) and lies between two member frames, so every page the span touches holds
     //   a byte of some member, live memory of its `Bytes`;
@@ -446,6 +453,8 @@ mod tests {
         assert_eq!(descs[0].offset(), 9_000);
         assert_eq!(a.report().registrations, 0, "local-only: never listed");
         assert!(a.find_registered(buf.as_ptr(), 10).is_none());
+        let with_empty = [buf.slice(0..10), Bytes::new(), buf.slice(10..20)];
+        assert!(source_descs(&a, &with_empty).is_err(), "an empty frame");
     }
 
     #[test]
