@@ -15,7 +15,7 @@
 //! Messages all start with a 24-byte header. A request (kind, op, notification flag, descriptor
 //! count, notification length) is followed by its descriptors (24 bytes each: registration,
 //! offset, length), the notification, and for a WRITE the payload, written with vectored
-//! writes straight from the registered ranges. The target validates and pins every descriptor
+//! writes straight from the registered ranges, at most 1 MiB per call. The target validates and pins every descriptor
 //! against its live registrations *before* reading the payload, then reads it straight into
 //! the pinned ranges; a refused WRITE's payload is drained into a scratch buffer and never
 //! lands. A response (status, reason) is followed, for a granted READ, by the payload, read
