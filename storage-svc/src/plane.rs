@@ -291,6 +291,9 @@ pub(crate) fn source_descs<'a>(
             }
         }
     }
+    // Frames found in registrations of several regions in turn pushed each region again.
+    registered.sort_unstable();
+    registered.dedup();
     for group in coalesce(&mut loose, &registered) {
         register_group(agent, &frames, group, &mut descs)?;
     }
