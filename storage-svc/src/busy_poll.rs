@@ -4,9 +4,9 @@
 //! halted core costs tens of microseconds on virtual machines (about 35 us one way on the
 //! 2-vCPU machine the benchmarks run on), which dominates a small request's round trip
 //! when client and unit sit on different cores: one byte echoed across cores takes about
-//! 70 us there, 3-4 us when either end polls. [`BusyPoll`] keeps a parking worker polling
-//! the sockets it watches for a bounded window instead, so a request or an answer that
-//! arrives within the window is picked up without a wake-up. This is the trade every
+//! 70 us there, about 23 us when one end polls and 3-4 us when both do. [`BusyPoll`] keeps
+//! a parking worker polling the sockets it watches for a bounded window instead, so a
+//! request or an answer that arrives within the window is picked up without a wake-up. This is the trade every
 //! low-latency transport offers (UCX and RDMA completion queues poll; Linux has
 //! `SO_BUSY_POLL` for NIC queues, which loopback and Unix sockets do not have): CPU time
 //! for latency, here at most `window` per idle transition of a worker.
