@@ -2,8 +2,8 @@
 #![warn(missing_docs)]
 
 mod agent;
-mod backend;
 mod desc;
+pub mod engine;
 mod error;
 pub mod inproc;
 mod interval;
@@ -17,6 +17,7 @@ mod region;
 pub mod shm;
 mod sync;
 pub mod tcp;
+#[cfg(feature = "testing")]
 pub mod testing;
 mod transfer;
 #[cfg(feature = "ucx")]
@@ -26,10 +27,8 @@ pub use agent::{
     Agent, AgentReport, LinkState, NextNotification, Notification, Peer, Registration,
     MAX_NOTIFICATION,
 };
-pub use backend::{
-    Connection, Grant, Host, LinkGuard, Op, PeerInfo, RegInfo, RemoteReg, Transport, Xfer,
-};
 pub use desc::{coalesce, coalesce_in_place, KeepAlive, Loc, LocalDesc, Pair, RemoteDesc};
+pub use engine::Op;
 pub use error::{
     AgentError, BackendError, ConnectError, DescError, MetadataError, PoolError, RegionError,
     RegisterError, RejectReason, Side, TransferError,
@@ -37,4 +36,4 @@ pub use error::{
 pub use inproc::Inproc;
 pub use pool::{FrozenBlock, PoolBlock, RegisteredPool};
 pub use region::Region;
-pub use transfer::{Completion, Plan, Prepared, Segment, Status, Transfer};
+pub use transfer::{Prepared, Status, Transfer};

@@ -4,7 +4,7 @@
 //!
 //! | here | what it does for both |
 //! |---|---|
-//! | [`EngineSlot`] | the engine: none before [`Transport::start`](crate::Transport::start), started once, taken out by [`Transport::shutdown`](crate::Transport::shutdown); callers get a handle on it and hold no lock while the engine runs |
+//! | [`EngineSlot`] | the engine: none before [`Transport::start`](crate::engine::Transport::start), started once, taken out by [`Transport::shutdown`](crate::engine::Transport::shutdown); callers get a handle on it and hold no lock while the engine runs |
 //! | [`notify_to`] | the engine's notification handler: notifications go to [`Host::notify`] |
 //! | [`Regs`] | registration id -> the engine's handle on the local memory, shared by the adapter and its connections |
 //! | [`Link`] | a [`Connection`]: the peer's handle (closed once, by [`Connection::close`]) and the keys it announced, kept in step with [`Connection::update`] |
@@ -21,7 +21,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::backend::{Connection, Host, Op, PeerInfo, Xfer};
+use crate::engine::{Connection, Host, Op, PeerInfo, Xfer};
 use crate::error::{BackendError, Side, TransferError};
 use crate::transfer::{Completion, Plan, Segment};
 

@@ -29,7 +29,7 @@
 use std::sync::Arc;
 
 use super::{NixlConfig, NixlEngine, NixlEngineError, NixlPeer, NixlRegion, XferKind, XferOpDesc};
-use crate::backend::{Connection, Host, Op, PeerInfo, RegInfo, Transport, Xfer};
+use crate::engine::{Connection, Host, Op, PeerInfo, RegInfo, Transport, Xfer};
 use crate::error::{BackendError, RegisterError, Side, TransferError};
 use crate::onesided::{self, EngineSlot, Link, PeerHandle, Regs};
 use crate::transfer::Segment;

@@ -5,7 +5,7 @@
 //! | [`Transport::start`] | [`UcxEngine::new`], named after the agent, notifications to [`Host::notify`] |
 //! | [`Transport::register`] | `ucp_mem_map` (chunked) + `ucp_rkey_pack`; the remote key carries each chunk's address, length and packed rkey |
 //! | [`Transport::connect`] / [`Connection::update`] | an endpoint, then `ucp_ep_rkey_unpack` of every announced key; keys no longer announced are destroyed once nothing is pending |
-//! | [`Connection::post`] | the plan's segments as `ucp_put_nbx`/`ucp_get_nbx`, one flush, then the notification as an active message; the [`Completion`](crate::Completion) is reported from the progress thread |
+//! | [`Connection::post`] | the plan's segments as `ucp_put_nbx`/`ucp_get_nbx`, one flush, then the notification as an active message; the [`Completion`](crate::engine::Completion) is reported from the progress thread |
 //! | [`Connection::close`] | the endpoint is parked: open until the peer fails or the engine stops (UCX pairs it with the peer's endpoint to us), its keys destroyed once its transfers are done |
 //! | [`Transport::shutdown`] | transfers fail (after a grace period), endpoints close, then memory handles, worker and context go as their last holders do |
 //!
@@ -30,7 +30,7 @@
 use std::sync::Arc;
 
 use super::{MemRegion, RmaKind, RmaOp, UcxConfig, UcxEndpoint, UcxEngine, UcxError};
-use crate::backend::{Connection, Host, Op, PeerInfo, RegInfo, Transport, Xfer};
+use crate::engine::{Connection, Host, Op, PeerInfo, RegInfo, Transport, Xfer};
 use crate::error::{BackendError, RegisterError, Side, TransferError};
 use crate::onesided::{self, EngineSlot, Link, PeerHandle, Regs};
 use crate::transfer::Segment;
