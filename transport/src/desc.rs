@@ -8,7 +8,7 @@ use std::any::Any;
 use std::fmt;
 
 use crate::agent::RegEntry;
-use crate::sync::Arc;
+use tessera_sync::Arc;
 
 /// A range of a peer's registered memory: plain data, safe to send to anyone.
 ///

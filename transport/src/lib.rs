@@ -15,7 +15,6 @@ mod onesided;
 mod pool;
 mod region;
 pub mod shm;
-mod sync;
 pub mod tcp;
 #[cfg(feature = "testing")]
 pub mod testing;

@@ -3,14 +3,15 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::task::{Context, Poll, Waker};
-use std::time::{Duration, Instant};
+use std::task::{Context, Poll};
+use std::time::Duration;
 
 use crate::agent::{PeerCore, RegEntry, MAX_NOTIFICATION};
 use crate::desc::{coalesce_in_place, KeepAlive, Loc, LocalDesc, Pair, RemoteDesc};
 use crate::engine::{Op, Xfer};
 use crate::error::{RejectReason, Side, TransferError};
-use crate::sync::{lock, Arc, AtomicUsize, Condvar, Mutex, Ordering};
+use tessera_sync::atomic::{AtomicUsize, Ordering};
+use tessera_sync::{Arc, OneShot};
 
 /// One contiguous copy of a plan: `len` bytes between a local address and a remote
 /// (registration, offset).
@@ -107,7 +108,7 @@ impl Prepared {
                 ),
             });
         }
-        let table = lock(&peer.regs).clone();
+        let table = peer.regs.lock().clone();
         let agent_id = peer.agent.host.id;
         let mut pairs: Vec<Pair> = Vec::with_capacity(local.len());
         let mut pins: Vec<Arc<RegEntry>> = Vec::new();
@@ -251,7 +252,7 @@ impl Prepared {
             in_flight: Some(in_flight),
             peer: peer.name.clone(),
         };
-        let conn = lock(&peer.conn).clone();
+        let conn = peer.conn.lock().clone();
         conn.post(Xfer {
             notify: notify.map(<[u8]>::to_vec),
             done,
@@ -277,17 +278,8 @@ const _: () = {
     assert_send_sync::<Plan>();
 };
 
-#[derive(Default)]
-struct XferState {
-    slot: Mutex<Slot>,
-    done: Condvar,
-}
-
-#[derive(Default)]
-struct Slot {
-    result: Option<Result<(), TransferError>>,
-    waker: Option<Waker>,
-}
+/// A transfer's outcome, set once by its [`Completion`] and read by its [`Transfer`].
+type XferState = OneShot<Result<(), TransferError>>;
 
 /// Where an engine reports a transfer's outcome. Completing consumes it, so an outcome is
 /// reported once; dropping it unreported fails the transfer with
@@ -347,15 +339,7 @@ impl Completion {
         };
         drop(self.plan.take());
         in_flight.fetch_sub(1, Ordering::AcqRel);
-        let waker = {
-            let mut slot = lock(&self.state.slot);
-            slot.result = Some(result);
-            slot.waker.take()
-        };
-        self.state.done.notify_all();
-        if let Some(w) = waker {
-            w.wake();
-        }
+        self.state.set(result);
     }
 }
 
@@ -400,10 +384,10 @@ pub struct Transfer {
 impl Transfer {
     /// The status now, without waiting.
     pub fn status(&self) -> Status {
-        match &lock(&self.state.slot).result {
+        match self.state.get() {
             None => Status::Pending,
             Some(Ok(())) => Status::Done,
-            Some(Err(e)) => Status::Failed(e.clone()),
+            Some(Err(e)) => Status::Failed(e),
         }
     }
 
@@ -414,41 +398,18 @@ impl Transfer {
 
     /// Blocks the thread until the transfer completes.
     pub fn wait(self) -> Result<(), TransferError> {
-        let mut slot = lock(&self.state.slot);
-        loop {
-            if let Some(r) = &slot.result {
-                return r.clone();
-            }
-            slot = self
-                .state
-                .done
-                .wait(slot)
-                .unwrap_or_else(|e| e.into_inner());
-        }
+        self.state.wait()
     }
 
     /// Blocks up to `timeout`. On timeout the transfer goes on (its resources stay held) and
     /// [`TransferError::Timeout`] is returned; check again with [`Transfer::status`].
     pub fn wait_timeout(&self, timeout: Duration) -> Result<(), TransferError> {
-        let deadline = Instant::now() + timeout;
-        let mut slot = lock(&self.state.slot);
-        loop {
-            if let Some(r) = &slot.result {
-                return r.clone();
-            }
-            let Some(left) = deadline.checked_duration_since(Instant::now()) else {
-                return Err(TransferError::Timeout {
-                    peer: self.peer.to_string(),
-                    after: timeout,
-                });
-            };
-            slot = self
-                .state
-                .done
-                .wait_timeout(slot, left)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
+        self.state.wait_timeout(timeout).unwrap_or_else(|| {
+            Err(TransferError::Timeout {
+                peer: self.peer.to_string(),
+                after: timeout,
+            })
+        })
     }
 }
 
@@ -456,14 +417,7 @@ impl Future for Transfer {
     type Output = Result<(), TransferError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let mut slot = lock(&self.state.slot);
-        match &slot.result {
-            Some(r) => Poll::Ready(r.clone()),
-            None => {
-                slot.waker = Some(cx.waker().clone());
-                Poll::Pending
-            }
-        }
+        self.state.poll(cx)
     }
 }
 

@@ -24,8 +24,10 @@ use crate::desc::LocalDesc;
 use crate::engine::{Host, PeerInfo, RegInfo, Transport};
 use crate::error::{AgentError, ConnectError, RegisterError};
 use crate::metadata;
-use crate::sync::{lock, next_id, Arc, AtomicBool, AtomicUsize, Counter, Mutex, Ordering, Weak};
+use crate::region::next_id;
 use crate::Region;
+use tessera_sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use tessera_sync::{Arc, Counter, Mutex, Weak};
 
 /// Largest notification, in bytes.
 pub const MAX_NOTIFICATION: usize = 64 * 1024;
@@ -329,22 +331,25 @@ impl Agent {
             peer: info.name.clone(),
             source,
         };
-        let existing = lock(&self.core.peers)
+        let existing = self
+            .core
+            .peers
+            .lock()
             .get(&info.name)
             .and_then(Weak::upgrade);
         if let Some(existing) = existing {
-            let moved = *lock(&existing.address) != info.address;
+            let moved = *existing.address.lock() != info.address;
             if moved {
                 // The peer restarted (or rebound): reconnect, and retire the old connection.
                 let fresh = self.core.transport.connect(&info).map_err(backend_err)?;
-                let old = std::mem::replace(&mut *lock(&existing.conn), fresh);
+                let old = std::mem::replace(&mut *existing.conn.lock(), fresh);
                 old.close();
-                *lock(&existing.address) = info.address.clone();
+                *existing.address.lock() = info.address.clone();
             } else {
-                let conn = lock(&existing.conn).clone();
+                let conn = existing.conn.lock().clone();
                 conn.update(&info).map_err(backend_err)?;
             }
-            *lock(&existing.regs) = Arc::new(RegTable::new(&info.regs));
+            *existing.regs.lock() = Arc::new(RegTable::new(&info.regs));
             return Ok(Peer { core: existing });
         }
         // Connect without holding the peer table: engines may take a while.
@@ -356,13 +361,16 @@ impl Agent {
             address: Mutex::new(info.address),
             regs: Mutex::new(Arc::new(RegTable::new(&info.regs))),
         });
-        lock(&self.core.peers).insert(info.name, Arc::downgrade(&core));
+        self.core
+            .peers
+            .lock()
+            .insert(info.name, Arc::downgrade(&core));
         Ok(Peer { core })
     }
 
     /// The peer named `name`, if a handle on it is alive.
     pub fn peer(&self, name: &str) -> Option<Peer> {
-        let core = lock(&self.core.peers).get(name).and_then(Weak::upgrade)?;
+        let core = self.core.peers.lock().get(name).and_then(Weak::upgrade)?;
         Some(Peer { core })
     }
 
@@ -392,7 +400,7 @@ impl Agent {
         if !self.core.transport.tracks_links() {
             return LinkState::Unknown;
         }
-        if lock(&self.core.host.inbound).contains_key(name) {
+        if self.core.host.inbound.lock().contains_key(name) {
             LinkState::Open
         } else {
             LinkState::Closed
@@ -402,7 +410,10 @@ impl Agent {
     /// Occupancy now.
     pub fn report(&self) -> AgentReport {
         let (registrations, registered_bytes) = self.core.host.registry.stats();
-        let peers = lock(&self.core.peers)
+        let peers = self
+            .core
+            .peers
+            .lock()
             .values()
             .filter(|w| w.strong_count() > 0)
             .count();

@@ -6,7 +6,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
-use crate::sync::{lock, Condvar, Mutex};
+use tessera_sync::{Condvar, Mutex};
 
 /// A notification from a peer, delivered after the data of its transfer landed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -26,7 +26,7 @@ pub(crate) struct Notifications {
 impl Notifications {
     pub(crate) fn push(&self, from: String, msg: Vec<u8>) {
         let wakers = {
-            let mut q = lock(&self.queue);
+            let mut q = self.queue.lock();
             q.0.push_back(Notification { from, msg });
             std::mem::take(&mut q.1)
         };
@@ -37,22 +37,18 @@ impl Notifications {
     }
 
     pub(super) fn try_pop(&self) -> Option<Notification> {
-        lock(&self.queue).0.pop_front()
+        self.queue.lock().0.pop_front()
     }
 
     pub(super) fn wait(&self, timeout: Duration) -> Option<Notification> {
         let deadline = Instant::now() + timeout;
-        let mut q = lock(&self.queue);
+        let mut q = self.queue.lock();
         loop {
             if let Some(n) = q.0.pop_front() {
                 return Some(n);
             }
             let left = deadline.checked_duration_since(Instant::now())?;
-            q = self
-                .ready
-                .wait_timeout(q, left)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+            q = self.ready.wait_timeout(q, left).0;
         }
     }
 }
@@ -67,7 +63,7 @@ impl Future for NextNotification<'_> {
     type Output = Notification;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Notification> {
-        let mut q = lock(&self.queue.queue);
+        let mut q = self.queue.queue.lock();
         match q.0.pop_front() {
             Some(n) => Poll::Ready(n),
             None => {

@@ -6,8 +6,8 @@ use super::{AgentCore, RegTable};
 use crate::desc::{LocalDesc, RemoteDesc};
 use crate::engine::{Connection, Op};
 use crate::error::TransferError;
-use crate::sync::{lock, Arc, Mutex};
 use crate::transfer::{Prepared, Transfer};
+use tessera_sync::{Arc, Mutex};
 
 /// A handle on a remote agent. Cloning is cheap; the connection closes when the last handle
 /// and the last transfer with the peer are gone.
@@ -26,8 +26,8 @@ pub(crate) struct PeerCore {
 
 impl Drop for PeerCore {
     fn drop(&mut self) {
-        lock(&self.conn).close();
-        let mut peers = lock(&self.agent.peers);
+        self.conn.lock().close();
+        let mut peers = self.agent.peers.lock();
         if peers
             .get(&*self.name)
             .is_some_and(|w| w.strong_count() == 0)
@@ -45,7 +45,7 @@ impl Peer {
 
     /// Whether the peer's latest metadata announced registration `id`, and its length.
     pub fn registration_len(&self, id: u64) -> Option<u64> {
-        lock(&self.core.regs).len_of(id)
+        self.core.regs.lock().len_of(id)
     }
 
     /// Validates and coalesces a descriptor pair list once, to post it many times.

@@ -8,8 +8,8 @@ use crate::desc::{KeepAlive, LocalDesc, RemoteDesc};
 use crate::engine::{Grant, RemoteReg, Transport};
 use crate::error::{DescError, RejectReason};
 use crate::interval::IntervalIndex;
-use crate::sync::{lock, Arc, Mutex, Weak};
 use crate::Region;
+use tessera_sync::{Arc, Mutex, Weak};
 
 /// The registration table: by id for target-side validation, by range for the cache.
 #[derive(Default)]
@@ -52,7 +52,7 @@ impl Registry {
     pub(super) fn find(&self, region: &Region, offset: u64, len: u64) -> Option<Arc<RegEntry>> {
         let (lo, hi) = addr_range(region.as_ptr().wrapping_add(offset as usize), len);
         let id = region.id();
-        let t = lock(&self.table);
+        let t = self.table.lock();
         // The region is checked before upgrading: an entry is never dropped under the lock.
         t.by_addr.find_covering(lo, hi, |reg| {
             let slot = t.by_id.get(&reg).filter(|s| s.region == id)?;
@@ -61,14 +61,14 @@ impl Registry {
     }
 
     pub(crate) fn lookup(&self, id: u64) -> Option<(Region, u64, u64)> {
-        let entry = lock(&self.table).live(id)?;
+        let entry = self.table.lock().live(id)?;
         // The lock is released before `entry` can drop.
         Some((entry.region.clone(), entry.offset, entry.len))
     }
 
     pub(super) fn insert(&self, entry: &Arc<RegEntry>) {
         let (lo, hi) = addr_range(entry.base(), entry.len);
-        let mut t = lock(&self.table);
+        let mut t = self.table.lock();
         t.by_id.insert(
             entry.id,
             Slot {
@@ -82,7 +82,7 @@ impl Registry {
 
     fn remove(&self, entry: &RegEntry) {
         let (lo, _) = addr_range(entry.base(), entry.len);
-        let mut t = lock(&self.table);
+        let mut t = self.table.lock();
         t.by_id.remove(&entry.id);
         if t.by_addr.remove(lo, entry.id) {
             t.bytes -= entry.len;
@@ -92,12 +92,12 @@ impl Registry {
     /// A live registration covering `addr..addr + len`.
     pub(super) fn find_addr(&self, addr: usize, len: u64) -> Option<Arc<RegEntry>> {
         let (lo, hi) = addr_range(addr as *const u8, len);
-        let t = lock(&self.table);
+        let t = self.table.lock();
         t.by_addr.find_covering(lo, hi, |id| t.live(id))
     }
 
     pub(super) fn remote_regs(&self) -> Vec<RemoteReg> {
-        let t = lock(&self.table);
+        let t = self.table.lock();
         let live: Vec<Arc<RegEntry>> = t.by_id.values().filter_map(|s| s.entry.upgrade()).collect();
         // An entry whose other owners let go meanwhile drops here, after the lock.
         drop(t);
@@ -115,7 +115,7 @@ impl Registry {
     }
 
     pub(super) fn stats(&self) -> (usize, u64) {
-        let t = lock(&self.table);
+        let t = self.table.lock();
         (t.by_addr.len(), t.bytes)
     }
 
@@ -126,7 +126,7 @@ impl Registry {
         grant: &mut Grant,
         spans: impl IntoIterator<Item = (u64, u64, u64)>,
     ) -> Result<(), RejectReason> {
-        let t = lock(&self.table);
+        let t = self.table.lock();
         for (reg, offset, len) in spans {
             let entry = match grant.pins.last() {
                 Some(last) if last.id == reg => last,

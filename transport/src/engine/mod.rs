@@ -21,10 +21,13 @@ use std::fmt;
 
 use crate::agent::{HostShared, RegEntry};
 use crate::error::{BackendError, RegisterError, RejectReason};
-use crate::sync::{lock, Arc, Ordering};
 use crate::Region;
+use tessera_sync::atomic::Ordering;
+use tessera_sync::Arc;
 
 pub use crate::transfer::{Completion, Plan, Segment};
+
+pub mod wire;
 
 /// Direction of a transfer, seen from the initiator.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -259,7 +262,10 @@ impl Host {
     /// agent's memory until the returned guard drops. Engines take it when a link is set up
     /// and drop it only after the link's reader returned (no grant of it is live any more).
     pub fn link_open(&self, peer: &str) -> LinkGuard {
-        *lock(&self.shared.inbound)
+        *self
+            .shared
+            .inbound
+            .lock()
             .entry(peer.to_owned())
             .or_insert(0) += 1;
         LinkGuard {
@@ -282,7 +288,7 @@ impl LinkGuard {
         if peer == self.peer {
             return;
         }
-        let mut map = lock(&self.host.shared.inbound);
+        let mut map = self.host.shared.inbound.lock();
         forget(&mut map, &self.peer);
         *map.entry(peer.to_owned()).or_insert(0) += 1;
         self.peer = peer.to_owned();
@@ -300,7 +306,7 @@ fn forget(map: &mut std::collections::HashMap<String, usize>, peer: &str) {
 
 impl Drop for LinkGuard {
     fn drop(&mut self) {
-        forget(&mut lock(&self.host.shared.inbound), &self.peer);
+        forget(&mut self.host.shared.inbound.lock(), &self.peer);
     }
 }
 
