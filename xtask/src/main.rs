@@ -1,5 +1,6 @@
 //! `cargo xtask`: the project's automation. CI runs `cargo xtask test` and nothing else, so what
 //! passes here passes there. `cargo xtask demo` is the first command of the README.
+#![forbid(unsafe_code)]
 
 mod deps;
 mod two_node;
@@ -19,15 +20,15 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Install what the tests need (idempotent), then run fmt, clippy, the tests and loom,
-    /// then the `ucx` and `nixl` backend tests.
+    /// Run fmt, clippy and the docs (warnings are errors), install what the tests need
+    /// (idempotent), then run the tests and loom, then the `ucx` and `nixl` backend tests.
     Test,
     /// Install what the `ucx` and `nixl` backends need (idempotent) and print the shell env.
     Deps,
     /// As root: two agents in two network namespaces joined by a veth pair move 1 GiB each
     /// way over `tcp`, `ucx` and `nixl`, survive a killed target, and clean up.
     TwoNodeTest,
-    /// Run benchmark suites, print their tables and write target/tessera-bench/<suite>.json.
+    /// Run benchmark suites, print their tables and write target/tessera-bench/SUITE.json.
     Bench {
         /// Suites to run (default: all).
         suites: Vec<String>,
@@ -46,6 +47,7 @@ enum Cmd {
 
 /// Crates with loom tests (`--cfg tessera_loom`), run in release in their own target dir.
 const LOOM_CRATES: &[&str] = &[
+    "tessera-sync",
     "tessera-alloc",
     "tessera-transport",
     "tessera-rdt-pool",
@@ -101,7 +103,7 @@ const BACKEND_TESTS: &[(&str, &str, &[&str], &str)] = &[
 ];
 
 fn test(root: &Path) -> Result<()> {
-    deps::install(root).context("installing the backends' dependencies (cargo xtask deps)")?;
+    // The offline checks first: a formatting slip fails in seconds, before anything installs.
     step("cargo fmt", cargo(&["fmt", "--all", "--check"]))?;
     step(
         "cargo clippy",
@@ -115,6 +117,10 @@ fn test(root: &Path) -> Result<()> {
             "warnings",
         ]),
     )?;
+    let mut doc = cargo(&["doc", "--workspace", "--no-deps", "--locked"]);
+    doc.env("RUSTDOCFLAGS", "-D warnings");
+    step("cargo doc", doc)?;
+    deps::install(root).context("installing the backends' dependencies (cargo xtask deps)")?;
     step("cargo test", cargo(&["test", "--workspace", "--locked"]))?;
     let loom_dir = root.join("target-loom");
     for krate in LOOM_CRATES {
