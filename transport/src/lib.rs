@@ -10,10 +10,12 @@ mod interval;
 mod metadata;
 #[cfg(feature = "nixl")]
 pub mod nixl;
+mod notify;
 #[cfg(any(feature = "ucx", feature = "nixl"))]
 mod onesided;
 mod pool;
 mod region;
+mod registry;
 pub mod shm;
 pub mod tcp;
 #[cfg(feature = "testing")]
@@ -22,17 +24,15 @@ mod transfer;
 #[cfg(feature = "ucx")]
 pub mod ucx;
 
-pub use agent::{
-    Agent, AgentReport, LinkState, NextNotification, Notification, Peer, Registration,
-    MAX_NOTIFICATION,
-};
+pub use agent::Prepared;
+pub use agent::{Agent, AgentReport, LinkState, Peer, Registration};
 pub use desc::{coalesce, coalesce_in_place, KeepAlive, Loc, LocalDesc, Pair, RemoteDesc};
-pub use engine::Op;
 pub use error::{
     AgentError, BackendError, ConnectError, DescError, MetadataError, PoolError, RegionError,
     RegisterError, RejectReason, Side, TransferError,
 };
 pub use inproc::Inproc;
+pub use notify::{NextNotification, Notification, MAX_NOTIFICATION};
 pub use pool::{FrozenBlock, PoolBlock, RegisteredPool};
 pub use region::Region;
-pub use transfer::{Prepared, Status, Transfer};
+pub use transfer::{Op, Status, Transfer};

@@ -2,35 +2,33 @@
 //! (`registry`), peers (`peer`) and the notification queue (`notify`) each live in a module of
 //! their own.
 
-mod notify;
 mod peer;
-mod registry;
+mod prepared;
+mod registration;
 #[cfg(test)]
 mod tests;
 
-pub(crate) use notify::Notifications;
-pub use notify::{NextNotification, Notification};
 pub use peer::Peer;
-pub(crate) use peer::PeerCore;
-use registry::Listed;
-pub use registry::Registration;
-pub(crate) use registry::{RegEntry, RegTable, Registry};
+pub(crate) use peer::{PeerCore, RegTable};
+pub use prepared::Prepared;
+pub use registration::Registration;
+
+use crate::engine::HostShared;
+use crate::notify::{NextNotification, Notification, Notifications};
+use crate::registry::{Deregister, Listed, RegEntry, Registry};
 
 use std::collections::HashMap;
 use std::fmt;
 use std::time::Duration;
 
 use crate::desc::LocalDesc;
-use crate::engine::{Host, PeerInfo, RegInfo, Transport};
+use crate::engine::{Host, PeerInfo, RegInfo, RemoteReg, Transport};
 use crate::error::{AgentError, ConnectError, RegisterError};
 use crate::metadata;
 use crate::region::next_id;
 use crate::Region;
 use tessera_sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use tessera_sync::{Arc, Counter, Mutex, Weak};
-
-/// Largest notification, in bytes.
-pub const MAX_NOTIFICATION: usize = 64 * 1024;
 
 /// A named endpoint of one backend: one per process per backend.
 ///
@@ -45,24 +43,19 @@ pub struct Agent {
 pub(crate) struct AgentCore {
     pub(crate) host: Arc<HostShared>,
     pub(crate) transport: Arc<dyn Transport>,
+    /// The engine, as the registrations it listed see it.
+    deregister: Arc<dyn Deregister>,
     peers: Mutex<HashMap<String, Weak<PeerCore>>>,
     pub(crate) in_flight: Arc<AtomicUsize>,
 }
 
-/// The part of an agent its engine may hold: registrations and notifications, never the engine.
-pub(crate) struct HostShared {
-    pub(crate) name: String,
-    pub(crate) id: u64,
-    pub(crate) registry: Registry,
-    pub(crate) notifications: Notifications,
-    pub(crate) closed: AtomicBool,
-    /// Payload bytes this agent's engine copied into WRITE destinations.
-    pub(crate) copied_write: Counter,
-    /// Payload bytes this agent's engine copied into READ destinations.
-    pub(crate) copied_read: Counter,
-    /// Inbound links by peer name: how many of the engine's readers serving that peer are
-    /// still running (engines that track them, see [`Transport::tracks_links`]).
-    pub(crate) inbound: Mutex<HashMap<String, usize>>,
+/// An agent's engine as its registrations reach it: only to deregister them.
+struct EngineDeregister(Arc<dyn Transport>);
+
+impl Deregister for EngineDeregister {
+    fn deregister(&self, id: u64) {
+        self.0.deregister(id);
+    }
 }
 
 /// Whether a peer can still reach this agent's memory, as far as its engine can tell.
@@ -127,7 +120,7 @@ impl Agent {
         let host = Arc::new(HostShared {
             name: name.to_owned(),
             id: next_id(),
-            registry: Registry::default(),
+            registry: Arc::new(Registry::default()),
             notifications: Notifications::default(),
             closed: AtomicBool::new(false),
             copied_write: Counter::default(),
@@ -140,6 +133,7 @@ impl Agent {
         Ok(Self {
             core: Arc::new(AgentCore {
                 host,
+                deregister: Arc::new(EngineDeregister(transport.clone())),
                 transport,
                 peers: Mutex::new(HashMap::new()),
                 in_flight: Arc::new(AtomicUsize::new(0)),
@@ -208,8 +202,8 @@ impl Agent {
             len,
             key,
             listed: Some(Listed {
-                transport: self.core.transport.clone(),
-                host: Arc::downgrade(host),
+                engine: self.core.deregister.clone(),
+                registry: Arc::downgrade(&host.registry),
             }),
         });
         host.registry.insert(&entry);
@@ -302,7 +296,14 @@ impl Agent {
             name: self.core.host.name.clone(),
             kind: self.core.transport.kind().to_owned(),
             address: self.core.transport.address(),
-            regs: self.core.host.registry.remote_regs(),
+            regs: self
+                .core
+                .host
+                .registry
+                .remote_regs()
+                .into_iter()
+                .map(|(id, len, key)| RemoteReg { id, len, key })
+                .collect(),
         })
     }
 

@@ -1,12 +1,15 @@
 //! Handles on remote agents.
 
+use std::collections::HashMap;
 use std::fmt;
 
-use super::{AgentCore, RegTable};
+use super::AgentCore;
+use super::Prepared;
 use crate::desc::{LocalDesc, RemoteDesc};
+use crate::engine::RemoteReg;
 use crate::engine::{Connection, Op};
 use crate::error::TransferError;
-use crate::transfer::{Prepared, Transfer};
+use crate::transfer::Transfer;
 use tessera_sync::{Arc, Mutex};
 
 /// A handle on a remote agent. Cloning is cheap; the connection closes when the last handle
@@ -102,5 +105,22 @@ impl Peer {
 impl fmt::Debug for Peer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Peer").field("name", &self.name()).finish()
+    }
+}
+
+/// A peer's registrations as its latest metadata announced them: id -> length.
+pub(crate) struct RegTable {
+    lens: HashMap<u64, u64>,
+}
+
+impl RegTable {
+    pub(crate) fn new(regs: &[RemoteReg]) -> Self {
+        Self {
+            lens: regs.iter().map(|r| (r.id, r.len)).collect(),
+        }
+    }
+
+    pub(crate) fn len_of(&self, id: u64) -> Option<u64> {
+        self.lens.get(&id).copied()
     }
 }

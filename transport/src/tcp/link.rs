@@ -8,9 +8,9 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
 
-use crate::agent::MAX_NOTIFICATION;
 use crate::engine::{Grant, Host, Op};
 use crate::error::{RejectReason, TransferError};
+use crate::notify::MAX_NOTIFICATION;
 use tessera_sync::Arc;
 
 use super::*;

@@ -8,6 +8,9 @@ use std::time::{Duration, Instant};
 
 use tessera_sync::{Condvar, Mutex};
 
+/// Largest notification, in bytes.
+pub const MAX_NOTIFICATION: usize = 64 * 1024;
+
 /// A notification from a peer, delivered after the data of its transfer landed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Notification {
@@ -36,11 +39,11 @@ impl Notifications {
         }
     }
 
-    pub(super) fn try_pop(&self) -> Option<Notification> {
+    pub(crate) fn try_pop(&self) -> Option<Notification> {
         self.queue.lock().0.pop_front()
     }
 
-    pub(super) fn wait(&self, timeout: Duration) -> Option<Notification> {
+    pub(crate) fn wait(&self, timeout: Duration) -> Option<Notification> {
         let deadline = Instant::now() + timeout;
         let mut q = self.queue.lock();
         loop {
@@ -53,10 +56,10 @@ impl Notifications {
     }
 }
 
-/// Future of [`Agent::next_notification`](super::Agent::next_notification).
+/// Future of [`Agent::next_notification`](crate::Agent::next_notification).
 #[must_use = "futures do nothing unless polled"]
 pub struct NextNotification<'a> {
-    pub(super) queue: &'a Notifications,
+    pub(crate) queue: &'a Notifications,
 }
 
 impl Future for NextNotification<'_> {
