@@ -168,6 +168,14 @@ pub enum ClientError {
     },
 }
 
+/// A name that is no [`Backend`](crate::Backend)'s (`Backend::from_str`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown backend `{name}`; expected one of inproc, shm, tcp, ucx, nixl")]
+pub struct ParseBackendError {
+    /// The name given.
+    pub name: String,
+}
+
 impl ClientError {
     /// The unit's error kind, if the unit answered with an error.
     pub fn kind(&self) -> Option<ErrorKind> {

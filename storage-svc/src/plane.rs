@@ -11,6 +11,7 @@ use tessera_transport::{Agent, BackendError, LocalDesc, PoolBlock, Region, Remot
 
 use crate::chunks::ChunkPool;
 use crate::core::{Memory, PoolStats};
+use crate::error::ParseBackendError;
 
 /// Which tessera-transport engine carries payloads. Units and clients must agree; there is
 /// never a fallback to another engine.
@@ -19,7 +20,17 @@ use crate::core::{Memory, PoolStats};
 /// them parses the same everywhere; they are usable only when this crate is built with the
 /// cargo feature of the same name. Without it, starting a unit or a client on them fails with
 /// an error naming the feature ([`Backend::available`] tells beforehand).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+///
+/// Its names ([`Backend::kind`]: `inproc`, `shm`, `tcp`, `ucx`, `nixl`) are those of its
+/// `Display`, its `FromStr` and its serde form alike.
+///
+/// ```
+/// use tessera_storage::Backend;
+/// assert_eq!("tcp".parse::<Backend>(), Ok(Backend::Tcp));
+/// assert_eq!(Backend::Ucx.to_string(), "ucx");
+/// assert!("udp".parse::<Backend>().is_err());
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Backend {
     /// Agents of one process only (tests, embedding a unit in the same process).
@@ -37,6 +48,15 @@ pub enum Backend {
 }
 
 impl Backend {
+    /// Every backend, in declaration order (also those whose feature is off in this build).
+    pub const ALL: [Backend; 5] = [
+        Backend::Inproc,
+        Backend::Shm,
+        Backend::Tcp,
+        Backend::Ucx,
+        Backend::Nixl,
+    ];
+
     /// The transport's kind string.
     pub fn kind(self) -> &'static str {
         match self {
@@ -125,6 +145,24 @@ impl Backend {
             Backend::Ucx => ucx_agent(&name),
             Backend::Nixl => nixl_agent(&name),
         }
+    }
+}
+
+impl std::fmt::Display for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.kind())
+    }
+}
+
+impl std::str::FromStr for Backend {
+    type Err = ParseBackendError;
+
+    /// The backend whose [`Backend::kind`] is `s` (exactly, lowercase).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Backend::ALL
+            .into_iter()
+            .find(|b| b.kind() == s)
+            .ok_or_else(|| ParseBackendError { name: s.to_owned() })
     }
 }
 
