@@ -11,7 +11,7 @@ use tessera_transport::{Agent, BackendError, LocalDesc, PoolBlock, Region, Remot
 
 use crate::chunks::ChunkPool;
 use crate::core::{Memory, PoolStats};
-use crate::error::ParseBackendError;
+use crate::error::{MemoryError, ParseBackendError};
 
 /// Which tessera-transport engine carries payloads. Units and clients must agree; there is
 /// never a fallback to another engine.
@@ -228,19 +228,19 @@ impl Memory for PoolMemory {
     type Block = PoolBlock;
     type Dest = LocalDesc;
 
-    fn lease(&mut self, size: u64, align: u64) -> Result<PoolBlock, String> {
+    fn lease(&mut self, size: u64, align: u64) -> Result<PoolBlock, MemoryError> {
         self.pool.lease(size, align)
     }
 
-    fn remote(&self, block: &PoolBlock, offset: u64, len: u64) -> Result<RemoteDesc, String> {
-        block.remote_range(offset, len).map_err(|e| e.to_string())
+    fn remote(&self, block: &PoolBlock, offset: u64, len: u64) -> Result<RemoteDesc, MemoryError> {
+        Ok(block.remote_range(offset, len)?)
     }
 
     /// The descriptor keeps the block leased as long as it and any READ using it live, so a
     /// block dropped by the core while its READ is in flight is not leased again before the
     /// READ is gone.
-    fn dest(&self, block: &PoolBlock, offset: u64, len: u64) -> Result<LocalDesc, String> {
-        block.desc_range(offset, len).map_err(|e| e.to_string())
+    fn dest(&self, block: &PoolBlock, offset: u64, len: u64) -> Result<LocalDesc, MemoryError> {
+        Ok(block.desc_range(offset, len)?)
     }
 
     fn freeze(&self, block: PoolBlock, len: u64) -> Bytes {
@@ -251,12 +251,12 @@ impl Memory for PoolMemory {
         block.len()
     }
 
-    fn copy_in(&mut self, data: &[u8], align: u64) -> Result<Bytes, String> {
+    fn copy_in(&mut self, data: &[u8], align: u64) -> Result<Bytes, MemoryError> {
         if data.is_empty() {
             return Ok(Bytes::new());
         }
         let block = self.lease(data.len() as u64, align)?;
-        block.write_at(0, data).map_err(|e| e.to_string())?;
+        block.write_at(0, data)?;
         Ok(freeze(block, data.len() as u64))
     }
 
@@ -284,7 +284,7 @@ impl Memory for PoolMemory {
 pub(crate) fn source_descs<'a>(
     agent: &Agent,
     frames: impl IntoIterator<Item = &'a Bytes>,
-) -> Result<Vec<LocalDesc>, String> {
+) -> Result<Vec<LocalDesc>, MemoryError> {
     let frames = frames.into_iter();
     if agent.local_side_needs_registration() {
         return frames
@@ -301,9 +301,7 @@ pub(crate) fn source_descs<'a>(
     for (index, f) in frames.iter().enumerate() {
         if f.is_empty() {
             // It has no byte to anchor a group's span (its pointer may dangle).
-            return Err(format!(
-                "frame {index} is empty: there is nothing to describe"
-            ));
+            return Err(MemoryError::EmptyFrame { index });
         }
         match agent.find_registered(f.as_ptr(), f.len() as u64) {
             Some(reg) => {
@@ -315,9 +313,7 @@ pub(crate) fn source_descs<'a>(
                 if registered.last() != Some(&range) {
                     registered.push(range);
                 }
-                descs.push(Some(
-                    reg.desc(0, f.len() as u64).map_err(|e| e.to_string())?,
-                ));
+                descs.push(Some(reg.desc(0, f.len() as u64)?));
             }
             None => {
                 loose.push(Span {
@@ -335,10 +331,14 @@ pub(crate) fn source_descs<'a>(
     for group in coalesce(&mut loose, &registered) {
         register_group(agent, &frames, group, &mut descs)?;
     }
-    descs
-        .into_iter()
-        .map(|d| d.ok_or_else(|| "a frame was left without a descriptor".to_owned()))
-        .collect()
+    let made = descs.iter().flatten().count();
+    if made != descs.len() {
+        return Err(MemoryError::Described {
+            frames: descs.len(),
+            descs: made,
+        });
+    }
+    Ok(descs.into_iter().flatten().collect())
 }
 
 /// A frame's bytes in memory, and its position among the frames.
@@ -393,12 +393,12 @@ fn register_group(
     frames: &[&Bytes],
     group: &[Span],
     descs: &mut [Option<LocalDesc>],
-) -> Result<(), String> {
+) -> Result<(), MemoryError> {
     let (Some(head), Some(end)) = (group.first(), group.iter().map(Span::end).max()) else {
         return Ok(());
     };
     let base = head.addr;
-    let ptr = NonNull::new(base as *mut u8).ok_or("null frame")?;
+    let ptr = NonNull::new(base as *mut u8).ok_or(MemoryError::EmptyFrame { index: head.index })?;
     // The region owns every member frame, so their memory lives as long as the region, its
     // registration and every transfer using them.
     let members: Vec<Bytes> = group.iter().map(|s| frames[s.index].clone()).collect();
@@ -421,13 +421,10 @@ fn register_group(
     //   immutable (nobody writes them) and `members` keeps each alive, unmoved, until the
     //   region, its registration and every transfer using them are gone.
     let region =
-        unsafe { Region::from_raw_parts(ptr, (end - base) as u64, Some(Box::new(members))) }
-            .map_err(|e| e.to_string())?;
-    let reg = agent.register_local(&region).map_err(|e| e.to_string())?;
+        unsafe { Region::from_raw_parts(ptr, (end - base) as u64, Some(Box::new(members))) }?;
+    let reg = agent.register_local(&region)?;
     for s in group {
-        let desc = reg
-            .desc((s.addr - base) as u64, s.len as u64)
-            .map_err(|e| e.to_string())?;
+        let desc = reg.desc((s.addr - base) as u64, s.len as u64)?;
         descs[s.index] = Some(desc);
     }
     Ok(())
@@ -441,9 +438,10 @@ fn find_in_registration(agent: &Agent, frame: &Bytes) -> Option<LocalDesc> {
         .and_then(|reg| reg.desc(0, len).ok())
 }
 
-fn register_in_place(agent: &Agent, frame: &Bytes) -> Result<LocalDesc, String> {
+fn register_in_place(agent: &Agent, frame: &Bytes) -> Result<LocalDesc, MemoryError> {
     let len = frame.len() as u64;
-    let ptr = NonNull::new(frame.as_ptr() as *mut u8).ok_or("null frame")?;
+    let ptr =
+        NonNull::new(frame.as_ptr() as *mut u8).ok_or(MemoryError::EmptyFrame { index: 0 })?;
     // SAFETY: `ptr..ptr + len` is exactly the frame's memory, kept alive, unmoved, by the
     // clone of the `Bytes` that the region owns until the region, its registration and every
     // transfer using it are gone; all of it is valid for reads, so the engine may register
@@ -451,10 +449,9 @@ fn register_in_place(agent: &Agent, frame: &Bytes) -> Result<LocalDesc, String> 
     // pulled PUT, by the unit's READ (the protocol's only use of the id it names). Nothing
     // writes these bytes (a `Bytes` is immutable), so no reference observes a concurrent
     // change.
-    let region = unsafe { Region::from_raw_parts(ptr, len, Some(Box::new(frame.clone()))) }
-        .map_err(|e| e.to_string())?;
-    let reg = agent.register(&region).map_err(|e| e.to_string())?;
-    reg.desc(0, len).map_err(|e| e.to_string())
+    let region = unsafe { Region::from_raw_parts(ptr, len, Some(Box::new(frame.clone()))) }?;
+    let reg = agent.register(&region)?;
+    Ok(reg.desc(0, len)?)
 }
 
 #[cfg(test)]

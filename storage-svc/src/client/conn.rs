@@ -81,25 +81,16 @@ impl Conn {
             });
         };
         if backend != cfg.backend.kind() {
-            return Err(ClientError::Transport {
+            return Err(ClientError::BackendMismatch {
                 unit,
-                message: format!(
-                    "unit uses backend {backend}, client {}; no fallback",
-                    cfg.backend.kind()
-                ),
+                theirs: backend,
+                ours: cfg.backend,
             });
         }
         let a = agent.clone();
         let peer = tokio::task::spawn_blocking(move || a.add_remote(&md))
-            .await
-            .map_err(|e| ClientError::Transport {
-                unit,
-                message: e.to_string(),
-            })?
-            .map_err(|e| ClientError::Transport {
-                unit,
-                message: e.to_string(),
-            })?;
+            .await?
+            .map_err(|source| ClientError::Connect { unit, source })?;
         Ok(Conn {
             unit,
             tx,

@@ -21,9 +21,7 @@ impl Client {
         };
         let (id, resp) = conn.call(req).await?;
         let value = match resp {
-            Response::Values { meta, frames } => {
-                decode_inline(&meta, frames).map_err(ClientError::Codec)?
-            }
+            Response::Values { meta, frames } => decode_inline(&meta, frames)?,
             Response::GetReady { meta } => self.get_payload(conn, id, &meta).await?,
             other => return Err(conn.unexpected(other)),
         };
@@ -43,13 +41,8 @@ impl Client {
     }
 
     async fn get_payload(&self, conn: &Conn, get: u64, meta: &[u8]) -> Result<Value, ClientError> {
-        let table = self
-            .decoder
-            .frame_table(meta)
-            .map_err(|e| ClientError::Codec(e.to_string()))?;
-        let layout = table
-            .layout(conn.align)
-            .map_err(|e| ClientError::Codec(e.to_string()))?;
+        let table = self.decoder.frame_table(meta)?;
+        let layout = table.layout(conn.align)?;
         let block = match self.pool.lease(layout.size.max(1), layout.align) {
             Ok(b) => b,
             Err(e) => {
@@ -59,13 +52,13 @@ impl Client {
                         maybe_written: false,
                     })
                     .await;
-                return Err(ClientError::OutOfMemory(e.to_string()));
+                return Err(ClientError::from_pool(e));
             }
         };
         // The unit lays the frames out in the block as this client did.
         let exposed = block
             .remote_range(0, layout.size.max(1))
-            .map_err(|e| ClientError::OutOfMemory(e.to_string()))?;
+            .map_err(|e| ClientError::Memory(e.into()))?;
         let done = tokio::time::timeout(
             self.timeout,
             conn.call(Request::GetInto {
@@ -86,14 +79,16 @@ impl Client {
             Err(_) => {
                 // The unit may still write into the block: keep it out of the pool.
                 lock(&self.quarantine).push(block);
-                return Err(ClientError::Transport {
+                return Err(ClientError::Transfer {
                     unit: conn.unit,
-                    message: "GET timed out; outcome unknown".into(),
+                    source: PayloadError::TimedOut {
+                        after: self.timeout,
+                    },
                 });
             }
         }
         let size = layout.size;
         let buf: Bytes = freeze(block, size);
-        decode_contiguous(meta, &buf, layout.align).map_err(|e| ClientError::Codec(e.to_string()))
+        Ok(decode_contiguous(meta, &buf, layout.align)?)
     }
 }

@@ -18,7 +18,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::busy_poll::{BusyPoll, Waiting};
 use crate::core::{decode_inline, Stats};
-use crate::error::{ClientError, ErrorKind, RemoteError};
+use crate::error::{ClientError, ErrorKind, MemoryError, PayloadError, RemoteError};
 use crate::plane::{freeze, source_descs, Backend};
 use crate::proto::{self, frame_descs, PullSource, Request, Response};
 
@@ -122,18 +122,11 @@ impl Client {
         let payload_addr = cfg.payload_addr;
         let bytes = cfg.recv_pool_bytes;
         let (agent, pool) = tokio::task::spawn_blocking(move || {
-            let agent = backend
-                .agent_at("client", payload_addr)
-                .map_err(|e| e.to_string())?;
-            let pool = RegisteredPool::new(&agent, bytes).map_err(|e| e.to_string())?;
-            Ok::<_, String>((Arc::new(agent), pool))
+            let agent = backend.agent_at("client", payload_addr)?;
+            let pool = RegisteredPool::new(&agent, bytes).map_err(ClientError::from_pool)?;
+            Ok::<_, ClientError>((Arc::new(agent), pool))
         })
-        .await
-        .map_err(|e| ClientError::Transport {
-            unit: 0,
-            message: e.to_string(),
-        })?
-        .map_err(|message| ClientError::Transport { unit: 0, message })?;
+        .await??;
         let mut conns = Vec::with_capacity(cfg.units.len());
         for (unit, addr) in cfg.units.iter().enumerate() {
             conns.push(Conn::open(unit, addr, &cfg, &agent).await?);

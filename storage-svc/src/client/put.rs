@@ -13,7 +13,7 @@ impl Client {
         value: &Value,
     ) -> Result<(), ClientError> {
         let conn = &self.conns[unit];
-        let frames = encode(value).map_err(|e| ClientError::Codec(e.to_string()))?;
+        let frames = encode(value)?;
         let inline = frames.payload_bytes() <= conn.inline_max;
         if !inline && conn.pull {
             return self
@@ -45,19 +45,21 @@ impl Client {
             )
         });
         let (id, resp) = answer.wait().await?;
-        let terr = |message: String| ClientError::Transport { unit, message };
         let ready = match resp {
             Response::Done => return Ok(()),
             Response::PutReady { block, agent } => match (agent, locals) {
-                (_, Some(Err(e))) => Err(terr(e)),
-                (_, None) => Err(terr("READY for an inline PUT".into())),
+                (_, Some(Err(e))) => Err(ClientError::Memory(e)),
+                (_, None) => Err(ClientError::Unexpected {
+                    unit,
+                    what: "READY for an inline PUT".into(),
+                }),
                 // The unit registered more memory: its peer handle learns the new
                 // registrations before any WRITE names them.
                 (Some(md), Some(Ok(locals))) => self
                     .agent
                     .add_remote(&md)
                     .map(|_| (block, locals))
-                    .map_err(|e| terr(e.to_string())),
+                    .map_err(|source| ClientError::Connect { unit, source }),
                 (None, Some(Ok(locals))) => Ok((block, locals)),
             },
             other => return Err(conn.unexpected(other)),
@@ -102,15 +104,10 @@ impl Client {
         fields: Vec<String>,
         frames: &Frames,
     ) -> Result<(), ClientError> {
-        let terr = |message: String| ClientError::Transport {
-            unit: conn.unit,
-            message,
-        };
         let sources = source_descs(
             &self.agent,
             frames.payloads.iter().filter(|f| !f.is_empty()),
-        )
-        .map_err(terr)?;
+        )?;
         let mut it = sources.iter();
         let descs = frames
             .payloads
@@ -120,7 +117,10 @@ impl Client {
                 false => it.next().map(LocalDesc::to_remote),
             })
             .collect::<Option<Vec<_>>>()
-            .ok_or_else(|| terr("fewer sources than frames".into()))?;
+            .ok_or(MemoryError::Described {
+                frames: frames.payloads.iter().filter(|f| !f.is_empty()).count(),
+                descs: sources.len(),
+            })?;
         let req = Request::Put {
             partition: partition.to_owned(),
             indexes,
@@ -154,25 +154,28 @@ impl Client {
         block: &RemoteDesc,
         locals: Vec<LocalDesc>,
     ) -> Result<(), ClientError> {
-        let terr = |message: String| ClientError::Transport {
+        let terr = |source: PayloadError| ClientError::Transfer {
             unit: conn.unit,
-            message,
+            source,
         };
-        let layout = frames
-            .layout(conn.align)
-            .map_err(|e| ClientError::Codec(e.to_string()))?;
-        let remotes = frame_descs(block, &layout).map_err(terr)?;
+        let layout = frames.layout(conn.align)?;
+        let remotes = frame_descs(block, &layout)?;
         if remotes.len() != locals.len() {
-            return Err(terr("the layout does not match the frames".into()));
+            return Err(MemoryError::Described {
+                frames: locals.len(),
+                descs: remotes.len(),
+            }
+            .into());
         }
         let t = conn
             .peer
             .write(&locals, &remotes, None)
-            .map_err(|e| terr(e.to_string()))?;
+            .map_err(|e| terr(e.into()))?;
         drop(locals);
-        match tokio::time::timeout(self.timeout, t).await {
-            Ok(r) => r.map_err(|e| terr(e.to_string())),
-            Err(_) => Err(terr("WRITE timed out; outcome unknown".into())),
+        let after = self.timeout;
+        match tokio::time::timeout(after, t).await {
+            Ok(r) => r.map_err(|e| terr(e.into())),
+            Err(_) => Err(terr(PayloadError::TimedOut { after })),
         }
     }
 }

@@ -9,7 +9,7 @@ use serde_bytes::ByteBuf;
 use tessera_framecodec::{Encoder, RecvLayout, Value};
 use tessera_transport::RemoteDesc;
 
-use super::{err, Memory, Output, SessionId, Unit};
+use super::{err, Memory, Output, PayloadError, SessionId, Unit};
 use crate::error::{ErrorKind, RemoteError};
 use crate::proto::{frame_descs, Response};
 
@@ -143,7 +143,7 @@ impl<M: Memory> Unit<M> {
         }
         let descs = match frame_descs(&block, &g.layout) {
             Ok(d) => d,
-            Err(e) => return fail(ErrorKind::BadRequest, e),
+            Err(e) => return fail(ErrorKind::BadRequest, e.to_string()),
         };
         g.writing = true;
         let frames: Vec<Bytes> = g.frames.iter().filter(|f| !f.is_empty()).cloned().collect();
@@ -162,7 +162,7 @@ impl<M: Memory> Unit<M> {
         session: SessionId,
         get: u64,
         id: u64,
-        result: Result<(), String>,
+        result: Result<(), PayloadError>,
     ) -> Vec<Output<M::Dest>> {
         let Some(get) = self.gets.pending.remove(&(session, get)) else {
             return Vec::new();
@@ -175,7 +175,7 @@ impl<M: Memory> Unit<M> {
             Err(e) => {
                 // The client's block may hold part of the payload: outcome unknown.
                 self.fail_session(session);
-                Response::error(ErrorKind::Transfer, e)
+                Response::error(ErrorKind::Transfer, e.to_string())
             }
         };
         vec![Output::Reply {

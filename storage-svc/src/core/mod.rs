@@ -30,7 +30,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use serde_bytes::ByteBuf;
-use tessera_framecodec::{decode, Decoder, Limits, Value};
+use tessera_framecodec::{decode, DecodeError, Decoder, Limits, Value};
 use tessera_transport::RemoteDesc;
 
 pub use self::config::UnitConfig;
@@ -40,7 +40,7 @@ use self::get::Gets;
 use self::put::{PutNext, PutRequest, Puts};
 use self::session::Sessions;
 use self::store::{Compaction, Store};
-use crate::error::{ErrorKind, RemoteError};
+use crate::error::{ErrorKind, MemoryError, PayloadError, RemoteError};
 use crate::proto::{Request, Response};
 
 /// Identifies a control connection (a session). A client that reconnects is a new session.
@@ -51,20 +51,21 @@ pub trait Memory {
     /// A leased block; dropping it returns its range.
     type Block: Send + Sync + 'static;
     /// Leases `size` bytes aligned to `align`.
-    fn lease(&mut self, size: u64, align: u64) -> Result<Self::Block, String>;
+    fn lease(&mut self, size: u64, align: u64) -> Result<Self::Block, MemoryError>;
     /// Where a READ into a block lands (a local descriptor in the server).
     type Dest: Send + 'static;
     /// A descriptor a peer can WRITE to: `len` bytes at `offset` of `block`.
-    fn remote(&self, block: &Self::Block, offset: u64, len: u64) -> Result<RemoteDesc, String>;
+    fn remote(&self, block: &Self::Block, offset: u64, len: u64)
+        -> Result<RemoteDesc, MemoryError>;
     /// A destination for a READ of `len` bytes into `block` at `offset`. It may keep the
     /// block's memory alive while the READ is in flight.
-    fn dest(&self, block: &Self::Block, offset: u64, len: u64) -> Result<Self::Dest, String>;
+    fn dest(&self, block: &Self::Block, offset: u64, len: u64) -> Result<Self::Dest, MemoryError>;
     /// The block's first `len` bytes as `Bytes` that own the block (no copy).
     fn freeze(&self, block: Self::Block, len: u64) -> Bytes;
     /// Length of a block.
     fn block_len(block: &Self::Block) -> u64;
     /// Copies `data` into a fresh block and returns it frozen (used by compaction only).
-    fn copy_in(&mut self, data: &[u8], align: u64) -> Result<Bytes, String>;
+    fn copy_in(&mut self, data: &[u8], align: u64) -> Result<Bytes, MemoryError>;
     /// Pool usage.
     fn usage(&self) -> PoolStats;
     /// Gives back registered memory that is idle beyond the configured limit; returns the
@@ -400,10 +401,10 @@ impl<M: Memory> Unit<M> {
 }
 
 /// Decodes an inline GET answer.
-pub fn decode_inline(meta: &[u8], frames: Vec<ByteBuf>) -> Result<Value, String> {
+pub fn decode_inline(meta: &[u8], frames: Vec<ByteBuf>) -> Result<Value, DecodeError> {
     let frames: Vec<Bytes> = frames
         .into_iter()
         .map(|f| Bytes::from(f.into_vec()))
         .collect();
-    decode(meta, &frames).map_err(|e| e.to_string())
+    decode(meta, &frames)
 }

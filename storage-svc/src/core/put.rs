@@ -10,11 +10,11 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use serde_bytes::ByteBuf;
-use tessera_framecodec::Value;
+use tessera_framecodec::{DecodeError, Value};
 
 use super::session::Quarantined;
 use super::store::Compaction;
-use super::{err, Memory, Output, PartitionStats, SessionId, Unit};
+use super::{err, Memory, Output, PartitionStats, PayloadError, SessionId, Unit};
 use crate::error::{ErrorKind, RemoteError};
 use crate::proto::{PullSource, Response};
 
@@ -191,7 +191,15 @@ impl<M: Memory> Unit<M> {
             ));
         }
         let table = self.decoder.frame_table(&meta).map_err(|e| {
-            let kind = if e.to_string().contains("limit") {
+            let kind = if matches!(
+                e,
+                DecodeError::MetaTooLarge { .. }
+                    | DecodeError::TooManyFrames { .. }
+                    | DecodeError::TooLarge { .. }
+                    | DecodeError::TooDeep { .. }
+                    | DecodeError::TooManyElements { .. }
+                    | DecodeError::RankTooHigh { .. }
+            ) {
                 ErrorKind::TooLarge
             } else {
                 ErrorKind::Protocol
@@ -286,7 +294,7 @@ impl<M: Memory> Unit<M> {
         let block = self
             .mem
             .lease(layout.size, layout.align)
-            .map_err(|e| err(ErrorKind::OutOfMemory, e))?;
+            .map_err(|e| err(ErrorKind::OutOfMemory, e.to_string()))?;
         let mut dests = Vec::new();
         let mut srcs = Vec::new();
         if let Some(src) = &pull {
@@ -295,7 +303,7 @@ impl<M: Memory> Unit<M> {
                     dests.push(
                         self.mem
                             .dest(&block, *off, *len)
-                            .map_err(|e| err(ErrorKind::OutOfMemory, e))?,
+                            .map_err(|e| err(ErrorKind::OutOfMemory, e.to_string()))?,
                     );
                     srcs.push(src.descs[k]);
                 }
@@ -315,7 +323,7 @@ impl<M: Memory> Unit<M> {
                 block: self
                     .mem
                     .remote(&block, 0, layout.size)
-                    .map_err(|e| err(ErrorKind::OutOfMemory, e))?,
+                    .map_err(|e| err(ErrorKind::OutOfMemory, e.to_string()))?,
                 agent: None,
             }),
         };
@@ -423,7 +431,7 @@ impl<M: Memory> Unit<M> {
         &mut self,
         session: SessionId,
         put: u64,
-        result: Result<(), String>,
+        result: Result<(), PayloadError>,
     ) -> Vec<Output<M::Dest>> {
         if !self.puts.reading(session, put) {
             return Vec::new();
@@ -437,7 +445,7 @@ impl<M: Memory> Unit<M> {
                 tracing::warn!(session, put, error = %e, "PUT READ failed; block quarantined");
                 self.quarantine_put(session, p);
                 self.fail_session(session);
-                Response::error(ErrorKind::Transfer, e)
+                Response::error(ErrorKind::Transfer, e.to_string())
             }
         };
         vec![Output::Reply {

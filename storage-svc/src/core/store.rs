@@ -7,10 +7,10 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use tessera_framecodec::Value;
+use tessera_framecodec::{TensorError, Value, ViewError};
 
 use super::{err, logical_bytes, Memory, PartitionStats, UnitConfig};
-use crate::error::{ErrorKind, RemoteError};
+use crate::error::{ErrorKind, MemoryError, RemoteError};
 
 pub(super) struct Entry {
     pub(super) value: Value,
@@ -335,8 +335,8 @@ impl Store {
                         e.block = None;
                         self.compacted += copied;
                     }
-                    Err(msg) => {
-                        tracing::debug!(block = id, %msg, "compaction skipped: no memory");
+                    Err(error) => {
+                        tracing::debug!(block = id, %error, "compaction skipped: no memory");
                         e.block = None;
                     }
                 }
@@ -361,20 +361,34 @@ impl Store {
     }
 }
 
+/// Why a value could not be copied out of its block (it then stays where it is).
+#[derive(Debug, thiserror::Error)]
+enum CompactionError {
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+    #[error(transparent)]
+    View(#[from] ViewError),
+    #[error(transparent)]
+    Tensor(#[from] TensorError),
+}
+
 /// Copies a value's payloads into fresh blocks of `mem` (compaction). Small payloads are
 /// copied to the heap by `detach_small`; returns the bytes copied.
-fn detach_into<M: Memory>(v: &Value, mem: &mut M, align: u64) -> Result<(Value, u64), String> {
+fn detach_into<M: Memory>(
+    v: &Value,
+    mem: &mut M,
+    align: u64,
+) -> Result<(Value, u64), CompactionError> {
     Ok(match v {
         Value::Bytes(b) => {
             let n = b.len() as u64;
             (Value::Bytes(mem.copy_in(b, align)?), n)
         }
         Value::Tensor(t) => {
-            let t = t.contiguous().map_err(|e| e.to_string())?;
+            let t = t.contiguous()?;
             let n = t.data().len() as u64;
             let data = mem.copy_in(t.data(), align)?;
-            let t = tessera_framecodec::Tensor::new(t.dtype(), t.shape(), data)
-                .map_err(|e| e.to_string())?;
+            let t = tessera_framecodec::Tensor::new(t.dtype(), t.shape(), data)?;
             (Value::Tensor(t), n)
         }
         Value::List(items) => {

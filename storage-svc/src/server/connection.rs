@@ -60,19 +60,29 @@ pub(super) fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "a panic".to_owned())
 }
 
-/// A future whose panics, in any poll, become `Err(message)` (what a tokio `JoinHandle`
+/// A panic caught at a future's boundary, with its message.
+#[derive(Debug)]
+pub(super) struct Panicked(pub(super) String);
+
+impl std::fmt::Display for Panicked {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// A future whose panics, in any poll, become `Err(Panicked(message))` (what a tokio `JoinHandle`
 /// reports for a task, without a task of its own, so the caller keeps what the future
 /// borrowed from it). The future is not polled again after a panic.
 pub(super) struct CatchUnwind<F>(pub(super) Pin<Box<F>>);
 
 impl<F: Future> Future for CatchUnwind<F> {
-    type Output = Result<F::Output, String>;
+    type Output = Result<F::Output, Panicked>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match catch_unwind(AssertUnwindSafe(|| self.0.as_mut().poll(cx))) {
             Ok(Poll::Pending) => Poll::Pending,
             Ok(Poll::Ready(v)) => Poll::Ready(Ok(v)),
-            Err(p) => Poll::Ready(Err(panic_message(&*p))),
+            Err(p) => Poll::Ready(Err(Panicked(panic_message(&*p)))),
         }
     }
 }

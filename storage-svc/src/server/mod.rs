@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
-use tessera_transport::{Agent, LinkState, LocalDesc, Peer, RemoteDesc};
+use tessera_transport::{Agent, AgentError, LinkState, LocalDesc, Peer, RemoteDesc};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{mpsc, watch};
@@ -24,7 +24,7 @@ use tracing::Instrument;
 use crate::busy_poll::BusyPoll;
 use crate::chunks::{ChunkLimits, ChunkPool};
 use crate::core::{Output, SessionId, Stats, TornDown, Unit, UnitConfig};
-use crate::error::ErrorKind;
+use crate::error::{ErrorKind, MemoryError, PayloadError};
 use crate::plane::{source_descs, Backend, PoolMemory};
 use crate::proto::{self, Request, Response};
 use crate::sync::{AtomicU64, Ordering};
@@ -136,9 +136,15 @@ pub enum ServerError {
         #[source]
         source: std::io::Error,
     },
-    /// The transport agent or its pool could not be created.
+    /// The transport agent could not be created.
     #[error("transport: {0}")]
-    Transport(String),
+    Agent(#[from] AgentError),
+    /// The registered pool could not be created.
+    #[error("transport: {0}")]
+    Memory(#[from] MemoryError),
+    /// The blocking setup task panicked or was cancelled.
+    #[error("transport: {0}")]
+    Background(#[from] tokio::task::JoinError),
     /// The configuration is inconsistent.
     #[error("configuration: {0}")]
     Config(String),
@@ -219,17 +225,11 @@ impl Server {
             idle: cfg.idle_pool_bytes,
         };
         let (agent, pool) = tokio::task::spawn_blocking(move || {
-            let agent = Arc::new(
-                backend
-                    .agent_at("unit", payload_addr)
-                    .map_err(|e| e.to_string())?,
-            );
+            let agent = Arc::new(backend.agent_at("unit", payload_addr)?);
             let pool = ChunkPool::new(agent.clone(), limits)?;
-            Ok::<_, String>((agent, pool))
+            Ok::<_, ServerError>((agent, pool))
         })
-        .await
-        .map_err(|e| ServerError::Transport(e.to_string()))?
-        .map_err(ServerError::Transport)?;
+        .await??;
         let (listener, addr) = if let Some(path) = cfg.bind.strip_prefix("unix:") {
             let _ = std::fs::remove_file(path);
             let l = UnixListener::bind(path).map_err(|source| ServerError::Bind {

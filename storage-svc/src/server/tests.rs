@@ -495,3 +495,39 @@ async fn registered_memory_grows_and_shrinks_inproc() {
 async fn registered_memory_grows_and_shrinks_shm() {
     registered_memory_grows_and_shrinks(Backend::Shm).await;
 }
+
+/// A GET larger than the client's receive pool fails with the pool's numbers as data (its
+/// allocator's `OutOfMemory`, not a message to parse); the unit and the client carry on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_get_beyond_the_receive_pool_reports_its_numbers() {
+    let server = unit().await;
+    let small = Client::connect(ClientConfig {
+        units: vec![server.addr().to_owned()],
+        backend: Backend::Inproc,
+        recv_pool_bytes: 1 << 20,
+        timeout: Duration::from_secs(60),
+        ..ClientConfig::default()
+    })
+    .await
+    .unwrap();
+    small.put("p", &[1], &column(1 << 20, 3)).await.unwrap();
+    let e = small.get("p", &[1], &["x"]).await.unwrap_err();
+    let ClientError::OutOfMemory {
+        requested,
+        free,
+        largest_free,
+        ..
+    } = e
+    else {
+        panic!("expected OutOfMemory, got {e:?}");
+    };
+    assert!(requested >= 4 << 20, "{requested}");
+    assert!(
+        free <= 1 << 20 && largest_free <= free,
+        "{free} {largest_free}"
+    );
+    assert!(requested > largest_free);
+    let got = small.get("p", &[1], &["missing"]).await.unwrap_err();
+    assert_eq!(kind(&got), Some(ErrorKind::Missing));
+    others_carry_on(&server, "q").await;
+}

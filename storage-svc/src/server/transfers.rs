@@ -67,7 +67,7 @@ pub(super) fn dispatch(shared: &Arc<Shared>, out: Vec<Output<LocalDesc>>) {
                         session,
                         get,
                         id,
-                        Err("session has no executor".into()),
+                        Err(PayloadError::NoExecutor),
                     ),
                 };
                 dispatch(shared, out);
@@ -146,7 +146,10 @@ pub(super) async fn executor(
                     .unwrap_or_else(|what| {
                         tracing::error!(session = sid, put, panic = %what, "PUT READ panicked");
                         crate::metrics::error(ErrorKind::Internal);
-                        Err(format!("the unit failed reading this PUT ({what})"))
+                        Err(PayloadError::Panicked {
+                            what: "reading this PUT",
+                            message: what.0,
+                        })
                     });
                 // The destinations keep the block leased until the READ is gone.
                 drop(dests);
@@ -167,7 +170,10 @@ pub(super) async fn executor(
         .unwrap_or_else(|what| {
             tracing::error!(session = sid, get, panic = %what, "GET WRITE panicked");
             crate::metrics::error(ErrorKind::Internal);
-            Err(format!("the unit failed writing this GET ({what})"))
+            Err(PayloadError::Panicked {
+                what: "writing this GET",
+                message: what.0,
+            })
         });
         if let Err(e) = &result {
             tracing::warn!(session = sid, get, error = %e, "GET WRITE failed");
@@ -183,15 +189,14 @@ async fn write(
     peer: &Peer,
     frames: &[Bytes],
     descs: &[RemoteDesc],
-) -> Result<(), String> {
+) -> Result<(), PayloadError> {
     let locals = source_descs(&shared.agent, frames)?;
-    let t = peer
-        .write(&locals, descs, None)
-        .map_err(|e| e.to_string())?;
+    let t = peer.write(&locals, descs, None)?;
     drop(locals);
-    match tokio::time::timeout(shared.cfg.transfer_timeout, t).await {
-        Ok(r) => r.map_err(|e| e.to_string()),
-        Err(_) => Err("transfer timed out".into()),
+    let after = shared.cfg.transfer_timeout;
+    match tokio::time::timeout(after, t).await {
+        Ok(r) => Ok(r?),
+        Err(_) => Err(PayloadError::TimedOut { after }),
     }
 }
 
@@ -203,14 +208,12 @@ async fn read(
     metadata: &[u8],
     dests: &[LocalDesc],
     srcs: &[RemoteDesc],
-) -> Result<(), String> {
-    let peer = shared
-        .agent
-        .add_remote(metadata)
-        .map_err(|e| e.to_string())?;
-    let t = peer.read(dests, srcs, None).map_err(|e| e.to_string())?;
-    match tokio::time::timeout(shared.cfg.transfer_timeout, t).await {
-        Ok(r) => r.map_err(|e| e.to_string()),
-        Err(_) => Err("transfer timed out".into()),
+) -> Result<(), PayloadError> {
+    let peer = shared.agent.add_remote(metadata)?;
+    let t = peer.read(dests, srcs, None)?;
+    let after = shared.cfg.transfer_timeout;
+    match tokio::time::timeout(after, t).await {
+        Ok(r) => Ok(r?),
+        Err(_) => Err(PayloadError::TimedOut { after }),
     }
 }
