@@ -292,6 +292,9 @@ pub enum MemoryError {
     /// A receive block would end beyond the address space.
     #[error("receive block beyond the address space")]
     BlockOverflow,
+    /// A block to freeze still has a descriptor or a transfer (a bug of this crate).
+    #[error("the block is still in use by a descriptor or a transfer")]
+    InUse,
     /// Fewer descriptors than frames were made.
     #[error("{descs} descriptors for {frames} frames")]
     Described {

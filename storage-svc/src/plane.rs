@@ -1,6 +1,9 @@
 //! The payload plane's memory: the registered pool behind [`Memory`], `Bytes` views that own a
-//! pool block, and registering caller frames in place. The only `unsafe` of the crate lives
-//! here, at the boundary with registered memory.
+//! pool block, and registering caller frames in place. With the epoll calls of `busy_poll`,
+//! the only `unsafe` of the crate lives here, at the boundary with registered memory: a PUT's
+//! block viewed before it is written ([`BlockBytes`]) and caller frames wrapped as regions
+//! (`register_group`, `register_in_place`). A block whose writes are complete goes through the
+//! transport's `FrozenBlock` ([`freeze_written`]), with no `unsafe` here.
 
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -200,22 +203,36 @@ fn nixl_agent(_: &str) -> Result<Agent, tessera_transport::AgentError> {
     Err(unavailable(Backend::Nixl))
 }
 
-/// A pool block as bytes: `Bytes::from_owner(BlockBytes(block))` keeps the block leased until
-/// the last slice is gone.
+/// A PUT's receive block as bytes before its payload lands: `Bytes::from_owner(BlockBytes(
+/// block))` keeps the block leased until the last slice is gone. The transport's
+/// `FrozenBlock` cannot serve here: it needs the block's last handle, and a pulled PUT's READ
+/// destinations (made before the block is frozen) hold the block until the READ is gone.
 pub(crate) struct BlockBytes(PoolBlock);
 
+#[allow(unsafe_code)] // Reading a registered block that a transfer fills later.
 impl AsRef<[u8]> for BlockBytes {
     fn as_ref(&self) -> &[u8] {
-        // SAFETY: a block is frozen into `BlockBytes` only after the WRITE into it completed
-        // (the PUT's COMMIT, or the GET's completion); from then on no descriptor of it is
-        // handed out again, so no transfer of this protocol writes it while the slice lives.
+        // SAFETY: `as_slice` asks that nothing write the block while a slice of it is used.
+        // The core freezes a PUT's block at PREPARE, before the block is exposed (READY sent,
+        // READ posted), and the client's WRITE or the unit's READ fills it afterwards, so:
+        // - the slice returned here is used by `Bytes::from_owner` only, for the block's
+        //   address and length, at PREPARE, before any transfer of the block exists;
+        // - the views cut from those bytes (`decode_contiguous` reads the meta, never the
+        //   block) are read only once the payload landed (COMMIT, or `Unit::read_done`), and
+        //   no descriptor of the block is handed out again after that;
+        // - a block whose transfer failed, expired or was cancelled after exposure is
+        //   quarantined with its views, which nobody reads again.
         unsafe { self.0.as_slice() }
     }
 }
 
-/// Freezes the first `len` bytes of a block whose writes are complete.
-pub(crate) fn freeze(block: PoolBlock, len: u64) -> Bytes {
-    Bytes::from_owner(BlockBytes(block)).slice(..len as usize)
+/// The first `len` bytes of a block whose writes are complete (a GET's block after GET_DONE,
+/// a compacted copy), as bytes that own it through the transport's `FrozenBlock`: slices keep
+/// it leased and it returns to its pool when the last one drops. Fails while a descriptor or
+/// transfer of the block is still alive.
+pub(crate) fn freeze_written(block: PoolBlock, len: u64) -> Result<Bytes, MemoryError> {
+    let frozen = block.freeze().map_err(|_| MemoryError::InUse)?;
+    Ok(Bytes::from_owner(frozen).slice(..len as usize))
 }
 
 /// The unit's registered memory (chunks of registered pools) as the protocol core's
@@ -244,7 +261,7 @@ impl Memory for PoolMemory {
     }
 
     fn freeze(&self, block: PoolBlock, len: u64) -> Bytes {
-        freeze(block, len)
+        Bytes::from_owner(BlockBytes(block)).slice(..len as usize)
     }
 
     fn block_len(block: &PoolBlock) -> u64 {
@@ -257,7 +274,7 @@ impl Memory for PoolMemory {
         }
         let block = self.lease(data.len() as u64, align)?;
         block.write_at(0, data)?;
-        Ok(freeze(block, data.len() as u64))
+        freeze_written(block, data.len() as u64)
     }
 
     fn usage(&self) -> PoolStats {
@@ -388,6 +405,7 @@ fn coalesce<'s>(spans: &'s mut [Span], registered: &[(usize, usize)]) -> Vec<&'s
 
 /// Registers one group (sorted by address, non-empty) as one local-only registration
 /// spanning its frames, and fills in each member's descriptor.
+#[allow(unsafe_code)] // A region over caller frames (no owner-taking constructor exists).
 fn register_group(
     agent: &Agent,
     frames: &[&Bytes],
@@ -438,6 +456,7 @@ fn find_in_registration(agent: &Agent, frame: &Bytes) -> Option<LocalDesc> {
         .and_then(|reg| reg.desc(0, len).ok())
 }
 
+#[allow(unsafe_code)] // A region over a caller frame (no owner-taking constructor exists).
 fn register_in_place(agent: &Agent, frame: &Bytes) -> Result<LocalDesc, MemoryError> {
     let len = frame.len() as u64;
     let ptr =
@@ -521,7 +540,7 @@ mod tests {
         let pool = RegisteredPool::new(&a, 1 << 16).unwrap();
         let block = pool.lease(4096, 64).unwrap();
         block.write_at(0, &[3; 4096]).unwrap();
-        let pooled = freeze(block, 4096);
+        let pooled = freeze_written(block, 4096).unwrap();
         let heap = Bytes::from(vec![4u8; 300]);
         let frames = [
             heap.slice(0..100),

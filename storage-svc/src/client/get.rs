@@ -88,7 +88,7 @@ impl Client {
             }
         }
         let size = layout.size;
-        let buf: Bytes = freeze(block, size);
+        let buf: Bytes = freeze_written(block, size)?;
         Ok(decode_contiguous(meta, &buf, layout.align)?)
     }
 }

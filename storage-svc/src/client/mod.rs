@@ -19,7 +19,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::busy_poll::{BusyPoll, Waiting};
 use crate::core::{decode_inline, Stats};
 use crate::error::{ClientError, ErrorKind, MemoryError, PayloadError, RemoteError};
-use crate::plane::{freeze, source_descs, Backend};
+use crate::plane::{freeze_written, source_descs, Backend};
 use crate::proto::{self, frame_descs, PullSource, Request, Response};
 
 mod conn;
