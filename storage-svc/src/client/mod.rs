@@ -11,16 +11,16 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use serde_bytes::ByteBuf;
-use tessera_framecodec::{decode_contiguous, encode, Decoder, Frames, Limits, Value};
+use tessera_framecodec::{encode, Decoder, Frames, Limits, Value};
 use tessera_transport::{Agent, LocalDesc, Peer, RegisteredPool, RemoteDesc};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::busy_poll::{BusyPoll, Waiting};
-use crate::core::{decode_inline, Stats};
+use crate::core::Stats;
 use crate::error::{ClientError, ErrorKind, MemoryError, PayloadError, RemoteError};
 use crate::plane::{freeze_written, source_descs, Backend};
-use crate::proto::{self, frame_descs, PullSource, Request, Response};
+use crate::proto::{self, PullSource, Request, Response};
 
 mod conn;
 mod get;

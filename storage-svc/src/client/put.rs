@@ -1,7 +1,8 @@
-//! The client's side of a PUT: inline, pushed (READY, WRITE, COMMIT or CANCEL) or pulled
-//! (the unit READs the frames named in the PUT).
+//! Drives the client's side of a PUT ([`PutOp`]): sends what it asks, registers and WRITEs
+//! the frames, and feeds it the answers.
 
 use super::*;
+use crate::core::client::{PutOp, PutStep};
 
 impl Client {
     pub(super) async fn put_unit(
@@ -14,82 +15,66 @@ impl Client {
     ) -> Result<(), ClientError> {
         let conn = &self.conns[unit];
         let frames = encode(value)?;
-        let inline = frames.payload_bytes() <= conn.inline_max;
+        let inline = PutOp::is_inline(&frames, conn.inline_max);
         if !inline && conn.pull {
             return self
                 .put_pulled(conn, partition, indexes, fields, &frames)
                 .await;
         }
-        let req = Request::Put {
-            partition: partition.to_owned(),
+        let (mut op, first) = PutOp::new(
+            unit,
+            partition,
             indexes,
             fields,
-            meta: ByteBuf::from(frames.meta.to_vec()),
-            inline: inline.then(|| {
-                frames
-                    .payloads
-                    .iter()
-                    .map(|f| ByteBuf::from(f.to_vec()))
-                    .collect()
-            }),
-            pull: None,
+            &frames,
+            conn.inline_max,
+            conn.align,
+            None,
+        );
+        let PutStep::Send(req) = first else {
+            return done(first);
         };
         let mut answer = conn.send(req, !inline)?;
         // The frames are registered while the unit prepares its block: once the request is
         // on its way (the writer may share this thread's core).
         answer.sent().await;
-        let locals = (!inline).then(|| {
+        let mut locals = (!inline).then(|| {
             source_descs(
                 &self.agent,
                 frames.payloads.iter().filter(|f| !f.is_empty()),
             )
         });
-        let (id, resp) = answer.wait().await?;
-        let ready = match resp {
-            Response::Done => return Ok(()),
-            Response::PutReady { block, agent } => match (agent, locals) {
-                (_, Some(Err(e))) => Err(ClientError::Memory(e)),
-                (_, None) => Err(ClientError::Unexpected {
-                    unit,
-                    what: "READY for an inline PUT".into(),
-                }),
-                // The unit registered more memory: its peer handle learns the new
-                // registrations before any WRITE names them.
-                (Some(md), Some(Ok(locals))) => self
-                    .agent
-                    .add_remote(&md)
-                    .map(|_| (block, locals))
-                    .map_err(|source| ClientError::Connect { unit, source }),
-                (None, Some(Ok(locals))) => Ok((block, locals)),
-            },
-            other => return Err(conn.unexpected(other)),
-        };
-        let (block, locals) = match ready {
-            Ok(r) => r,
-            Err(e) => {
-                // Nothing was written: the unit frees the block.
-                let _ = conn
-                    .call(Request::Cancel {
-                        of: id,
-                        maybe_written: false,
-                    })
-                    .await;
-                return Err(e);
-            }
-        };
-        if let Err(e) = self.write_frames(conn, &frames, &block, locals).await {
-            // The block may hold part of the payload: the unit quarantines it. No retry.
-            let _ = conn
-                .call(Request::Cancel {
-                    of: id,
-                    maybe_written: true,
-                })
-                .await;
-            return Err(e);
-        }
-        match conn.call(Request::Commit { put: id }).await?.1 {
-            Response::Done => Ok(()),
-            other => Err(conn.unexpected(other)),
+        let mut step = op.on_answer(answer.wait().await);
+        loop {
+            step = match step {
+                PutStep::Done(r) => return r,
+                PutStep::Send(req) => op.on_answer(conn.call(req).await),
+                PutStep::Write { descs, agent } => {
+                    let ready = match (agent, locals.take()) {
+                        (_, None) => Err(ClientError::ApiMisuse(
+                            "a WRITE for a PUT without registered frames".into(),
+                        )),
+                        (_, Some(Err(e))) => Err(ClientError::Memory(e)),
+                        // The unit registered more memory: its peer handle learns the new
+                        // registrations before any WRITE names them.
+                        (Some(md), Some(Ok(l))) => self
+                            .agent
+                            .add_remote(&md)
+                            .map(|_| l)
+                            .map_err(|source| ClientError::Connect { unit, source }),
+                        (None, Some(Ok(l))) => Ok(l),
+                    };
+                    match ready {
+                        // Nothing was written: the unit frees the block.
+                        Err(e) => op.on_written(Err(e), false),
+                        // The block may hold part of the payload if this fails: the unit
+                        // quarantines it. No retry.
+                        Ok(locals) => {
+                            op.on_written(self.write_frames(conn, &descs, locals).await, true)
+                        }
+                    }
+                }
+            };
         }
     }
 
@@ -121,16 +106,22 @@ impl Client {
                 frames: frames.payloads.iter().filter(|f| !f.is_empty()).count(),
                 descs: sources.len(),
             })?;
-        let req = Request::Put {
-            partition: partition.to_owned(),
+        let pull = PullSource {
+            descs,
+            agent: ByteBuf::from(self.agent.metadata()),
+        };
+        let (mut op, first) = PutOp::new(
+            conn.unit,
+            partition,
             indexes,
             fields,
-            meta: ByteBuf::from(frames.meta.to_vec()),
-            inline: None,
-            pull: Some(PullSource {
-                descs,
-                agent: ByteBuf::from(self.agent.metadata()),
-            }),
+            frames,
+            conn.inline_max,
+            conn.align,
+            Some(pull),
+        );
+        let PutStep::Send(req) = first else {
+            return done(first);
         };
         let answer = conn.call(req).await;
         if matches!(answer, Err(ClientError::Timeout { .. })) {
@@ -139,37 +130,31 @@ impl Client {
         } else {
             drop(sources);
         }
-        match answer?.1 {
-            Response::Done => Ok(()),
-            other => Err(conn.unexpected(other)),
-        }
+        done(op.on_answer(answer))
     }
 
-    /// WRITEs the non-empty frames, registered as `locals` in order, into the unit's receive
-    /// `block`, laid out as the unit lays them out.
+    /// WRITEs the non-empty frames, registered as `locals` in order, to `descs` in the unit's
+    /// receive block.
     async fn write_frames(
         &self,
         conn: &Conn,
-        frames: &Frames,
-        block: &RemoteDesc,
+        descs: &[RemoteDesc],
         locals: Vec<LocalDesc>,
     ) -> Result<(), ClientError> {
         let terr = |source: PayloadError| ClientError::Transfer {
             unit: conn.unit,
             source,
         };
-        let layout = frames.layout(conn.align)?;
-        let remotes = frame_descs(block, &layout)?;
-        if remotes.len() != locals.len() {
+        if descs.len() != locals.len() {
             return Err(MemoryError::Described {
                 frames: locals.len(),
-                descs: remotes.len(),
+                descs: descs.len(),
             }
             .into());
         }
         let t = conn
             .peer
-            .write(&locals, &remotes, None)
+            .write(&locals, descs, None)
             .map_err(|e| terr(e.into()))?;
         drop(locals);
         let after = self.timeout;
@@ -177,5 +162,15 @@ impl Client {
             Ok(r) => r.map_err(|e| terr(e.into())),
             Err(_) => Err(terr(PayloadError::TimedOut { after })),
         }
+    }
+}
+
+/// The result of a PUT whose machine asks for nothing more (a pulled PUT's only answer).
+fn done(step: PutStep) -> Result<(), ClientError> {
+    match step {
+        PutStep::Done(r) => r,
+        other => Err(ClientError::ApiMisuse(format!(
+            "a PUT machine asked for {other:?} where it had nothing left to do"
+        ))),
     }
 }

@@ -15,7 +15,11 @@
 //! The state is split by concern, each part owning its invariants: the stored values and
 //! their blocks (`store`), sessions and quarantine (`session`), pending PUTs and what they
 //! lease (`put`), pending GETs (`get`).
+//!
+//! The client's side of the same protocol is plain code too ([`client`]): `Client` only
+//! drives its machines.
 
+pub mod client;
 mod config;
 mod get;
 mod put;
