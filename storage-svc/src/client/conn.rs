@@ -1,7 +1,20 @@
 //! One pipelined control connection to a unit: requests are written by one task and
 //! answers matched to their waiters by request id by another.
 
-use super::*;
+use std::collections::HashMap;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tessera_transport::{Agent, Peer};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::{mpsc, oneshot};
+
+use super::{lock, ClientConfig};
+use crate::busy_poll::{BusyPoll, Waiting};
+use crate::error::ClientError;
+use crate::proto::{self, Request, Response};
 
 #[derive(Default)]
 struct Pending {

@@ -1,8 +1,13 @@
 //! Drives the client's side of a GET ([`GetOp`]): sends what it asks, leases and freezes the
 //! receive block, and feeds it the answers.
 
-use super::*;
+use tessera_framecodec::Value;
+
+use super::{lock, Client};
 use crate::core::client::{GetOp, GetStep};
+use crate::error::ClientError;
+use crate::plane::freeze_written;
+use crate::proto::Request;
 
 impl Client {
     pub(super) async fn get_unit(

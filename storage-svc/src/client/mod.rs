@@ -3,24 +3,18 @@
 //! over the one-sided engines, READ by the unit; GETs written by the unit into the client's
 //! own registered pool).
 
-use std::collections::HashMap;
-use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use serde_bytes::ByteBuf;
-use tessera_framecodec::{encode, Decoder, Frames, Limits, Value};
-use tessera_transport::{Agent, LocalDesc, Peer, RegisteredPool, RemoteDesc};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::sync::{mpsc, oneshot};
+use tessera_framecodec::{Decoder, Limits, Value};
+use tessera_transport::{Agent, LocalDesc, RegisteredPool};
 
-use crate::busy_poll::{BusyPoll, Waiting};
+use crate::busy_poll::BusyPoll;
 use crate::core::Stats;
-use crate::error::{ClientError, ErrorKind, MemoryError, PayloadError, RemoteError};
-use crate::plane::{freeze_written, source_descs, Backend};
-use crate::proto::{self, PullSource, Request, Response};
+use crate::error::{ClientError, ErrorKind, RemoteError};
+use crate::plane::Backend;
+use crate::proto::{Request, Response};
 
 mod conn;
 mod get;

@@ -1,8 +1,16 @@
 //! Drives the client's side of a PUT ([`PutOp`]): sends what it asks, registers and WRITEs
 //! the frames, and feeds it the answers.
 
-use super::*;
+use serde_bytes::ByteBuf;
+use tessera_framecodec::{encode, Frames, Value};
+use tessera_transport::{LocalDesc, RemoteDesc};
+
+use super::conn::Conn;
+use super::{lock, Client};
 use crate::core::client::{PutOp, PutStep};
+use crate::error::{ClientError, MemoryError, PayloadError};
+use crate::plane::source_descs;
+use crate::proto::PullSource;
 
 impl Client {
     pub(super) async fn put_unit(

@@ -2,9 +2,28 @@
 //! core, send the answers), and connecting to the client's agent after its Hello. A panic
 //! in one session closes that session only.
 
+use std::future::Future;
+use std::os::fd::AsRawFd;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::{mpsc, watch};
+use tracing::Instrument;
+
+#[cfg(test)]
+use super::fault;
 use super::timer::close_in_core;
 use super::transfers::{dispatch, executor};
-use super::*;
+use super::{lock, Listener, SessionHandle, Shared};
+use crate::busy_poll::BusyPoll;
+use crate::core::SessionId;
+use crate::error::ErrorKind;
+use crate::proto::{self, Request, Response};
+use crate::sync::{AtomicU64, Ordering};
 
 pub(super) async fn accept_loop(
     shared: Arc<Shared>,

@@ -3,31 +3,25 @@
 //! peer's own executor.
 
 use std::collections::HashMap;
-use std::future::Future;
-use std::os::fd::AsRawFd;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
-use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
-use tessera_transport::{Agent, AgentError, LinkState, LocalDesc, Peer, RemoteDesc};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tessera_transport::{Agent, AgentError, LocalDesc, RemoteDesc};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
-use tracing::Instrument;
 
 use crate::busy_poll::BusyPoll;
 use crate::chunks::{ChunkLimits, ChunkPool};
-use crate::core::{Output, SessionId, Stats, TornDown, Unit, UnitConfig};
-use crate::error::{ErrorKind, MemoryError, PayloadError};
-use crate::plane::{source_descs, Backend, PoolMemory};
-use crate::proto::{self, Request, Response};
-use crate::sync::{AtomicU64, Ordering};
+use crate::core::{SessionId, Stats, Unit, UnitConfig};
+use crate::error::MemoryError;
+use crate::plane::{Backend, PoolMemory};
+use crate::sync::AtomicU64;
+#[cfg(test)]
+use crate::sync::Ordering;
 
 mod connection;
 #[cfg(test)]

@@ -3,6 +3,11 @@
 
 use super::fault::{arm, Fault};
 use super::*;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+
+use crate::error::ErrorKind;
+use crate::plane::source_descs;
+use crate::proto::{self, Request, Response};
 use crate::{Client, ClientConfig, ClientError, Tensor, Value};
 use tokio::net::TcpStream;
 

@@ -1,8 +1,15 @@
 //! The unit's timer: expiries, stats gauges, trimming idle memory, and releasing the
 //! quarantine of closed sessions once their clients' links are torn down.
 
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tessera_transport::LinkState;
+use tokio::sync::watch;
+
 use super::transfers::dispatch;
-use super::*;
+use super::{lock, SessionHandle, Shared};
+use crate::core::{SessionId, TornDown};
 
 pub(super) async fn timer_loop(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
     loop {

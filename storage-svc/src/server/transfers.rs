@@ -1,8 +1,21 @@
 //! Carrying out the core's outputs: replies, accepted sessions, and each peer's transfers
 //! (GET WRITEs, pulled-PUT READs) on that peer's own executor.
 
+use std::sync::Arc;
+
+use bytes::Bytes;
+use tessera_transport::{LocalDesc, Peer, RemoteDesc};
+use tokio::sync::mpsc;
+
 use super::connection::{accept_peer, send, CatchUnwind};
-use super::*;
+#[cfg(test)]
+use super::fault;
+use super::{lock, Job, Shared};
+use crate::core::{Output, SessionId};
+use crate::error::{ErrorKind, PayloadError};
+use crate::plane::source_descs;
+use crate::proto::Response;
+use crate::sync::{AtomicU64, Ordering};
 
 pub(super) fn dispatch(shared: &Arc<Shared>, out: Vec<Output<LocalDesc>>) {
     for o in out {
