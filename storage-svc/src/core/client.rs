@@ -1,9 +1,10 @@
 //! The client's side of the protocol as plain code, beside the unit's [`Unit`](super::Unit):
-//! one machine per operation on one unit, fed the unit's answers and the outcome of the
-//! client's own steps, answering with the next [`PutStep`] or [`GetStep`]: a request to send, the frames to
-//! WRITE, a receive block to lease, the landed block to decode, or the result. No I/O, no
-//! clock: the driver (`Client`) sends, writes, leases and times out, and the tests drive a
-//! machine against the unit's core with no sockets.
+//! one machine per operation on one unit ([`PutOp`], [`GetOp`]), fed the unit's answers and
+//! the outcome of the client's own steps, answering with the next step ([`PutStep`],
+//! [`GetStep`]): a request to send, the frames to WRITE, a receive block to lease, the landed
+//! block to decode, or the result. No I/O, no clock: the driver (`Client`) sends, writes,
+//! leases and times out, and the tests drive a machine against the unit's core with no
+//! sockets (`tests/client_core.rs`).
 //!
 //! - PUT, pushed: `PUT` → `PUT_READY` → the frames WRITEn into the block → `COMMIT` → `DONE`;
 //!   a failure before the WRITE cancels (`maybe_written: false`), after it starts cancels with
