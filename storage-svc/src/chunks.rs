@@ -124,9 +124,11 @@ impl<S: ChunkSource> ChunkPool<S> {
         size: u64,
         align: u64,
     ) -> Result<<S::Pool as Chunk>::Block, MemoryError> {
+        let mut last = None;
         for c in &self.chunks {
-            if let Ok(b) = c.lease(size, align) {
-                return Ok(b);
+            match c.lease(size, align) {
+                Ok(b) => return Ok(b),
+                Err(e) => last = Some(Box::new(e)),
             }
         }
         // A chunk that surely fits the block: its start is page-aligned, so `align` up to a
@@ -149,6 +151,7 @@ impl<S: ChunkSource> ChunkPool<S> {
                 registered: self.registered,
                 limit: self.limits.capacity,
                 largest_free: largest,
+                chunk: last,
             });
         }
         self.grow(bytes.min(room))?.lease(size, align)
@@ -254,7 +257,14 @@ mod tests {
         // The limit: nothing more can be registered.
         let e = pool.lease(8 * MIB, 64).unwrap_err();
         assert!(e.to_string().contains("registered memory exhausted"), "{e}");
-        assert!(matches!(e, MemoryError::Exhausted { .. }), "{e:?}");
+        assert!(
+            matches!(
+                &e,
+                MemoryError::Exhausted { chunk: Some(c), .. }
+                    if matches!(**c, MemoryError::Alloc(tessera_alloc::AllocError::OutOfMemory { .. }))
+            ),
+            "{e:?}"
+        );
         drop(big);
         assert_eq!(pool.trim(), 4 * MIB + 4096, "the free big chunk goes");
         assert!(pool.lease(8 * MIB + 1, 64).is_err(), "8 MiB of room left");

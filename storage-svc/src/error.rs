@@ -250,6 +250,9 @@ pub enum MemoryError {
         limit: u64,
         /// The largest free range of any chunk.
         largest_free: u64,
+        /// What the last chunk tried answered, if any was.
+        #[source]
+        chunk: Option<Box<MemoryError>>,
     },
     /// A lease too large to size a chunk for (caller misuse).
     #[error("a lease of {size} bytes is too large")]
