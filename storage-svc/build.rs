@@ -1,6 +1,7 @@
-//! Gives this package's binaries (and tests) the rpath that tessera-transport's build script
-//! sets for its own when its `ucx` or `nixl` feature is on, so they find the libraries that
-//! `cargo xtask deps` installed without `LD_LIBRARY_PATH`. Does nothing otherwise.
+//! Gives this package's tests (the library's own, which start ucx and nixl agents under those
+//! features) the rpath that tessera-transport's build script sets for its own when its `ucx` or
+//! `nixl` feature is on, so they find the libraries that `cargo xtask deps` installed without
+//! `LD_LIBRARY_PATH`. Does nothing otherwise. The binary's crate, `cli/`, has its own.
 
 fn main() {
     for var in [

@@ -90,7 +90,7 @@ const BACKEND_TESTS: &[(&str, &str, &[&str], &str)] = &[
         &["ucx_engine", "ucx_two_process", "conformance_ucx"],
         "",
     ),
-    ("ucx", "tessera-storage", &["engines"], ""),
+    ("ucx", "tessera-storage-cli", &["engines"], ""),
     ("ucx", "tessera-demo", &["demo"], "over_ucx"),
     (
         "nixl",
@@ -98,7 +98,7 @@ const BACKEND_TESTS: &[(&str, &str, &[&str], &str)] = &[
         &["nixl_engine", "nixl_two_process", "conformance_nixl"],
         "",
     ),
-    ("nixl", "tessera-storage", &["engines"], ""),
+    ("nixl", "tessera-storage-cli", &["engines"], ""),
     ("nixl", "tessera-demo", &["demo"], "over_nixl"),
 ];
 
@@ -143,7 +143,9 @@ fn test(root: &Path) -> Result<()> {
             // One clippy per feature over every package that has it.
             let mut clippy = cargo(&["clippy", "--locked", "--all-targets"]);
             let mut features = Vec::new();
-            for krate in BACKEND_TESTS.iter().filter(|t| t.0 == feature).map(|t| t.1) {
+            // The storage library's own targets too: its engines tests run in its cli crate.
+            let packages = BACKEND_TESTS.iter().filter(|t| t.0 == feature).map(|t| t.1);
+            for krate in packages.chain(["tessera-storage"]) {
                 clippy.args(["-p", krate]);
                 features.push(format!("{krate}/{feature}"));
             }
