@@ -717,13 +717,12 @@ impl Allocator {
     }
 }
 
-/// Allocator ids only need to be unique; they are not part of any model-checked protocol, so a
-/// std atomic serves under loom too.
+/// Allocator ids only need to be unique; they are not part of any model-checked protocol.
 /// After 2^32 allocators the ids wrap; a block would then be misattributed only if it outlived
 /// 2^32 allocator creations and was handed to exactly the one that reused its owner's id.
 fn next_allocator_id() -> u32 {
-    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(1);
-    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    static NEXT: tessera_sync::Counter = tessera_sync::Counter::new(1);
+    NEXT.next() as u32
 }
 
 #[cfg(test)]

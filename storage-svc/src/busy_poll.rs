@@ -39,10 +39,10 @@
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
+use tessera_sync::atomic::{AtomicUsize, Ordering};
+use tessera_sync::Arc;
 
 use tokio::io::{AsyncRead, ReadBuf};
 

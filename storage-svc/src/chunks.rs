@@ -3,7 +3,8 @@
 //! own limit. Registration is slow, so a chunk is large (a request that needs more gets a
 //! chunk of its own size) and is only ever registered when no chunk has room.
 
-use crate::sync::{Arc, AtomicU64, Ordering};
+use tessera_sync::atomic::{AtomicU64, Ordering};
+use tessera_sync::Arc;
 use tessera_transport::{Agent, PoolBlock, RegisteredPool};
 
 use crate::core::PoolStats;
@@ -214,7 +215,7 @@ impl<S: ChunkSource> ChunkPool<S> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sync::{model, thread};
+    use tessera_sync::{model, thread};
     use tessera_transport::Inproc;
 
     const MIB: u64 = 1 << 20;

@@ -14,7 +14,6 @@ mod metrics;
 mod plane;
 pub mod proto;
 mod server;
-mod sync;
 #[doc(hidden)]
 pub mod testing;
 

@@ -6,7 +6,7 @@
 //! transport's `FrozenBlock` ([`freeze_written`]), with no `unsafe` here.
 
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU64, Ordering};
+use tessera_sync::Arc;
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
@@ -130,13 +130,13 @@ impl Backend {
             )
             .into());
         }
-        static NEXT: AtomicU64 = AtomicU64::new(0);
+        static NEXT: tessera_sync::Counter = tessera_sync::Counter::new(0);
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
         let name = format!(
             "tessera-{role}-{}-{}-{}",
             host.trim(),
             std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
+            NEXT.next()
         );
         match self {
             Backend::Inproc => Agent::new(&name, tessera_transport::Inproc::new()),
@@ -238,7 +238,7 @@ pub(crate) fn freeze_written(block: PoolBlock, len: u64) -> Result<Bytes, Memory
 /// The unit's registered memory (chunks of registered pools) as the protocol core's
 /// [`Memory`].
 pub(crate) struct PoolMemory {
-    pub(crate) pool: ChunkPool<std::sync::Arc<Agent>>,
+    pub(crate) pool: ChunkPool<Arc<Agent>>,
 }
 
 impl Memory for PoolMemory {

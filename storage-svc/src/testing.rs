@@ -7,7 +7,8 @@ use tessera_transport::RemoteDesc;
 
 use crate::core::{Memory, PoolStats};
 use crate::error::MemoryError;
-use crate::sync::{Arc, AtomicU64, Ordering};
+use tessera_sync::atomic::{AtomicU64, Ordering};
+use tessera_sync::Arc;
 
 /// Heap memory that counts the bytes of its live blocks and refuses a lease past its
 /// capacity. Every block is named to peers as registration 1 at the block's offsets. Clones

@@ -5,40 +5,12 @@
 //! from the client's frame into the unit's pool, the GET's WRITE from the unit's pool into
 //! the client's receive pool.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicU64, Ordering};
-
 use tessera_storage::{Backend, Client, ClientConfig, Server, ServerConfig, Tensor, Value};
+use tessera_testkit::CountingAlloc;
 
-struct Counting;
-
-static LARGE: AtomicU64 = AtomicU64::new(0);
-const LARGE_AT: usize = 1 << 20;
-
-// SAFETY: forwards to the system allocator unchanged; only counts.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        if l.size() >= LARGE_AT {
-            LARGE.fetch_add(l.size() as u64, Ordering::SeqCst);
-        }
-        // SAFETY: the caller's obligations are the system allocator's.
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        // SAFETY: as above.
-        unsafe { System.dealloc(p, l) }
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
-        if new >= LARGE_AT {
-            LARGE.fetch_add(new as u64, Ordering::SeqCst);
-        }
-        // SAFETY: as above.
-        unsafe { System.realloc(p, l, new) }
-    }
-}
-
+/// Counts the bytes of every allocation of at least 1 MiB.
 #[global_allocator]
-static ALLOC: Counting = Counting;
+static GLOBAL: CountingAlloc = CountingAlloc::new(1 << 20);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn put_and_get_copy_the_payload_once_in_the_transport() {
@@ -77,12 +49,12 @@ async fn put_and_get_copy_the_payload_once_in_the_transport() {
     };
     let start = copied();
 
-    LARGE.store(0, Ordering::SeqCst);
+    let large_before = GLOBAL.bytes();
     client.put("p", &[0], &cols).await.unwrap();
     let after_put = copied();
     let got = client.get("p", &[0], &["x"]).await.unwrap();
     let after_get = copied();
-    let large = LARGE.load(Ordering::SeqCst);
+    let large = GLOBAL.bytes() - large_before;
     assert_eq!(large, 0, "payload-sized allocations during PUT + GET");
     assert_eq!(
         after_put.0 - start.0,

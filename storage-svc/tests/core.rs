@@ -387,6 +387,7 @@ fn prepared_put_lifecycle_cancel_ttl_quarantine() {
         Some(ErrorKind::UnknownTransfer)
     );
     // An orphaned prepare expires: quarantined, session failed until it reconnects.
+    let before = h.unit.stats().quarantined_bytes;
     let (_, _) = prep(&mut h);
     assert_eq!(h.unit.poll_timeout(), Some(h.now + ttl));
     let out = h.unit.handle_timeout(h.now + ttl);
@@ -396,6 +397,10 @@ fn prepared_put_lifecycle_cancel_ttl_quarantine() {
     // The session ends: its quarantine stays until its client's link is torn down, then the
     // pool returns to its baseline.
     let held = h.unit.stats().quarantined_bytes;
+    assert!(
+        held >= before + 100_000,
+        "an expired prepare's block is quarantined, not released ({before} -> {held} bytes)"
+    );
     h.unit.close_session(S, h.now, TornDown::Signalled);
     let s = h.unit.stats();
     assert_eq!(

@@ -18,6 +18,13 @@ pub use std::sync::{Arc, Weak};
 /// under loom).
 pub use imp::Arc as CheckedArc;
 
+/// std's primitives under loom too, for what no model checks: one-time initialisation of
+/// statics, channels, and atomics laid over raw memory (which must be std's type).
+pub mod unchecked {
+    pub use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+    pub use std::sync::{mpsc, OnceLock};
+}
+
 /// A guard of [`Mutex`]: std's or loom's.
 pub use imp::MutexGuard;
 
@@ -138,15 +145,27 @@ impl<T: ?Sized> StaticMutex<T> {
     }
 }
 
-/// A statistics counter (relaxed, so an add costs one uncontended atomic). Counts are not part
-/// of any model-checked protocol, so it is std's under loom too.
+/// A statistics counter or id source (relaxed, so an add costs one uncontended atomic). Counts
+/// and ids are not part of any model-checked protocol, so it is std's under loom too, and it
+/// can be a static.
 #[derive(Debug, Default)]
 pub struct Counter(std::sync::atomic::AtomicU64);
 
 impl Counter {
+    /// A counter at `start`.
+    pub const fn new(start: u64) -> Self {
+        Self(std::sync::atomic::AtomicU64::new(start))
+    }
+
     /// Adds `n`.
     pub fn add(&self, n: u64) {
         self.0.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Adds one and returns the count before: a process-unique id when the counter is a
+    /// static.
+    pub fn next(&self) -> u64 {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The count now.

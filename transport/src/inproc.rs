@@ -2,7 +2,7 @@
 //! registered ranges, after the target agent validated and pinned its side.
 
 use std::collections::HashMap;
-use std::sync::OnceLock;
+use tessera_sync::unchecked::OnceLock;
 
 use crate::engine::{Connection, Grant, Host, Op, PeerInfo, RegInfo, Transport, Xfer};
 use crate::error::{BackendError, RegisterError, RejectReason, TransferError};

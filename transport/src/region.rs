@@ -40,7 +40,7 @@ struct Mapping {
     /// Set by the first registration: the registration cache has nothing for a region that
     /// was never registered, so its first registration skips the lookup. A hint, not part of
     /// any protocol (std's atomic under loom too).
-    registered: std::sync::atomic::AtomicBool,
+    registered: tessera_sync::unchecked::AtomicBool,
 }
 
 enum Kind {
@@ -262,7 +262,7 @@ impl Region {
                 ptr,
                 len,
                 kind,
-                registered: std::sync::atomic::AtomicBool::new(false),
+                registered: tessera_sync::unchecked::AtomicBool::new(false),
             }),
         }
     }
@@ -279,7 +279,7 @@ impl Region {
 
     /// Whether this memory (any clone) was registered before; marks it registered.
     pub(crate) fn mark_registered(&self) -> bool {
-        use std::sync::atomic::Ordering::Relaxed;
+        use tessera_sync::unchecked::Ordering::Relaxed;
         // A load and a store, not a swap: a locked instruction per registration shows in
         // bulk registration, and two first registrations racing only both skip the lookup.
         let before = self.inner.registered.load(Relaxed);
@@ -384,8 +384,8 @@ impl Region {
             // SAFETY: `at` lies inside the mapping; an atomic read-modify-write of zero
             // changes nothing even if a transfer or peer writes the byte concurrently.
             unsafe {
-                let byte = &*(base.add(at) as *const std::sync::atomic::AtomicU8);
-                byte.fetch_add(0, std::sync::atomic::Ordering::Relaxed);
+                let byte = &*(base.add(at) as *const tessera_sync::unchecked::AtomicU8);
+                byte.fetch_add(0, tessera_sync::unchecked::Ordering::Relaxed);
             }
         }
         Ok(())
@@ -457,12 +457,10 @@ impl fmt::Debug for Region {
 }
 
 /// A process-unique id (regions, agents, engines' sockets). Ids only need to be unique within
-/// the process; they are not part of any model-checked protocol, so a std atomic serves under
-/// loom too.
+/// the process; they are not part of any model-checked protocol.
 pub(crate) fn next_id() -> u64 {
-    use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-    static NEXT: AtomicU64 = AtomicU64::new(1);
-    NEXT.fetch_add(1, Relaxed)
+    static NEXT: tessera_sync::Counter = tessera_sync::Counter::new(1);
+    NEXT.next()
 }
 
 #[cfg(test)]

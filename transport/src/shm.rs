@@ -18,7 +18,7 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
-use std::sync::OnceLock;
+use tessera_sync::unchecked::OnceLock;
 
 use crate::engine::wire::{u32_at, u64_at};
 use crate::engine::{Connection, Grant, Host, Op, PeerInfo, RegInfo, Transport, Xfer};
@@ -653,7 +653,7 @@ fn accept_loop(inner: Arc<Inner>, listener: UnixListener) {
 fn serve(host: Host, stream: Arc<UnixStream>) {
     // Replies go through their own thread, so this one always keeps reading and an initiator
     // blocked sending to us always makes progress.
-    let (tx, rx) = std::sync::mpsc::channel::<(Vec<u8>, Option<Region>)>();
+    let (tx, rx) = tessera_sync::unchecked::mpsc::channel::<(Vec<u8>, Option<Region>)>();
     let replies = stream.clone();
     let writer = std::thread::Builder::new()
         .name("shm-target-tx".into())

@@ -3,15 +3,15 @@
 
 use std::collections::HashMap;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tessera_sync::atomic::{AtomicU64, Ordering};
+use tessera_sync::{Arc, Mutex};
 
 use tessera_transport::{Agent, Peer};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, oneshot};
 
-use super::{lock, ClientConfig};
+use super::ClientConfig;
 use crate::busy_poll::{BusyPoll, Waiting};
 use crate::error::ClientError;
 use crate::proto::{self, Request, Response};
@@ -171,7 +171,7 @@ fn send_raw<'a>(
     let buf = proto::encode_frame(id, &req).map_err(|source| ClientError::Wire { unit, source })?;
     let (otx, orx) = oneshot::channel();
     let polled = {
-        let mut w = lock(waiters);
+        let mut w = waiters.lock();
         if w.closed {
             return Err(connection_closed(unit));
         }
@@ -186,7 +186,7 @@ fn send_raw<'a>(
         false => (None, None),
     };
     if tx.send(Outgoing { buf, written }).is_err() {
-        lock(waiters).map.remove(&id);
+        waiters.lock().map.remove(&id);
         return Err(connection_closed(unit));
     }
     Ok(Answer {
@@ -243,7 +243,7 @@ impl Answer<'_> {
         // A unit that never answers (stopped, or a session task that died) must not hold the
         // caller forever.
         let Ok(answer) = tokio::time::timeout(timeout, rx).await else {
-            lock(waiters).map.remove(&id);
+            waiters.lock().map.remove(&id);
             return Err(ClientError::Timeout {
                 unit,
                 after: timeout,
@@ -285,7 +285,7 @@ async fn read_loop(
     max: u64,
 ) {
     let fail_all = |waiters: &Waiters, why: &str| {
-        let mut pending = lock(waiters);
+        let mut pending = waiters.lock();
         pending.closed = true;
         for (_, w) in pending.map.drain() {
             let _ = w.send(Err(ClientError::Io {
@@ -314,12 +314,12 @@ async fn read_loop(
         }
         match proto::decode_body::<Response>(&buf) {
             Ok((id, resp)) => {
-                if let Some(w) = lock(&waiters).map.remove(&id) {
+                if let Some(w) = waiters.lock().map.remove(&id) {
                     let _ = w.send(Ok(resp));
                 }
             }
             Err((id, e)) => {
-                if let Some(w) = lock(&waiters).map.remove(&id) {
+                if let Some(w) = waiters.lock().map.remove(&id) {
                     let _ = w.send(Err(ClientError::Wire { unit, source: e }));
                 }
             }

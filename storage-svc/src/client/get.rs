@@ -3,7 +3,7 @@
 
 use tessera_framecodec::Value;
 
-use super::{lock, Client};
+use super::Client;
 use crate::core::client::{GetOp, GetStep};
 use crate::error::ClientError;
 use crate::plane::freeze_written;
@@ -34,7 +34,7 @@ impl Client {
                     if op.quarantine_block() {
                         // The unit may still write into the block: keep it out of the pool.
                         if let Some((b, _)) = block.take() {
-                            lock(&self.quarantine).push(b);
+                            self.quarantine.lock().push(b);
                         }
                     }
                     return r;

@@ -3,8 +3,8 @@
 //! over the one-sided engines, READ by the unit; GETs written by the unit into the client's
 //! own registered pool).
 
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tessera_sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use tessera_framecodec::{Decoder, Limits, Value};
@@ -92,10 +92,6 @@ pub struct Client {
     /// Sources of pulled PUTs whose answer never came (the unit may still read them): their
     /// frames and registrations are held until the client drops.
     held_sources: Mutex<Vec<(Vec<LocalDesc>, Vec<Bytes>)>>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Client {

@@ -6,7 +6,7 @@ use tessera_framecodec::{encode, Frames, Value};
 use tessera_transport::{LocalDesc, RemoteDesc};
 
 use super::conn::Conn;
-use super::{lock, Client};
+use super::Client;
 use crate::core::client::{PutOp, PutStep};
 use crate::error::{ClientError, MemoryError, PayloadError};
 use crate::plane::source_descs;
@@ -134,7 +134,9 @@ impl Client {
         let answer = conn.call(req).await;
         if matches!(answer, Err(ClientError::Timeout { .. })) {
             // No answer: the unit may still be reading these frames.
-            lock(&self.held_sources).push((sources, frames.payloads.iter().cloned().collect()));
+            self.held_sources
+                .lock()
+                .push((sources, frames.payloads.iter().cloned().collect()));
         } else {
             drop(sources);
         }

@@ -1,8 +1,8 @@
 //! Loom models of the core shared by a session executor and the timer.
 
 use super::*;
-use crate::sync::{model, thread, Arc, Mutex};
 use crate::testing::VecMem;
+use tessera_sync::{model, thread, Arc, Mutex};
 
 fn prepare(unit: &mut Unit<VecMem>, now: Instant, id: u64) -> Response {
     let t = tessera_framecodec::Tensor::from_slice(&[256], &[0u8; 256]).unwrap();
@@ -90,21 +90,19 @@ fn loom_session_executor_and_timer_release_everything() {
         let executor = {
             let unit = unit.clone();
             thread::spawn(move || {
-                unit.lock().unwrap().transfer_done(1, 5, 6, Ok(()));
+                unit.lock().transfer_done(1, 5, 6, Ok(()));
             })
         };
         let timer = {
             let unit = unit.clone();
             thread::spawn(move || {
-                unit.lock().unwrap().handle_timeout(now + cfg.prepare_ttl);
+                unit.lock().handle_timeout(now + cfg.prepare_ttl);
             })
         };
-        unit.lock()
-            .unwrap()
-            .close_session(1, now, TornDown::Signalled);
+        unit.lock().close_session(1, now, TornDown::Signalled);
         executor.join().unwrap();
         timer.join().unwrap();
-        let mut unit = unit.lock().unwrap();
+        let mut unit = unit.lock();
         // Both exposed blocks (the expired or still prepared PUT and the cancelled one)
         // stay quarantined until the client's link is known gone.
         let s = unit.stats();
@@ -174,21 +172,19 @@ fn loom_pulled_put_read_teardown_and_timer() {
         let executor = {
             let unit = unit.clone();
             thread::spawn(move || {
-                unit.lock().unwrap().read_done(1, 1, Ok(()));
+                unit.lock().read_done(1, 1, Ok(()));
             })
         };
         let timer = {
             let unit = unit.clone();
             thread::spawn(move || {
-                unit.lock().unwrap().handle_timeout(now + cfg.prepare_ttl);
+                unit.lock().handle_timeout(now + cfg.prepare_ttl);
             })
         };
-        unit.lock()
-            .unwrap()
-            .close_session(1, now, TornDown::Signalled);
+        unit.lock().close_session(1, now, TornDown::Signalled);
         executor.join().unwrap();
         timer.join().unwrap();
-        let mut unit = unit.lock().unwrap();
+        let mut unit = unit.lock();
         let s = unit.stats();
         assert_eq!(
             (

@@ -6,9 +6,9 @@ use std::future::Future;
 use std::os::fd::AsRawFd;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::pin::Pin;
-use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
+use tessera_sync::Arc;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, watch};
@@ -18,12 +18,12 @@ use tracing::Instrument;
 use super::fault;
 use super::timer::close_in_core;
 use super::transfers::{dispatch, executor};
-use super::{lock, Listener, SessionHandle, Shared};
+use super::{Listener, SessionHandle, Shared};
 use crate::busy_poll::BusyPoll;
 use crate::core::SessionId;
 use crate::error::ErrorKind;
 use crate::proto::{self, Request, Response};
-use crate::sync::{AtomicU64, Ordering};
+use tessera_sync::atomic::{AtomicU64, Ordering};
 
 pub(super) async fn accept_loop(
     shared: Arc<Shared>,
@@ -58,7 +58,10 @@ pub(super) async fn accept_loop(
                 let sid = shared.next_session.fetch_add(1, Ordering::Relaxed);
                 let s = shared.clone();
                 let span = tracing::info_span!("session", id = sid, %from);
-                lock(&shared.tasks).spawn(guarded_session(s, sid, r, w).instrument(span));
+                shared
+                    .tasks
+                    .lock()
+                    .spawn(guarded_session(s, sid, r, w).instrument(span));
             }
             Err(e) => {
                 tracing::warn!(error = %e, "accept failed");
@@ -122,7 +125,7 @@ pub(super) async fn guarded_session(
         // Close it in the core first (what it exposed stays quarantined until its client's
         // link is torn down); then dropping the handle ends the reply writer, which closes
         // the connection, and the executor sees its queue close.
-        let handle = lock(&shared.sessions).remove(&sid);
+        let handle = shared.sessions.lock().remove(&sid);
         close_in_core(&shared, sid, handle.as_ref());
         drop(handle);
     }
@@ -140,7 +143,7 @@ async fn session(
     // The loop's own handle on the reply queue, to wait for room; dropped before the writer
     // is awaited.
     let gate = reply_tx.clone();
-    lock(&shared.sessions).insert(
+    shared.sessions.lock().insert(
         sid,
         SessionHandle {
             replies: reply_tx,
@@ -151,7 +154,7 @@ async fn session(
             peer: String::new(),
         },
     );
-    lock(&shared.unit).open_session(sid);
+    shared.unit.lock().open_session(sid);
     let writer = tokio::spawn(async move {
         while let Some(buf) = reply_rx.recv().await {
             if w.write_all(&buf).await.is_err() {
@@ -168,7 +171,9 @@ async fn session(
         // producer, so the room it waited for is still there when the request is handled.
         let owed = depth.load(Ordering::Relaxed) as usize + 1;
         let room = (owed + 2).min(shared.cfg.reply_queue);
-        let jobs = lock(&shared.sessions)
+        let jobs = shared
+            .sessions
+            .lock()
             .get(&sid)
             .and_then(|h| h.jobs.clone());
         let waited = tokio::select! {
@@ -219,7 +224,7 @@ async fn session(
                 let _g = span.enter();
                 let started = Instant::now();
                 let handled = {
-                    let mut unit = lock(&shared.unit);
+                    let mut unit = shared.unit.lock();
                     // Caught inside the lock's scope: the lock is not poisoned, and the
                     // session is closed below, which releases what it held in the core.
                     catch_unwind(AssertUnwindSafe(|| {
@@ -272,7 +277,7 @@ async fn session(
     // session held in the core (what it exposed stays quarantined until its client's link
     // is torn down), then let the writer flush and close the connection (so a client that
     // sees the connection close finds the session closed).
-    let handle = lock(&shared.sessions).remove(&sid);
+    let handle = shared.sessions.lock().remove(&sid);
     close_in_core(&shared, sid, handle.as_ref());
     drop((handle, gate));
     let _ = writer.await;
@@ -298,7 +303,7 @@ fn op_name(req: &Request) -> &'static str {
 }
 
 pub(super) fn send(shared: &Shared, sid: SessionId, id: u64, resp: &Response) {
-    if let Some(h) = lock(&shared.sessions).get(&sid) {
+    if let Some(h) = shared.sessions.lock().get(&sid) {
         match proto::encode_frame(id, resp) {
             Ok(buf) => {
                 if let Err(mpsc::error::TrySendError::Full(_)) = h.replies.try_send(buf) {
@@ -347,7 +352,7 @@ pub(super) async fn accept_peer(shared: Arc<Shared>, sid: SessionId, id: u64, md
     };
     let (tx, rx) = mpsc::channel(shared.cfg.transfer_queue);
     let depth = {
-        let mut sessions = lock(&shared.sessions);
+        let mut sessions = shared.sessions.lock();
         let Some(h) = sessions.get_mut(&sid) else {
             return;
         };
@@ -355,9 +360,9 @@ pub(super) async fn accept_peer(shared: Arc<Shared>, sid: SessionId, id: u64, md
         h.peer = peer.name().to_owned();
         h.queue_depth.clone()
     };
-    lock(&shared.unit).session_ready(sid);
+    shared.unit.lock().session_ready(sid);
     let seen = shared.generation.load(Ordering::Acquire);
-    if let Some(h) = lock(&shared.sessions).get_mut(&sid) {
+    if let Some(h) = shared.sessions.lock().get_mut(&sid) {
         h.seen = seen;
     }
     let welcome = Response::Welcome {
@@ -368,5 +373,8 @@ pub(super) async fn accept_peer(shared: Arc<Shared>, sid: SessionId, id: u64, md
     };
     send(&shared, sid, id, &welcome);
     let s = shared.clone();
-    lock(&shared.tasks).spawn(executor(s, sid, peer, rx, depth).in_current_span());
+    shared
+        .tasks
+        .lock()
+        .spawn(executor(s, sid, peer, rx, depth).in_current_span());
 }

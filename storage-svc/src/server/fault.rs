@@ -1,7 +1,7 @@
 //! Faults that this crate's own tests inject: compiled only under `cfg(test)`, never part of
 //! a build's API.
 
-use std::sync::Mutex;
+use tessera_sync::StaticMutex;
 
 use crate::core::SessionId;
 use crate::proto::Request;
@@ -17,15 +17,15 @@ pub(crate) enum Fault {
     Write,
 }
 
-static ARMED: Mutex<Vec<(String, Fault)>> = Mutex::new(Vec::new());
-static WRITES: Mutex<Vec<(SessionId, u64)>> = Mutex::new(Vec::new());
+static ARMED: StaticMutex<Vec<(String, Fault)>> = StaticMutex::new(Vec::new());
+static WRITES: StaticMutex<Vec<(SessionId, u64)>> = StaticMutex::new(Vec::new());
 thread_local! {
     static SESSION: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 /// Every request on `partition` panics at `fault` (partitions keep tests apart).
 pub(crate) fn arm(partition: &str, fault: Fault) {
-    ARMED.lock().unwrap().push((partition.to_owned(), fault));
+    ARMED.lock().push((partition.to_owned(), fault));
 }
 
 fn armed(req: &Request) -> Option<Fault> {
@@ -35,7 +35,7 @@ fn armed(req: &Request) -> Option<Fault> {
         | Request::Clear { partition, .. } => partition,
         _ => return None,
     };
-    let armed = ARMED.lock().unwrap();
+    let armed = ARMED.lock();
     armed.iter().find(|(p, _)| p == partition).map(|&(_, f)| f)
 }
 
@@ -43,7 +43,7 @@ pub(crate) fn before_handle(sid: SessionId, id: u64, req: &Request) {
     match armed(req) {
         Some(Fault::Handle) => panic!("injected fault while handling request {id}"),
         Some(Fault::Session) => SESSION.with(|s| s.set(true)),
-        Some(Fault::Write) => WRITES.lock().unwrap().push((sid, id)),
+        Some(Fault::Write) => WRITES.lock().push((sid, id)),
         None => {}
     }
 }
@@ -55,7 +55,7 @@ pub(crate) fn after_handle(op: &str) {
 }
 
 pub(crate) fn before_write(sid: SessionId, get: u64) {
-    if WRITES.lock().unwrap().contains(&(sid, get)) {
+    if WRITES.lock().contains(&(sid, get)) {
         panic!("injected fault writing GET {get}");
     }
 }

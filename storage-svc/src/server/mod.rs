@@ -4,8 +4,8 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
+use tessera_sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
@@ -19,9 +19,9 @@ use crate::chunks::{ChunkLimits, ChunkPool};
 use crate::core::{SessionId, Stats, Unit, UnitConfig};
 use crate::error::MemoryError;
 use crate::plane::{Backend, PoolMemory};
-use crate::sync::AtomicU64;
+use tessera_sync::atomic::AtomicU64;
 #[cfg(test)]
-use crate::sync::Ordering;
+use tessera_sync::atomic::Ordering;
 
 mod connection;
 #[cfg(test)]
@@ -183,10 +183,6 @@ struct Shared {
     tasks: Mutex<JoinSet<()>>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 /// A running unit. Dropping it does not stop it; call [`Server::shutdown`].
 pub struct Server {
     shared: Arc<Shared>,
@@ -277,7 +273,7 @@ impl Server {
 
     /// Current statistics.
     pub fn stats(&self) -> Stats {
-        lock(&self.shared.unit).stats()
+        self.shared.unit.lock().stats()
     }
 
     /// The unit's transport agent (its [`report`](Agent::report) counts the payload bytes
@@ -293,7 +289,10 @@ impl Server {
         let (r, w) = tokio::io::split(stream);
         let sid = self.shared.next_session.fetch_add(1, Ordering::Relaxed);
         let s = self.shared.clone();
-        lock(&self.shared.tasks).spawn(guarded_session(s, sid, Box::new(r), Box::new(w)));
+        self.shared
+            .tasks
+            .lock()
+            .spawn(guarded_session(s, sid, Box::new(r), Box::new(w)));
     }
 
     /// Registered memory the unit holds now, in bytes.
@@ -307,7 +306,10 @@ impl Server {
         let _ = self.stop.send(true);
         let _ = self.accept.await;
         let _ = self.timer.await;
-        let handles: Vec<SessionHandle> = lock(&self.shared.sessions)
+        let handles: Vec<SessionHandle> = self
+            .shared
+            .sessions
+            .lock()
             .drain()
             .map(|(_, h)| h)
             .collect();
@@ -315,9 +317,9 @@ impl Server {
             h.jobs = None; // cancels queued WRITEs once the executor sees the channel close
             let _ = h.close.send(true);
         }
-        let mut tasks = std::mem::take(&mut *lock(&self.shared.tasks));
+        let mut tasks = std::mem::take(&mut *self.shared.tasks.lock());
         while tasks.join_next().await.is_some() {}
-        lock(&self.shared.unit).teardown();
+        self.shared.unit.lock().teardown();
         // The agent goes first (the unit's memory holds it too, ahead of its chunks), then
         // the chunks of registered memory.
         let Server { shared, .. } = self;

@@ -1,19 +1,19 @@
 //! The unit's timer: expiries, stats gauges, trimming idle memory, and releasing the
 //! quarantine of closed sessions once their clients' links are torn down.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tessera_sync::Arc;
 
 use tessera_transport::LinkState;
 use tokio::sync::watch;
 
 use super::transfers::dispatch;
-use super::{lock, SessionHandle, Shared};
+use super::{SessionHandle, Shared};
 use crate::core::{SessionId, TornDown};
 
 pub(super) async fn timer_loop(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
     loop {
-        let next = lock(&shared.unit).poll_timeout();
+        let next = shared.unit.lock().poll_timeout();
         let wait = next
             .map(|t| t.saturating_duration_since(Instant::now()))
             .unwrap_or(Duration::from_millis(200))
@@ -24,14 +24,14 @@ pub(super) async fn timer_loop(shared: Arc<Shared>, mut stop: watch::Receiver<bo
         }
         release_torn_down(&shared);
         let out = {
-            let mut unit = lock(&shared.unit);
+            let mut unit = shared.unit.lock();
             let out = unit.handle_timeout(Instant::now());
             // Blocks also come back when the executor drops a GET's frames: trim here too.
             unit.trim_memory();
             out
         };
         dispatch(&shared, out);
-        crate::metrics::record_stats(&lock(&shared.unit).stats());
+        crate::metrics::record_stats(&shared.unit.lock().stats());
     }
 }
 
@@ -46,16 +46,18 @@ pub(super) fn close_in_core(shared: &Shared, sid: SessionId, handle: Option<&Ses
     } else {
         TornDown::Signalled
     };
-    let mut unit = lock(&shared.unit);
+    let mut unit = shared.unit.lock();
     unit.close_session(sid, Instant::now(), how);
     if how == TornDown::Signalled && unit.closed_sessions().contains(&sid) {
-        lock(&shared.lingering).insert(sid, peer);
+        shared.lingering.lock().insert(sid, peer);
     }
 }
 
 /// Releases the quarantine of closed sessions whose client's link is torn down.
 pub(super) fn release_torn_down(shared: &Shared) {
-    let gone: Vec<SessionId> = lock(&shared.lingering)
+    let gone: Vec<SessionId> = shared
+        .lingering
+        .lock()
         .iter()
         .filter(|(_, peer)| shared.agent.peer_link(peer) != LinkState::Open)
         .map(|(sid, _)| *sid)
@@ -63,9 +65,9 @@ pub(super) fn release_torn_down(shared: &Shared) {
     if gone.is_empty() {
         return;
     }
-    let mut unit = lock(&shared.unit);
+    let mut unit = shared.unit.lock();
     for sid in gone {
-        lock(&shared.lingering).remove(&sid);
+        shared.lingering.lock().remove(&sid);
         let bytes = unit.release_closed(sid);
         tracing::debug!(
             session = sid,

@@ -1,7 +1,7 @@
 //! Carrying out the core's outputs: replies, accepted sessions, and each peer's transfers
 //! (GET WRITEs, pulled-PUT READs) on that peer's own executor.
 
-use std::sync::Arc;
+use tessera_sync::Arc;
 
 use bytes::Bytes;
 use tessera_transport::{LocalDesc, Peer, RemoteDesc};
@@ -10,12 +10,12 @@ use tokio::sync::mpsc;
 use super::connection::{accept_peer, send, CatchUnwind};
 #[cfg(test)]
 use super::fault;
-use super::{lock, Job, Shared};
+use super::{Job, Shared};
 use crate::core::{Output, SessionId};
 use crate::error::{ErrorKind, PayloadError};
 use crate::plane::source_descs;
 use crate::proto::Response;
-use crate::sync::{AtomicU64, Ordering};
+use tessera_sync::atomic::{AtomicU64, Ordering};
 
 pub(super) fn dispatch(shared: &Arc<Shared>, out: Vec<Output<LocalDesc>>) {
     for o in out {
@@ -32,7 +32,9 @@ pub(super) fn dispatch(shared: &Arc<Shared>, out: Vec<Output<LocalDesc>>) {
                     // Descriptors may name a chunk registered after this session last got
                     // the unit's metadata: send it along.
                     let now = shared.generation.load(Ordering::Acquire);
-                    let stale = lock(&shared.sessions)
+                    let stale = shared
+                        .sessions
+                        .lock()
                         .get_mut(&session)
                         .is_some_and(|h| std::mem::replace(&mut h.seen, now) != now);
                     if stale {
@@ -43,7 +45,10 @@ pub(super) fn dispatch(shared: &Arc<Shared>, out: Vec<Output<LocalDesc>>) {
             }
             Output::Accept { session, id, agent } => {
                 let s = shared.clone();
-                lock(&shared.tasks).spawn(accept_peer(s, session, id, agent));
+                shared
+                    .tasks
+                    .lock()
+                    .spawn(accept_peer(s, session, id, agent));
             }
             Output::Write {
                 session,
@@ -52,7 +57,7 @@ pub(super) fn dispatch(shared: &Arc<Shared>, out: Vec<Output<LocalDesc>>) {
                 frames,
                 descs,
             } => {
-                let sessions = lock(&shared.sessions);
+                let sessions = shared.sessions.lock();
                 let sent = sessions.get(&session).map(|h| {
                     let Some(jobs) = h.jobs.as_ref() else {
                         return Err(false);
@@ -70,13 +75,13 @@ pub(super) fn dispatch(shared: &Arc<Shared>, out: Vec<Output<LocalDesc>>) {
                 drop(sessions);
                 let out = match sent {
                     Some(Ok(())) => continue,
-                    Some(Err(true)) => lock(&shared.unit).transfer_refused(
+                    Some(Err(true)) => shared.unit.lock().transfer_refused(
                         session,
                         get,
                         id,
                         "the transfer queue for this client is full; retry",
                     ),
-                    _ => lock(&shared.unit).transfer_done(
+                    _ => shared.unit.lock().transfer_done(
                         session,
                         get,
                         id,
@@ -98,7 +103,7 @@ pub(super) fn dispatch(shared: &Arc<Shared>, out: Vec<Output<LocalDesc>>) {
                     srcs,
                     agent,
                 };
-                let sent = match lock(&shared.sessions).get(&session) {
+                let sent = match shared.sessions.lock().get(&session) {
                     Some(h) => match h.jobs.as_ref().map(|jobs| jobs.try_send(job)) {
                         Some(Ok(())) => {
                             let depth = h.queue_depth.fetch_add(1, Ordering::Relaxed) + 1;
@@ -112,13 +117,13 @@ pub(super) fn dispatch(shared: &Arc<Shared>, out: Vec<Output<LocalDesc>>) {
                 };
                 let out = match sent {
                     Ok(()) => continue,
-                    Err(true) => lock(&shared.unit).read_refused(
+                    Err(true) => shared.unit.lock().read_refused(
                         session,
                         put,
                         ErrorKind::Busy,
                         "the transfer queue for this client is full; retry",
                     ),
-                    Err(false) => lock(&shared.unit).read_refused(
+                    Err(false) => shared.unit.lock().read_refused(
                         session,
                         put,
                         ErrorKind::PeerFailed,
@@ -128,7 +133,7 @@ pub(super) fn dispatch(shared: &Arc<Shared>, out: Vec<Output<LocalDesc>>) {
                 dispatch(shared, out);
             }
             Output::Close { session } => {
-                if let Some(h) = lock(&shared.sessions).get(&session) {
+                if let Some(h) = shared.sessions.lock().get(&session) {
                     let _ = h.close.send(true);
                 }
             }
@@ -169,7 +174,7 @@ pub(super) async fn executor(
                 if let Err(e) = &result {
                     tracing::warn!(session = sid, put, error = %e, "PUT READ failed");
                 }
-                let out = lock(&shared.unit).read_done(sid, put, result);
+                let out = shared.unit.lock().read_done(sid, put, result);
                 dispatch(&shared, out);
                 continue;
             }
@@ -191,7 +196,7 @@ pub(super) async fn executor(
         if let Err(e) = &result {
             tracing::warn!(session = sid, get, error = %e, "GET WRITE failed");
         }
-        let out = lock(&shared.unit).transfer_done(sid, get, id, result);
+        let out = shared.unit.lock().transfer_done(sid, get, id, result);
         dispatch(&shared, out);
     }
     crate::metrics::queue_depth(&label, 0);

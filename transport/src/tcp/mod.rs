@@ -28,8 +28,8 @@ use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::os::fd::AsRawFd;
-use std::sync::OnceLock;
 use std::time::Duration;
+use tessera_sync::unchecked::OnceLock;
 
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
