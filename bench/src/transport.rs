@@ -12,9 +12,9 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
+use tessera_engines::EngineKind;
 use tessera_transport::{
-    coalesce, shm::Shm, tcp::Tcp, Agent, Loc, LocalDesc, Op, Pair, Peer, Region, Registration,
-    RemoteDesc,
+    coalesce, Agent, Loc, LocalDesc, Op, Pair, Peer, Region, Registration, RemoteDesc,
 };
 
 use crate::cpu::{affinity, pin, restore_affinity};
@@ -631,10 +631,7 @@ impl Session {
             .strip_prefix("RAW ")
             .map(str::to_owned)
             .filter(|a| a != "-");
-        let agent = match kind {
-            "shm" => Agent::new("bench", Shm::new())?,
-            _ => Agent::new("bench", Tcp::new())?,
-        };
+        let agent = kind.parse::<EngineKind>()?.agent("bench")?;
         let region = Region::new(BIG + 16 * MIB)?;
         region.fill(0, region.len(), 0x5A)?;
         let reg = agent.register(&region)?;
@@ -816,10 +813,9 @@ impl Drop for Session {
 
 fn peer_main(kind: &str) -> Result<()> {
     pin(PEER_CPU)?;
-    let agent = match kind {
-        "shm" => Agent::new("bench-peer", Shm::new())?,
-        "tcp" => Agent::new("bench-peer", Tcp::new())?,
-        other => bail!("unknown backend {other}"),
+    let agent = match kind.parse::<EngineKind>()? {
+        k @ (EngineKind::Shm | EngineKind::Tcp) => k.agent("bench-peer")?,
+        other => bail!("the transport suite's peer runs shm or tcp, not {other}"),
     };
     let region = Region::new(PEER_REGION)?;
     region.fill(0, PEER_REGION, 0xA5)?;

@@ -94,7 +94,7 @@ fn build_peers(root: &Path) -> Result<Vec<(&'static str, PathBuf)>> {
             "build",
             "--locked",
             "-p",
-            "tessera-transport",
+            "tessera-engines",
             "--bin",
             "tessera-transport-peer",
         ];

@@ -3,17 +3,16 @@
 
 use std::time::Duration;
 
+use tessera_engines::EngineKind;
 use tessera_transport::testing::{pattern, HANG_GUARD};
-use tessera_transport::{shm::Shm, tcp::Tcp, Agent, Region, RemoteDesc};
+use tessera_transport::{Agent, Region, RemoteDesc};
 
 mod engines_common;
 use engines_common::{hex, killed_mid_transfer, round_trip, Child};
 
 fn agent(kind: &str) -> Agent {
-    match kind {
-        "shm" => Agent::new("parent", Shm::new()).unwrap(),
-        _ => Agent::new("parent", Tcp::new()).unwrap(),
-    }
+    let kind: EngineKind = kind.parse().unwrap();
+    kind.agent("parent").unwrap()
 }
 
 /// The initiator dies with transfers in flight: the target releases every pin it granted, so
@@ -99,13 +98,13 @@ fn tcp_peer_killed_mid_transfer() {
 // The conformance cases that make sense with the target in the second process.
 two_process_suite!(
     suite_shm,
-    Agent::new("parent", Shm::new()).unwrap(),
+    EngineKind::Shm.agent("parent").unwrap(),
     "shm",
     &[]
 );
 two_process_suite!(
     suite_tcp,
-    Agent::new("parent", Tcp::new()).unwrap(),
+    EngineKind::Tcp.agent("parent").unwrap(),
     "tcp",
     &[]
 );

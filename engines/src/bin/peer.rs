@@ -1,9 +1,10 @@
 //! `tessera-transport-peer BACKEND SIZE [NAME]`: the second process of the two-process tests
 //! and one agent of `cargo xtask two-node-test`.
 //!
-//! It makes an agent named NAME (default `peer`) on BACKEND (`shm`, `tcp`, and with the
-//! features `ucx` (transports from `UCX_TLS`; `TESSERA_UCX_ERR_MODE=none` drops peer error
-//! handling) and `nixl`; `tcp` binds `TESSERA_PEER_TCP_BIND` when set), registers a SIZE-byte region, fills it with `pattern(1)` (regions
+//! It makes an agent named NAME (default `peer`) on the engine BACKEND (an [`EngineKind`]
+//! name: `shm`, `tcp`, and with the features `ucx` (transports from `UCX_TLS`;
+//! `TESSERA_UCX_ERR_MODE=none` drops peer error handling) and `nixl`; `tcp` binds
+//! `TESSERA_PEER_TCP_BIND` when set), registers a SIZE-byte region, fills it with `pattern(1)` (regions
 //! over 64 MiB are left zeroed: use `FILL`), prints `META <hex>` and `REG <id>`, then answers
 //! one command per line on stdin:
 //!
@@ -34,42 +35,36 @@ use std::time::Duration;
 
 use std::collections::HashMap;
 
+use tessera_engines::{EngineError, EngineKind, EngineOptions};
 use tessera_transport::testing::pattern;
-use tessera_transport::{
-    shm::Shm, tcp::Tcp, Agent, AgentError, Peer, Region, Registration, RemoteDesc,
-};
+use tessera_transport::{Agent, Peer, Region, Registration, RemoteDesc};
 
 const PATTERN_LIMIT: u64 = 64 << 20;
 
-fn agent(kind: &str, name: &str) -> Option<Result<Agent, AgentError>> {
-    Some(match kind {
-        "shm" => Agent::new(name, Shm::new()),
-        "tcp" => match std::env::var("TESSERA_PEER_TCP_BIND") {
-            Ok(addr) => match addr.parse() {
-                Ok(addr) => Agent::new(name, Tcp::bind(addr)),
-                Err(_) => {
-                    eprintln!("TESSERA_PEER_TCP_BIND={addr:?} is not a socket address");
-                    std::process::exit(2);
-                }
-            },
-            Err(_) => Agent::new(name, Tcp::new()),
-        },
-        #[cfg(feature = "ucx")]
-        "ucx" => {
-            use tessera_transport::ucx::{ErrorHandling, Ucx, UcxConfig};
-            let mut config = UcxConfig::new(name);
-            if std::env::var("TESSERA_UCX_ERR_MODE").is_ok_and(|m| m == "none") {
-                config.error_handling = ErrorHandling::None;
-            }
-            Agent::new(name, Ucx::new(config))
+/// The agent of engine `kind`, with the options the environment gives: `tcp` binds
+/// `TESSERA_PEER_TCP_BIND` when set, `TESSERA_UCX_ERR_MODE=none` drops UCX's peer error
+/// handling. Exits with status 2 for a name that is no engine, or an engine not built in.
+fn agent(kind: &str, name: &str) -> Agent {
+    let kind: EngineKind = kind.parse().unwrap_or_else(|e| {
+        eprintln!("{e}");
+        std::process::exit(2);
+    });
+    let mut options = EngineOptions::default();
+    if let Ok(addr) = std::env::var("TESSERA_PEER_TCP_BIND") {
+        options.tcp_bind = Some(addr.parse().unwrap_or_else(|_| {
+            eprintln!("TESSERA_PEER_TCP_BIND={addr:?} is not a socket address");
+            std::process::exit(2);
+        }));
+    }
+    options.ucx_peer_errors = !std::env::var("TESSERA_UCX_ERR_MODE").is_ok_and(|m| m == "none");
+    match kind.agent_with(name, &options) {
+        Ok(agent) => agent,
+        Err(e @ EngineError::NotBuilt { .. }) => {
+            eprintln!("{e}");
+            std::process::exit(2);
         }
-        #[cfg(feature = "nixl")]
-        "nixl" => {
-            use tessera_transport::nixl::{Nixl, NixlConfig};
-            Agent::new(name, Nixl::new(NixlConfig::new(name)))
-        }
-        _ => return None,
-    })
+        Err(e) => panic!("agent starts: {e}"),
+    }
 }
 
 /// The word pattern of `FILL`: cheap enough for a GiB in a debug build.
@@ -135,11 +130,7 @@ fn main() {
         std::process::exit(2);
     };
     let name = args.get(2).map_or("peer", String::as_str);
-    let Some(agent) = agent(kind, name) else {
-        eprintln!("unknown (or not built in) backend {kind}");
-        std::process::exit(2);
-    };
-    let agent = agent.expect("agent starts");
+    let agent = agent(kind, name);
     let region = Region::new(size).expect("region");
     if size <= PATTERN_LIMIT {
         region
