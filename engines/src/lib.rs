@@ -162,7 +162,7 @@ pub enum EngineError {
 
 #[cfg(feature = "ucx")]
 fn ucx_agent(name: &str, options: &EngineOptions) -> Result<Agent, EngineError> {
-    use tessera_transport::ucx::{ErrorHandling, Ucx, UcxConfig};
+    use tessera_ucx::{ErrorHandling, Ucx, UcxConfig};
     let mut config = UcxConfig::new(name);
     config.tls.clone_from(&options.ucx_tls);
     if !options.ucx_peer_errors {
@@ -178,7 +178,7 @@ fn ucx_agent(_: &str, _: &EngineOptions) -> Result<Agent, EngineError> {
 
 #[cfg(feature = "nixl")]
 fn nixl_agent(name: &str, _: &EngineOptions) -> Result<Agent, EngineError> {
-    use tessera_transport::nixl::{Nixl, NixlConfig};
+    use tessera_nixl::{Nixl, NixlConfig};
     Ok(Agent::new(name, Nixl::new(NixlConfig::new(name)))?)
 }
 

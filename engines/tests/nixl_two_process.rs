@@ -7,7 +7,7 @@
 mod engines_common;
 
 use engines_common::{killed_mid_transfer, round_trip};
-use tessera_transport::nixl::{Nixl, NixlConfig};
+use tessera_nixl::{Nixl, NixlConfig};
 use tessera_transport::Agent;
 
 fn parent() -> Agent {

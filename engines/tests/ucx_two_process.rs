@@ -6,8 +6,8 @@
 mod engines_common;
 
 use engines_common::{initiator_killed_mid_write, killed_mid_transfer, round_trip};
-use tessera_transport::ucx::{ErrorHandling, Ucx, UcxConfig};
 use tessera_transport::Agent;
+use tessera_ucx::{ErrorHandling, Ucx, UcxConfig};
 
 fn parent(tls: &str, errors: ErrorHandling) -> Agent {
     let mut config = UcxConfig::new("parent");

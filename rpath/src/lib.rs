@@ -21,10 +21,7 @@
 use std::path::Path;
 
 /// The `links` metadata each engine crate exports, as its dependents' build scripts see it.
-pub const EXPORTED: &[&str] = &[
-    "DEP_TESSERA_TRANSPORT_UCX_RPATH",
-    "DEP_TESSERA_TRANSPORT_NIXL_RPATH",
-];
+pub const EXPORTED: &[&str] = &["DEP_TESSERA_UCX_RPATH", "DEP_TESSERA_NIXL_RPATH"];
 
 /// In an engine crate's build script: gives its own binaries an rpath to `dir` and exports
 /// `dir` as the `links` metadata `key` (read by dependents as `DEP_<LINKS>_<KEY>`).

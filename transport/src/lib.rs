@@ -8,10 +8,6 @@ mod error;
 pub mod inproc;
 mod interval;
 mod metadata;
-#[cfg(feature = "nixl")]
-pub mod nixl;
-#[cfg(any(feature = "ucx", feature = "nixl"))]
-mod onesided;
 mod pool;
 mod region;
 pub mod shm;
@@ -19,8 +15,6 @@ mod sync;
 pub mod tcp;
 pub mod testing;
 mod transfer;
-#[cfg(feature = "ucx")]
-pub mod ucx;
 
 pub use agent::{
     Agent, AgentReport, LinkState, NextNotification, Notification, Peer, Registration,

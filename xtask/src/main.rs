@@ -94,15 +94,16 @@ struct BackendTests {
 
 /// The feature-gated engines and their test targets, each engine run in its own cargo
 /// invocations so that our UCX and NIXL's bundled UCX never load into one process. The
-/// default targets already ran in `cargo test --workspace`. Each engine runs the conformance
-/// suite in one process and, through the peer binary, across two.
+/// default targets already ran in `cargo test` (the default members: all but tessera-ucx and
+/// tessera-nixl). Each engine runs the conformance suite in one process and, through the peer
+/// binary, across two.
 const BACKEND_TESTS: &[BackendTests] = &[
     BackendTests {
         engine: "ucx",
-        package: "tessera-transport",
-        features: &["ucx"],
+        package: "tessera-ucx",
+        features: &["testing"],
         lib: true,
-        targets: &["ucx_engine", "conformance_ucx"],
+        targets: &["engine", "conformance"],
         filter: "",
     },
     BackendTests {
@@ -131,10 +132,10 @@ const BACKEND_TESTS: &[BackendTests] = &[
     },
     BackendTests {
         engine: "nixl",
-        package: "tessera-transport",
-        features: &["nixl"],
+        package: "tessera-nixl",
+        features: &["testing"],
         lib: true,
-        targets: &["nixl_engine", "conformance_nixl"],
+        targets: &["engine", "conformance"],
         filter: "",
     },
     BackendTests {
@@ -186,7 +187,9 @@ fn test(root: &Path) -> Result<()> {
             "warnings",
         ]),
     )?;
-    step("cargo test", cargo(&["test", "--workspace", "--locked"]))?;
+    // The default members: tessera-ucx and tessera-nixl are tested below, each with its
+    // engine's settings and in its own invocation.
+    step("cargo test", cargo(&["test", "--locked"]))?;
     let loom_dir = root.join("target-loom");
     for krate in LOOM_CRATES {
         let mut cmd = cargo(&[
@@ -286,7 +289,10 @@ fn bench(root: &Path, suites: &[String]) -> Result<()> {
     if suites.is_empty() || suites.iter().any(|s| s == "transport") {
         let layout = deps::install(root)
             .context("installing the backends' dependencies (cargo xtask deps)")?;
-        for (feature, example) in [("ucx", "ucx_agent_bw"), ("nixl", "nixl_agent_bw")] {
+        for (package, example) in [
+            ("tessera-ucx", "ucx_agent_bw"),
+            ("tessera-nixl", "nixl_agent_bw"),
+        ] {
             step(
                 &format!("building the {example} example"),
                 cargo(&[
@@ -294,9 +300,7 @@ fn bench(root: &Path, suites: &[String]) -> Result<()> {
                     "--release",
                     "--locked",
                     "-p",
-                    "tessera-transport",
-                    "--features",
-                    feature,
+                    package,
                     "--example",
                     example,
                 ]),

@@ -9,7 +9,7 @@
 //! | [`Connection::post`] | one NIXL request over the plan's segments, with the notification; completion from the engine's waiter thread |
 //! | [`Connection::close`] | `invalidateRemoteMD` once the peer's transfers are done |
 //!
-//! What both one-sided adapters do alike lives in the crate's `onesided` module and is shared
+//! What both one-sided adapters do alike lives in tessera-onesided and is shared
 //! with `ucx`: the engine slot (started once, taken out at shutdown), the table of local
 //! registrations, the connection that keeps the peer's keys in step with each update and
 //! drops its handle on close, and posting a plan (its local registrations looked up, its
@@ -28,11 +28,14 @@
 
 use std::sync::Arc;
 
-use super::{NixlConfig, NixlEngine, NixlEngineError, NixlPeer, NixlRegion, XferKind, XferOpDesc};
-use crate::backend::{Connection, Host, Op, PeerInfo, RegInfo, Transport, Xfer};
-use crate::error::{BackendError, RegisterError, Side, TransferError};
-use crate::onesided::{self, EngineSlot, Link, PeerHandle, Regs};
-use crate::transfer::Segment;
+use crate::engine::{
+    NixlConfig, NixlEngine, NixlEngineError, NixlPeer, NixlRegion, XferKind, XferOpDesc,
+};
+use tessera_onesided::{self as onesided, EngineSlot, Link, PeerHandle, Regs};
+use tessera_transport::{
+    BackendError, Connection, Host, Op, PeerInfo, RegInfo, RegisterError, Segment, Side,
+    TransferError, Transport, Xfer,
+};
 
 const KIND: &str = "nixl";
 
@@ -43,7 +46,8 @@ fn backend_error(e: impl std::fmt::Display) -> BackendError {
 /// The `nixl` backend: one NIXL agent with its UCX backend per agent.
 ///
 /// ```no_run
-/// use tessera_transport::{nixl::{Nixl, NixlConfig}, Agent};
+/// use tessera_nixl::{Nixl, NixlConfig};
+/// use tessera_transport::Agent;
 /// let agent = Agent::new("sender", Nixl::new(NixlConfig::new("unused"))).unwrap();
 /// ```
 pub struct Nixl {
@@ -81,7 +85,7 @@ impl Transport for Nixl {
         self.engine.start(|| {
             let mut config = self.config.clone();
             config.name = host.name().to_owned();
-            config.max_notification = crate::MAX_NOTIFICATION;
+            config.max_notification = tessera_transport::MAX_NOTIFICATION;
             config.on_notify = Some(onesided::notify_to(&host));
             NixlEngine::new(config).map_err(backend_error)
         })

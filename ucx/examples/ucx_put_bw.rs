@@ -1,16 +1,17 @@
 //! PUT bandwidth of the UCX engine between two processes, pinned to different cores.
 //!
-//! `cargo run --release --features ucx --example ucx_put_bw [SIZE_MIB] [ITERS]` spawns itself
+//! `cargo run --release -p tessera-ucx --features testing --example ucx_put_bw [SIZE_MIB] [ITERS]` spawns itself
 //! as the target and reports GB/s of `ITERS` puts of `SIZE_MIB` (after one untimed put that
 //! pre-touches both buffers). Transports come from `UCX_TLS`, as for `ucx_perftest`;
 //! `TESSERA_UCX_ERR_MODE=none` drops peer error handling (compare with `ucx_perftest` without
 //! `-e`; the default compares with `ucx_perftest -e`).
 
-#[path = "bw_common/mod.rs"]
+#[path = "../../onesided/examples/bw_common/mod.rs"]
 mod bw_common;
 
 use bw_common::{announce, gbps, hex, pin, unhex, Target};
-use tessera_transport::ucx::{ErrorHandling, RmaOp, UcxConfig, UcxEngine};
+use tessera_ucx::raw::{RmaOp, UcxEngine};
+use tessera_ucx::{ErrorHandling, UcxConfig};
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();

@@ -1,3 +1,45 @@
+//! The UCX engine: one-sided PUT and GET through UCP, on bindings generated at build time.
+//!
+//! What a `Transport` backend calls:
+//!
+//! | step | here | UCP |
+//! |---|---|---|
+//! | start | [`UcxEngine::new`] | `ucp_init`, `ucp_worker_create` (serialized mode), AM handler |
+//! | address | [`UcxEngine::address`] | `ucp_worker_get_address` |
+//! | register | [`UcxEngine::register`] → [`MemRegion::remote_key`] | `ucp_mem_map` + `ucp_rkey_pack`, per chunk |
+//! | connect | [`UcxEngine::connect`] → [`UcxEndpoint`] | `ucp_ep_create`, peer error handling |
+//! | peer metadata | [`UcxEndpoint::add_remote`] / [`UcxEndpoint::remove_remote`] | `ucp_ep_rkey_unpack` / `ucp_rkey_destroy` |
+//! | transfer | [`UcxEndpoint::post`] (callback) or [`UcxEndpoint::put`] / [`UcxEndpoint::get`] ([`Pending`]) | `ucp_put_nbx` / `ucp_get_nbx` per piece, `ucp_ep_flush_nbx`, then `ucp_am_send_nbx` for the notification |
+//! | notifications | [`UcxConfig::on_notify`] or [`UcxEngine::recv_notification`] | AM receive handler |
+//! | teardown | drop handles, then the engine | requests, endpoints, memory handles, worker, context |
+//!
+//! **Threading.** The worker is created in `UCS_THREAD_MODE_SERIALIZED` and every UCP call is
+//! made with the engine's state lock held, so the handles are `Send + Sync`. One progress
+//! thread per engine drives the worker: it progresses until there is nothing left to do, arms
+//! the worker's event fd (`ucp_worker_arm`) and sleeps in `epoll_wait` on that fd and on an
+//! eventfd that posting threads write. While idle it never spins.
+//!
+//! **Completion.** A transfer's pieces are posted back to back, then one endpoint flush; when
+//! the flush completes, every byte landed at the target. Then the notification, if any, goes
+//! out as an active message, which the target receives after the data. The completion callback
+//! runs on the progress thread, outside every lock. A failed transfer never reports success.
+//!
+//! **Endpoint lifetime.** UCX pairs the endpoints two workers open to each other into one
+//! connection, so closing ours would break the peer's: a dropped [`UcxEndpoint`] is parked,
+//! open, until the peer fails or the engine stops, and reconnecting to the same worker takes
+//! it up again. A transfer whose endpoint failed before its completion was seen fails, even
+//! where UCX completed the discarded requests without an error status.
+//!
+//! **Peer death.** Endpoints use `UCP_ERR_HANDLING_MODE_PEER`; the error callback marks the
+//! endpoint failed, the pending transfers fail with [`UcxError::PeerGone`], and later posts are
+//! refused with the same error. The endpoint is then closed in force mode.
+//!
+//! **Registrations** larger than [`UcxConfig::max_chunk`] are mapped in chunks; the remote key
+//! lists all of them and transfers are split at chunk boundaries on both sides, transparently.
+//!
+//! The peer's address and keys are framed and checksummed by us and checked before UCX sees
+//! them; they must still come from a peer you trust, as UCX cannot validate their contents.
+//!
 //! The engine proper: context, worker, progress thread, endpoints, memory handles, transfers.
 //!
 //! Locking: `Inner::state` guards every UCP handle and is held for every UCP call. Callbacks
@@ -14,9 +56,9 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::key::{self, KeyChunk};
-use super::sys;
-use super::{ErrorHandling, NotifyFn, RmaKind, Side, UcxConfig, UcxError};
+use crate::key::{self, KeyChunk};
+use crate::sys;
+use crate::{ErrorHandling, NotifyFn, RmaKind, Side, UcxConfig, UcxError};
 
 /// Active-message id of notifications; both sides use the same.
 const AM_NOTIFY: u32 = 0x7e55;
@@ -1244,12 +1286,13 @@ impl Drop for Inner {
     }
 }
 
-/// What an engine holds (see [`UcxEngine::report`]).
+/// What an engine holds ([`Ucx::report`](crate::Ucx::report)), for leak checks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct UcxReport {
-    /// Endpoints with a live [`UcxEndpoint`] handle, not yet closed.
+    /// Endpoints with a live handle, not yet closed.
     pub endpoints: usize,
-    /// Endpoints whose handle is gone, kept open while the peer lives (see [`UcxEndpoint`]).
+    /// Endpoints whose handle is gone, kept open while the peer lives (UCX pairs them with the
+    /// peer's endpoints to us: closing ours would break the peer's).
     pub parked: usize,
     /// Transfers posted and not completed.
     pub pending_transfers: usize,

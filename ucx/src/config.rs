@@ -1,57 +1,8 @@
-//! The UCX engine: one-sided PUT and GET through UCP, on bindings generated at build time.
-//!
-//! What a `Transport` backend calls:
-//!
-//! | step | here | UCP |
-//! |---|---|---|
-//! | start | [`UcxEngine::new`] | `ucp_init`, `ucp_worker_create` (serialized mode), AM handler |
-//! | address | [`UcxEngine::address`] | `ucp_worker_get_address` |
-//! | register | [`UcxEngine::register`] → [`MemRegion::remote_key`] | `ucp_mem_map` + `ucp_rkey_pack`, per chunk |
-//! | connect | [`UcxEngine::connect`] → [`UcxEndpoint`] | `ucp_ep_create`, peer error handling |
-//! | peer metadata | [`UcxEndpoint::add_remote`] / [`UcxEndpoint::remove_remote`] | `ucp_ep_rkey_unpack` / `ucp_rkey_destroy` |
-//! | transfer | [`UcxEndpoint::post`] (callback) or [`UcxEndpoint::put`] / [`UcxEndpoint::get`] ([`Pending`]) | `ucp_put_nbx` / `ucp_get_nbx` per piece, `ucp_ep_flush_nbx`, then `ucp_am_send_nbx` for the notification |
-//! | notifications | [`UcxConfig::on_notify`] or [`UcxEngine::recv_notification`] | AM receive handler |
-//! | teardown | drop handles, then the engine | requests, endpoints, memory handles, worker, context |
-//!
-//! **Threading.** The worker is created in `UCS_THREAD_MODE_SERIALIZED` and every UCP call is
-//! made with the engine's state lock held, so the handles are `Send + Sync`. One progress
-//! thread per engine drives the worker: it progresses until there is nothing left to do, arms
-//! the worker's event fd (`ucp_worker_arm`) and sleeps in `epoll_wait` on that fd and on an
-//! eventfd that posting threads write. While idle it never spins.
-//!
-//! **Completion.** A transfer's pieces are posted back to back, then one endpoint flush; when
-//! the flush completes, every byte landed at the target. Then the notification, if any, goes
-//! out as an active message, which the target receives after the data. The completion callback
-//! runs on the progress thread, outside every lock. A failed transfer never reports success.
-//!
-//! **Endpoint lifetime.** UCX pairs the endpoints two workers open to each other into one
-//! connection, so closing ours would break the peer's: a dropped [`UcxEndpoint`] is parked,
-//! open, until the peer fails or the engine stops, and reconnecting to the same worker takes
-//! it up again. A transfer whose endpoint failed before its completion was seen fails, even
-//! where UCX completed the discarded requests without an error status.
-//!
-//! **Peer death.** Endpoints use `UCP_ERR_HANDLING_MODE_PEER`; the error callback marks the
-//! endpoint failed, the pending transfers fail with [`UcxError::PeerGone`], and later posts are
-//! refused with the same error. The endpoint is then closed in force mode.
-//!
-//! **Registrations** larger than [`UcxConfig::max_chunk`] are mapped in chunks; the remote key
-//! lists all of them and transfers are split at chunk boundaries on both sides, transparently.
-//!
-//! The peer's address and keys are framed and checksummed by us and checked before UCX sees
-//! them; they must still come from a peer you trust, as UCX cannot validate their contents.
-
-mod backend;
-mod engine;
-mod key;
-#[allow(clippy::all)]
-mod sys;
+//! What a user configures of the UCX engine, and the errors it reports.
 
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
-
-pub use backend::Ucx;
-pub use engine::{MemRegion, Pending, RmaOp, UcxEndpoint, UcxEngine, UcxProbe, UcxReport};
 
 /// Direction of a transfer, seen from the initiator.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -62,8 +13,8 @@ pub enum RmaKind {
     Get,
 }
 
-/// Which side of a transfer a descriptor is on: the crate's one [`Side`](crate::Side).
-pub use crate::Side;
+/// Which side of a transfer a descriptor is on: the crate's one [`Side`](tessera_transport::Side).
+pub use tessera_transport::Side;
 
 /// Receives notifications: `(sender name, message)`. Runs on the progress thread; keep it short.
 pub type NotifyFn = Arc<dyn Fn(&str, Vec<u8>) + Send + Sync>;
@@ -80,7 +31,8 @@ pub struct UcxConfig {
     pub max_chunk: u64,
     /// The largest notification accepted for sending.
     pub max_notification: usize,
-    /// Where notifications go; `None` queues them for [`UcxEngine::recv_notification`].
+    /// Where notifications go; `None` queues them for the raw engine's `recv_notification`
+    /// (an agent's engine always sends them to the agent).
     pub on_notify: Option<NotifyFn>,
     /// Endpoints' error handling. [`ErrorHandling::Peer`] (the default) is what turns a
     /// peer's death into errors; UCX then avoids transports that cannot detect it (such as
@@ -151,7 +103,7 @@ pub enum UcxError {
     /// The peer died or its endpoint failed; carries the endpoint's error.
     #[error("peer {peer:?} is gone: {message}")]
     PeerGone {
-        /// The peer's name as given to [`UcxEngine::connect`].
+        /// The peer's name as it connected.
         peer: String,
         /// UCX's reason.
         message: String,

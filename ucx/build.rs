@@ -1,16 +1,11 @@
-//! Build script: only does something when the `ucx` or `nixl` feature is on.
+//! Build script: generates UCP bindings with bindgen from the UCX headers and links `libucp`
+//! and `libucs`.
 //!
-//! - `ucx`: generates UCP bindings with bindgen from the UCX headers and links `libucp` and
-//!   `libucs`, with an rpath so test binaries find them without `LD_LIBRARY_PATH`.
-//! - `nixl`: nixl-sys loads `libnixl_capi.so` lazily; we only add an rpath to its directory.
+//! It looks in `<workspace>/.deps/ucx/libucx` (installed by `cargo xtask deps`) unless
+//! `TESSERA_UCX_DIR` names the directory holding `include/` and `lib/`.
 //!
-//! Both look in `<workspace>/.deps` (installed by `cargo xtask deps`) unless told otherwise:
-//! `TESSERA_UCX_DIR` (the directory holding `include/` and `lib/`) and `TESSERA_NIXL_LIB_DIR`.
-//!
-//! An rpath set here reaches this package's own binaries only. Each directory also goes out as
-//! link metadata (`cargo:ucx_rpath=DIR`, `cargo:nixl_rpath=DIR`, through `links`), which crates
-//! depending on this one read as `DEP_TESSERA_TRANSPORT_UCX_RPATH` (`_NIXL_RPATH`) to give
-//! their binaries the same rpath (see `storage-svc/build.rs`).
+//! The library directory goes out through tessera-rpath: this package's binaries get an rpath
+//! to it, and dependents read it as `DEP_TESSERA_UCX_RPATH` to give theirs the same.
 
 use std::env;
 use std::path::{Path, PathBuf};
@@ -18,15 +13,9 @@ use std::path::{Path, PathBuf};
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-env-changed=TESSERA_UCX_DIR");
-    println!("cargo:rerun-if-env-changed=TESSERA_NIXL_LIB_DIR");
     let manifest = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("set by cargo"));
     let root = manifest.parent().unwrap_or(&manifest).to_path_buf();
-    if env::var_os("CARGO_FEATURE_UCX").is_some() {
-        ucx(&root);
-    }
-    if env::var_os("CARGO_FEATURE_NIXL").is_some() {
-        nixl(&root);
-    }
+    ucx(&root);
 }
 
 fn dir_from_env(var: &str, default: PathBuf) -> PathBuf {
@@ -41,7 +30,6 @@ fn missing(what: &str, path: &Path, var: &str) -> ! {
     );
 }
 
-#[cfg(feature = "ucx")]
 fn ucx(root: &Path) {
     let dir = dir_from_env("TESSERA_UCX_DIR", root.join(".deps/ucx/libucx"));
     let include = dir.join("include");
@@ -57,8 +45,7 @@ fn ucx(root: &Path) {
     println!("cargo:rustc-link-search=native={}", lib.display());
     println!("cargo:rustc-link-lib=dylib=ucp");
     println!("cargo:rustc-link-lib=dylib=ucs");
-    println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());
-    println!("cargo:ucx_rpath={}", lib.display());
+    tessera_rpath::export("rpath", &lib);
 
     let bindings = bindgen::Builder::default()
         .header_contents("tessera_ucx.h", "#include <ucp/api/ucp.h>\n")
@@ -80,23 +67,4 @@ fn ucx(root: &Path) {
     bindings
         .write_to_file(&out)
         .unwrap_or_else(|e| panic!("writing {}: {e}", out.display()));
-}
-
-#[cfg(not(feature = "ucx"))]
-fn ucx(_: &Path) {}
-
-fn nixl(root: &Path) {
-    let dir = dir_from_env(
-        "TESSERA_NIXL_LIB_DIR",
-        root.join(".deps/nixl/.nixl_cu12.mesonpy.libs"),
-    );
-    if !dir.join("libnixl_capi.so").exists() {
-        missing(
-            "NIXL (libnixl_capi.so)",
-            &dir.join("libnixl_capi.so"),
-            "TESSERA_NIXL_LIB_DIR",
-        );
-    }
-    println!("cargo:rustc-link-arg=-Wl,-rpath,{}", dir.display());
-    println!("cargo:nixl_rpath={}", dir.display());
 }

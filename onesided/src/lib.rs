@@ -1,45 +1,30 @@
-//! What the `ucx` and `nixl` adapters have in common: both wrap a one-sided engine whose peer
-//! handles take remote keys by registration id and complete each posted transfer through a
-//! callback.
-//!
-//! | here | what it does for both |
-//! |---|---|
-//! | [`EngineSlot`] | the engine: none before [`Transport::start`](crate::Transport::start), started once, taken out by [`Transport::shutdown`](crate::Transport::shutdown); callers get a handle on it and hold no lock while the engine runs |
-//! | [`notify_to`] | the engine's notification handler: notifications go to [`Host::notify`] |
-//! | [`Regs`] | registration id -> the engine's handle on the local memory, shared by the adapter and its connections |
-//! | [`Link`] | a [`Connection`]: the peer's handle (closed once, by [`Connection::close`]) and the keys it announced, kept in step with [`Connection::update`] |
-//! | [`Link::post_plan`], [`track`] | a plan's local registrations looked up, its segments posted with the notification, and its [`Completion`] reported exactly once: by the engine's callback or, when posting failed, after the handles the post borrowed are dropped |
-//!
-//! What differs stays in each adapter: how it starts its engine and registers memory, what an
-//! empty plan or a closed handle becomes, the engine's call that posts, and how the engine's
-//! errors read as [`TransferError`]s.
-//!
-//! Both engines are FFI wrappers that never run under loom, so this module takes its locks
-//! from std, as the adapters do.
+#![doc = include_str!("../README.md")]
+#![warn(missing_docs)]
 
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::backend::{Connection, Host, Op, PeerInfo, Xfer};
-use crate::error::{BackendError, Side, TransferError};
-use crate::transfer::{Completion, Plan, Segment};
+use tessera_transport::{
+    BackendError, Completion, Connection, Host, Op, PeerInfo, Plan, Segment, Side, TransferError,
+    Xfer,
+};
 
 /// Locks `m`, ignoring poisoning: every value behind these locks stays consistent between
 /// statements.
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// An adapter's engine: none before start and after shutdown.
-pub(crate) struct EngineSlot<E> {
+pub struct EngineSlot<E> {
     kind: &'static str,
     engine: Mutex<Option<Arc<E>>>,
 }
 
 impl<E> EngineSlot<E> {
     /// An empty slot of the backend `kind` (for errors).
-    pub(crate) fn new(kind: &'static str) -> Self {
+    pub fn new(kind: &'static str) -> Self {
         Self {
             kind,
             engine: Mutex::new(None),
@@ -48,7 +33,7 @@ impl<E> EngineSlot<E> {
 
     /// Starts the engine with `make`, once: a second start is an error and leaves the running
     /// engine alone.
-    pub(crate) fn start(
+    pub fn start(
         &self,
         make: impl FnOnce() -> Result<E, BackendError>,
     ) -> Result<(), BackendError> {
@@ -64,31 +49,31 @@ impl<E> EngineSlot<E> {
     }
 
     /// A handle on the running engine, or an error once it is shut down (or before start).
-    pub(crate) fn get(&self) -> Result<Arc<E>, BackendError> {
+    pub fn get(&self) -> Result<Arc<E>, BackendError> {
         lock(&self.engine)
             .clone()
             .ok_or_else(|| BackendError::new(self.kind, "the engine is shut down"))
     }
 
     /// Takes the engine out; it goes when the last handle on it does.
-    pub(crate) fn stop(&self) {
+    pub fn stop(&self) {
         let engine = lock(&self.engine).take();
         drop(engine);
     }
 }
 
 /// An engine's notification handler (the same type in both engines' configurations).
-pub(crate) type NotifyFn = Arc<dyn Fn(&str, Vec<u8>) + Send + Sync>;
+pub type NotifyFn = Arc<dyn Fn(&str, Vec<u8>) + Send + Sync>;
 
 /// The notification handler an engine is started with: each notification from a peer goes to
 /// the agent's queue.
-pub(crate) fn notify_to(host: &Host) -> NotifyFn {
+pub fn notify_to(host: &Host) -> NotifyFn {
     let host = host.clone();
     Arc::new(move |from: &str, msg: Vec<u8>| host.notify(from, msg))
 }
 
 /// Registration id -> the engine's handle on that local memory. Cloning shares the table.
-pub(crate) struct Regs<R>(Arc<Mutex<HashMap<u64, R>>>);
+pub struct Regs<R>(Arc<Mutex<HashMap<u64, R>>>);
 
 impl<R> Clone for Regs<R> {
     fn clone(&self) -> Self {
@@ -103,12 +88,13 @@ impl<R> Default for Regs<R> {
 }
 
 impl<R: Clone> Regs<R> {
-    pub(crate) fn insert(&self, id: u64, mem: R) {
+    /// Records `mem` as the handle of registration `id`.
+    pub fn insert(&self, id: u64, mem: R) {
         lock(&self.0).insert(id, mem);
     }
 
     /// Forgets `id`; its handle is dropped after the table is unlocked.
-    pub(crate) fn remove(&self, id: u64) {
+    pub fn remove(&self, id: u64) {
         let mem = lock(&self.0).remove(&id);
         drop(mem);
     }
@@ -116,7 +102,7 @@ impl<R: Clone> Regs<R> {
     /// Handles on the local registration of each of `plan`'s segments, taken out of the table
     /// so that no lock is held while the engine runs (a completion reported in place may
     /// deregister). A registration no longer in the table is an error naming `peer`.
-    pub(crate) fn of_plan(&self, plan: &Plan, peer: &str) -> Result<Vec<R>, TransferError> {
+    pub fn of_plan(&self, plan: &Plan, peer: &str) -> Result<Vec<R>, TransferError> {
         let regs = lock(&self.0);
         plan.segments()
             .iter()
@@ -135,7 +121,7 @@ impl<R: Clone> Regs<R> {
 }
 
 /// An engine's handle on one peer, as [`Link`] drives it.
-pub(crate) trait PeerHandle: Send + Sync + Sized + 'static {
+pub trait PeerHandle: Send + Sync + Sized + 'static {
     /// The engine's handle on local memory.
     type Region: Clone + Send + Sync + 'static;
     /// One segment of a transfer as the engine takes it, borrowing its local memory.
@@ -183,7 +169,7 @@ pub(crate) trait PeerHandle: Send + Sync + Sized + 'static {
 }
 
 /// One peer of a one-sided engine: its handle and the keys it announced.
-pub(crate) struct Link<P: PeerHandle> {
+pub struct Link<P: PeerHandle> {
     peer: String,
     /// Shared so that no lock is held while the engine runs; closed when the last clone drops.
     handle: Mutex<Option<Arc<P>>>,
@@ -194,7 +180,7 @@ pub(crate) struct Link<P: PeerHandle> {
 
 impl<P: PeerHandle> Link<P> {
     /// A connection to `peer` over `handle`, with every key `peer` announces.
-    pub(crate) fn open(
+    pub fn open(
         peer: &PeerInfo,
         handle: P,
         regs: Regs<P::Region>,
@@ -210,12 +196,12 @@ impl<P: PeerHandle> Link<P> {
     }
 
     /// The peer's name.
-    pub(crate) fn peer(&self) -> &str {
+    pub fn peer(&self) -> &str {
         &self.peer
     }
 
     /// The peer's handle, or `None` once the connection is closed.
-    pub(crate) fn handle(&self) -> Option<Arc<P>> {
+    pub fn handle(&self) -> Option<Arc<P>> {
         lock(&self.handle).clone()
     }
 
@@ -223,7 +209,7 @@ impl<P: PeerHandle> Link<P> {
     /// transfer), then takes the peer's handle from `handle` and posts the plan's segments
     /// with the notification. The completion is reported by the engine's callback or, when
     /// nothing was posted, here, after the handles the post borrowed are dropped.
-    pub(crate) fn post_plan(
+    pub fn post_plan(
         &self,
         done: Completion,
         notify: Option<Vec<u8>>,

@@ -1,16 +1,13 @@
 //! The NIXL engine between two agents in one process, and across two processes: write and
 //! read verified byte for byte, chunked registrations, a 1,000-descriptor scatter,
 //! notifications after data, validation before posting, peer death and teardown.
-#![cfg(feature = "nixl")]
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use tessera_transport::nixl::{
-    NixlConfig, NixlEngine, NixlEngineError, NixlPeer, NixlRegion, Pending, Side, XferKind,
-    XferOpDesc,
-};
+use tessera_nixl::raw::{NixlEngine, NixlPeer, NixlRegion, Pending, XferOpDesc};
+use tessera_nixl::{NixlConfig, NixlEngineError, Side, XferKind};
 
 /// Hang guard only: every wait that could hang in a broken engine fails the test instead.
 const GUARD: Duration = Duration::from_secs(120);

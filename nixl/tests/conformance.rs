@@ -1,8 +1,7 @@
 //! The conformance suite on the `nixl` backend, agents in one process (NIXL's UCX backend with
 //! its default transports and peer error handling).
-#![cfg(feature = "nixl")]
 
-use tessera_transport::nixl::{Nixl, NixlConfig};
+use tessera_nixl::{Nixl, NixlConfig};
 use tessera_transport::{conformance_suite, Agent};
 
 conformance_suite!(

@@ -1,15 +1,13 @@
 //! The UCX engine between two engines in one process: put and get verified byte for byte,
 //! chunked registrations, a 1,000-descriptor scatter, notifications after data, validation
 //! before posting, peer death and teardown.
-#![cfg(feature = "ucx")]
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use tessera_transport::ucx::{
-    ErrorHandling, MemRegion, RmaKind, RmaOp, Side, UcxConfig, UcxEndpoint, UcxEngine, UcxError,
-};
+use tessera_ucx::raw::{MemRegion, RmaOp, UcxEndpoint, UcxEngine};
+use tessera_ucx::{ErrorHandling, RmaKind, Side, UcxConfig, UcxError};
 
 /// Set in the helper process that `two_processes_and_peer_death_mid_transfer` spawns.
 const CHILD: &str = "TESSERA_UCX_TEST_CHILD";
@@ -85,7 +83,7 @@ fn op(local: &Reg, local_offset: u64, remote: u64, remote_offset: u64, len: u64)
     }
 }
 
-fn done(mut p: tessera_transport::ucx::Pending) -> Result<(), UcxError> {
+fn done(mut p: tessera_ucx::raw::Pending) -> Result<(), UcxError> {
     p.wait_timeout(GUARD).expect("transfer did not finish")
 }
 

@@ -5,11 +5,11 @@
 //! | [`Transport::start`] | [`UcxEngine::new`], named after the agent, notifications to [`Host::notify`] |
 //! | [`Transport::register`] | `ucp_mem_map` (chunked) + `ucp_rkey_pack`; the remote key carries each chunk's address, length and packed rkey |
 //! | [`Transport::connect`] / [`Connection::update`] | an endpoint, then `ucp_ep_rkey_unpack` of every announced key; keys no longer announced are destroyed once nothing is pending |
-//! | [`Connection::post`] | the plan's segments as `ucp_put_nbx`/`ucp_get_nbx`, one flush, then the notification as an active message; the [`Completion`](crate::Completion) is reported from the progress thread |
+//! | [`Connection::post`] | the plan's segments as `ucp_put_nbx`/`ucp_get_nbx`, one flush, then the notification as an active message; the [`Completion`](tessera_transport::Completion) is reported from the progress thread |
 //! | [`Connection::close`] | the endpoint is parked: open until the peer fails or the engine stops (UCX pairs it with the peer's endpoint to us), its keys destroyed once its transfers are done |
 //! | [`Transport::shutdown`] | transfers fail (after a grace period), endpoints close, then memory handles, worker and context go as their last holders do |
 //!
-//! What both one-sided adapters do alike lives in the crate's `onesided` module and is shared
+//! What both one-sided adapters do alike lives in tessera-onesided and is shared
 //! with `nixl`: the engine slot (started once, taken out at shutdown), the table of local
 //! registrations, the connection that keeps the peer's keys in step with each update and
 //! drops its handle on close, and posting a plan (its local registrations looked up, its
@@ -29,11 +29,13 @@
 
 use std::sync::Arc;
 
-use super::{MemRegion, RmaKind, RmaOp, UcxConfig, UcxEndpoint, UcxEngine, UcxError};
-use crate::backend::{Connection, Host, Op, PeerInfo, RegInfo, Transport, Xfer};
-use crate::error::{BackendError, RegisterError, Side, TransferError};
-use crate::onesided::{self, EngineSlot, Link, PeerHandle, Regs};
-use crate::transfer::Segment;
+use crate::engine::{MemRegion, RmaOp, UcxEndpoint, UcxEngine};
+use crate::{RmaKind, UcxConfig, UcxError};
+use tessera_onesided::{self as onesided, EngineSlot, Link, PeerHandle, Regs};
+use tessera_transport::{
+    BackendError, Connection, Host, Op, PeerInfo, RegInfo, RegisterError, Segment, Side,
+    TransferError, Transport, Xfer,
+};
 
 const KIND: &str = "ucx";
 /// How long [`Transport::connect`] waits for the peer to answer.
@@ -42,7 +44,8 @@ const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 /// The `ucx` backend: one UCP context and worker per agent, one endpoint per peer.
 ///
 /// ```no_run
-/// use tessera_transport::{ucx::{Ucx, UcxConfig}, Agent};
+/// use tessera_transport::Agent;
+/// use tessera_ucx::{Ucx, UcxConfig};
 /// let mut config = UcxConfig::new("unused: the agent's name is used");
 /// config.tls = Some("tcp".into());
 /// let agent = Agent::new("sender", Ucx::new(config)).unwrap();
@@ -71,7 +74,7 @@ impl Ucx {
     }
 
     /// What the engine holds, for leak checks (`None` before start and after shutdown).
-    pub fn report(&self) -> Option<super::UcxReport> {
+    pub fn report(&self) -> Option<crate::UcxReport> {
         self.engine.get().ok().map(|e| e.report())
     }
 }
@@ -89,7 +92,7 @@ impl Transport for Ucx {
         self.engine.start(|| {
             let mut config = self.config.clone();
             config.name = host.name().to_owned();
-            config.max_notification = crate::MAX_NOTIFICATION;
+            config.max_notification = tessera_transport::MAX_NOTIFICATION;
             config.on_notify = Some(onesided::notify_to(&host));
             UcxEngine::new(config).map_err(backend_error)
         })

@@ -1,15 +1,16 @@
 //! WRITE bandwidth of the NIXL engine between two processes, pinned to different cores.
 //!
-//! `cargo run --release --features nixl --example nixl_write_bw [SIZE_MIB] [ITERS]` spawns
+//! `cargo run --release -p tessera-nixl --features testing --example nixl_write_bw [SIZE_MIB] [ITERS]` spawns
 //! itself as the target and reports GB/s of `ITERS` writes of `SIZE_MIB` (after one untimed
 //! write that pre-touches both buffers). `TESSERA_NIXL_PROGRESS_DELAY_US` sets NIXL's
 //! progress-thread delay.
 
-#[path = "bw_common/mod.rs"]
+#[path = "../../onesided/examples/bw_common/mod.rs"]
 mod bw_common;
 
 use bw_common::{announce, gbps, hex, pin, unhex, Target};
-use tessera_transport::nixl::{NixlConfig, NixlEngine, XferOpDesc};
+use tessera_nixl::raw::{NixlEngine, XferOpDesc};
+use tessera_nixl::NixlConfig;
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();

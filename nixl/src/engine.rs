@@ -38,10 +38,6 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-mod backend;
-
-pub use backend::Nixl;
-
 use nixl_sys::{
     Agent, AgentConfig, Backend, MemType, MemoryRegion, NixlDescriptor, NixlError, NotificationMap,
     OptArgs, RegistrationHandle, XferDescList, XferOp, XferRequest, XferStatus,
@@ -60,8 +56,8 @@ pub enum XferKind {
     Read,
 }
 
-/// Which side of a transfer a descriptor is on: the crate's one [`Side`](crate::Side).
-pub use crate::Side;
+/// Which side of a transfer a descriptor is on: the crate's one [`Side`](tessera_transport::Side).
+pub use tessera_transport::Side;
 
 /// Receives notifications: `(sender agent name, message)`, on the waiter thread.
 pub type NotifyFn = Arc<dyn Fn(&str, Vec<u8>) + Send + Sync>;
@@ -85,7 +81,8 @@ pub struct NixlConfig {
     pub timeout: Option<Duration>,
     /// The largest notification accepted for sending.
     pub max_notification: usize,
-    /// Where notifications go; `None` keeps them for [`NixlEngine::recv_notification`].
+    /// Where notifications go; `None` keeps them for the raw engine's `recv_notification`
+    /// (an agent's engine always sends them to the agent).
     pub on_notify: Option<NotifyFn>,
     /// With `on_notify`, how often an idle waiter fetches notifications.
     pub notify_poll: Duration,
@@ -753,7 +750,7 @@ impl Drop for NixlEngine {
     }
 }
 
-/// What an engine holds (see [`NixlEngine::report`]).
+/// What an engine holds, for leak checks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct NixlReport {
     /// Transfers posted and not yet reported.

@@ -6,17 +6,16 @@
 //! - `ucx_cma`: `posix,cma` without peer error handling: one-sided puts and gets with cma
 //!   (`process_vm_writev`/`readv`); a peer's death is not detected in that mode, so the two
 //!   peer-death tests are ignored there, with that reason.
-#![cfg(feature = "ucx")]
 
-use tessera_transport::ucx::{Ucx, UcxConfig};
 use tessera_transport::{conformance_suite, Agent};
+use tessera_ucx::{Ucx, UcxConfig};
 
 conformance_suite!(
     ucx_cma,
     |name: &str| {
         let mut config = UcxConfig::new(name);
         config.tls = Some("posix,cma".into());
-        config.error_handling = tessera_transport::ucx::ErrorHandling::None;
+        config.error_handling = tessera_ucx::ErrorHandling::None;
         Agent::new(name, Ucx::new(config)).unwrap()
     },
     target_checks = KeyBounds,

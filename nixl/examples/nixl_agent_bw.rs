@@ -1,15 +1,15 @@
 //! WRITE bandwidth of the `nixl` backend through `Agent`, between two pinned processes.
 //!
-//! `cargo run --release --features nixl --example nixl_agent_bw [SIZE] [ITERS]`
+//! `cargo run --release -p tessera-nixl --example nixl_agent_bw [SIZE] [ITERS]`
 //! (SIZE in MiB, or KiB with a `K` suffix); NIXL's
 //! UCX backend takes its transports from `UCX_TLS`.
 
-#[path = "bw_common/agent.rs"]
+#[path = "../../onesided/examples/bw_common/agent.rs"]
 mod agent;
-#[path = "bw_common/mod.rs"]
+#[path = "../../onesided/examples/bw_common/mod.rs"]
 mod bw_common;
 
-use tessera_transport::nixl::{Nixl, NixlConfig};
+use tessera_nixl::{Nixl, NixlConfig};
 use tessera_transport::Agent;
 
 fn main() {

@@ -3,7 +3,7 @@
 //! Both are framed by us, so that a truncated or corrupted blob is rejected here, with an
 //! error, before UCX parses a byte of it. Pure code, no UCX calls.
 
-use super::UcxError;
+use crate::UcxError;
 
 const ADDRESS_MAGIC: &[u8; 4] = b"TUA1";
 const KEY_MAGIC: &[u8; 4] = b"TUK1";
