@@ -40,7 +40,7 @@ impl EngineKind {
     /// The engine's name: `inproc`, `shm`, `tcp`, `ucx` or `nixl` (what [`Transport::kind`]
     /// of its engine answers).
     ///
-    /// [`Transport::kind`]: tessera_transport::Transport::kind
+    /// [`Transport::kind`]: tessera_transport::engine::Transport::kind
     pub fn name(self) -> &'static str {
         match self {
             EngineKind::Inproc => "inproc",

@@ -32,10 +32,10 @@ use crate::engine::{
     NixlConfig, NixlEngine, NixlEngineError, NixlPeer, NixlRegion, XferKind, XferOpDesc,
 };
 use tessera_onesided::{self as onesided, EngineSlot, Link, PeerHandle, Regs};
-use tessera_transport::{
-    BackendError, Connection, Host, Op, PeerInfo, RegInfo, RegisterError, Segment, Side,
-    TransferError, Transport, Xfer,
+use tessera_transport::engine::{
+    Connection, Host, Op, PeerInfo, RegInfo, Segment, Transport, Xfer,
 };
+use tessera_transport::{BackendError, RegisterError, Side, TransferError};
 
 const KIND: &str = "nixl";
 

@@ -5,10 +5,8 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use tessera_transport::{
-    BackendError, Completion, Connection, Host, Op, PeerInfo, Plan, Segment, Side, TransferError,
-    Xfer,
-};
+use tessera_transport::engine::{Completion, Connection, Host, Op, PeerInfo, Plan, Segment, Xfer};
+use tessera_transport::{BackendError, Side, TransferError};
 
 /// Locks `m`, ignoring poisoning: every value behind these locks stays consistent between
 /// statements.

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::sync::OnceLock;
 
-use crate::backend::{Connection, Grant, Host, Op, PeerInfo, RegInfo, Transport, Xfer};
+use crate::engine::{Connection, Grant, Host, Op, PeerInfo, RegInfo, Transport, Xfer};
 use crate::error::{BackendError, RegisterError, RejectReason, TransferError};
 use crate::sync::{next_id, Arc, StaticMutex, Weak};
 

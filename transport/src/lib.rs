@@ -2,8 +2,8 @@
 #![warn(missing_docs)]
 
 mod agent;
-mod backend;
 mod desc;
+pub mod engine;
 mod error;
 pub mod inproc;
 mod interval;
@@ -13,6 +13,7 @@ mod region;
 pub mod shm;
 mod sync;
 pub mod tcp;
+#[cfg(feature = "testing")]
 pub mod testing;
 mod transfer;
 
@@ -20,10 +21,8 @@ pub use agent::{
     Agent, AgentReport, LinkState, NextNotification, Notification, Peer, Registration,
     MAX_NOTIFICATION,
 };
-pub use backend::{
-    Connection, Grant, Host, LinkGuard, Op, PeerInfo, RegInfo, RemoteReg, Transport, Xfer,
-};
 pub use desc::{coalesce, coalesce_in_place, KeepAlive, Loc, LocalDesc, Pair, RemoteDesc};
+pub use engine::Op;
 pub use error::{
     AgentError, BackendError, ConnectError, DescError, MetadataError, PoolError, RegionError,
     RegisterError, RejectReason, Side, TransferError,
@@ -31,4 +30,4 @@ pub use error::{
 pub use inproc::Inproc;
 pub use pool::{FrozenBlock, PoolBlock, RegisteredPool};
 pub use region::Region;
-pub use transfer::{Completion, Plan, Prepared, Segment, Status, Transfer};
+pub use transfer::{Prepared, Status, Transfer};

@@ -1,7 +1,7 @@
 //! The agent metadata wire format: little-endian, versioned, every length checked against the
 //! bytes present and a fixed maximum before anything is allocated.
 
-use crate::backend::{PeerInfo, RemoteReg};
+use crate::engine::{PeerInfo, RemoteReg};
 use crate::error::MetadataError;
 
 const MAGIC: &[u8; 4] = b"TSRA";

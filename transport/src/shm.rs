@@ -20,7 +20,7 @@ use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::sync::OnceLock;
 
-use crate::backend::{Connection, Grant, Host, Op, PeerInfo, RegInfo, Transport, Xfer};
+use crate::engine::{Connection, Grant, Host, Op, PeerInfo, RegInfo, Transport, Xfer};
 use crate::error::{BackendError, RegisterError, RejectReason, TransferError};
 use crate::sync::{lock, next_id, Arc, AtomicBool, Mutex, Ordering, Weak};
 use crate::Region;
@@ -679,7 +679,7 @@ fn serve(host: Host, stream: Arc<UnixStream>) {
     // The peer counts as able to write into this agent's memory from its HELLO until its
     // socket closed and its grants are gone (below). Its own mapping of our memory is not
     // ours to see: an initiator process that outlives its socket could still copy.
-    let mut open: Option<crate::backend::LinkGuard> = None;
+    let mut open: Option<crate::engine::LinkGuard> = None;
     while let Ok(Some((ty, body))) = reader.next(&stream) {
         let b = &reader.buf[body];
         let mut out = Vec::new();

@@ -37,7 +37,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
 
 use crate::agent::MAX_NOTIFICATION;
-use crate::backend::{Connection, Grant, Host, Op, PeerInfo, RegInfo, Transport, Xfer};
+use crate::engine::{Connection, Grant, Host, Op, PeerInfo, RegInfo, Transport, Xfer};
 use crate::error::{BackendError, RegisterError, RejectReason, TransferError};
 use crate::sync::{lock, Arc, AtomicBool, Mutex, Ordering};
 
@@ -830,7 +830,7 @@ async fn read_loop(
     link: Arc<Link>,
     host: Host,
     mut stop: watch::Receiver<bool>,
-    open: crate::backend::LinkGuard,
+    open: crate::engine::LinkGuard,
 ) {
     let why = match serve(&mut r, &link, &host, &mut stop).await {
         Ok(()) => "the agent shut down".to_owned(),

@@ -1238,7 +1238,7 @@ pub fn local_only_registrations(make: Factory<'_>) {
         // A peer that names it anyway (forged metadata) is refused, both ways, and the
         // memory is untouched.
         let mut info = crate::metadata::decode(&a.metadata()).unwrap();
-        info.regs.push(crate::backend::RemoteReg {
+        info.regs.push(crate::engine::RemoteReg {
             id: la.id(),
             len: ra.len(),
             key: Vec::new(),

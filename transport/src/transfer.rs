@@ -7,8 +7,8 @@ use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use crate::agent::{PeerCore, RegEntry, MAX_NOTIFICATION};
-use crate::backend::{Op, Xfer};
 use crate::desc::{coalesce_in_place, KeepAlive, Loc, LocalDesc, Pair, RemoteDesc};
+use crate::engine::{Op, Xfer};
 use crate::error::{RejectReason, Side, TransferError};
 use crate::sync::{lock, Arc, AtomicUsize, Condvar, Mutex, Ordering};
 

@@ -5,7 +5,7 @@
 //! | [`Transport::start`] | [`UcxEngine::new`], named after the agent, notifications to [`Host::notify`] |
 //! | [`Transport::register`] | `ucp_mem_map` (chunked) + `ucp_rkey_pack`; the remote key carries each chunk's address, length and packed rkey |
 //! | [`Transport::connect`] / [`Connection::update`] | an endpoint, then `ucp_ep_rkey_unpack` of every announced key; keys no longer announced are destroyed once nothing is pending |
-//! | [`Connection::post`] | the plan's segments as `ucp_put_nbx`/`ucp_get_nbx`, one flush, then the notification as an active message; the [`Completion`](tessera_transport::Completion) is reported from the progress thread |
+//! | [`Connection::post`] | the plan's segments as `ucp_put_nbx`/`ucp_get_nbx`, one flush, then the notification as an active message; the [`Completion`](tessera_transport::engine::Completion) is reported from the progress thread |
 //! | [`Connection::close`] | the endpoint is parked: open until the peer fails or the engine stops (UCX pairs it with the peer's endpoint to us), its keys destroyed once its transfers are done |
 //! | [`Transport::shutdown`] | transfers fail (after a grace period), endpoints close, then memory handles, worker and context go as their last holders do |
 //!
@@ -32,10 +32,10 @@ use std::sync::Arc;
 use crate::engine::{MemRegion, RmaOp, UcxEndpoint, UcxEngine};
 use crate::{RmaKind, UcxConfig, UcxError};
 use tessera_onesided::{self as onesided, EngineSlot, Link, PeerHandle, Regs};
-use tessera_transport::{
-    BackendError, Connection, Host, Op, PeerInfo, RegInfo, RegisterError, Segment, Side,
-    TransferError, Transport, Xfer,
+use tessera_transport::engine::{
+    Connection, Host, Op, PeerInfo, RegInfo, Segment, Transport, Xfer,
 };
+use tessera_transport::{BackendError, RegisterError, Side, TransferError};
 
 const KIND: &str = "ucx";
 /// How long [`Transport::connect`] waits for the peer to answer.

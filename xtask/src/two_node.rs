@@ -98,9 +98,11 @@ fn build_peers(root: &Path) -> Result<Vec<(&'static str, PathBuf)>> {
             "--bin",
             "tessera-transport-peer",
         ];
-        if let Some(f) = feature {
-            args.extend(["--features", f]);
-        }
+        let features = match feature {
+            Some(f) => format!("peer,{f}"),
+            None => "peer".to_owned(),
+        };
+        args.extend(["--features", &features]);
         step(
             &format!("building the peer helper for {kind}"),
             cargo(&args),

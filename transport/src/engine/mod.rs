@@ -1,4 +1,6 @@
-//! The one trait every engine implements, and what the agent hands an engine.
+//! The engine SPI: the one trait every engine implements, and what the agent hands an engine.
+//! A user of agents, regions and transfers never needs this module; an engine crate (the
+//! in-tree `inproc`, `shm` and `tcp`, or `tessera-ucx` and `tessera-nixl`) implements it.
 //!
 //! The split follows what NIXL and UCX need, so that their engines fit without changing it:
 //!
@@ -20,8 +22,9 @@ use std::fmt;
 use crate::agent::{HostShared, RegEntry};
 use crate::error::{BackendError, RegisterError, RejectReason};
 use crate::sync::{lock, Arc, Ordering};
-use crate::transfer::{Completion, Plan};
 use crate::Region;
+
+pub use crate::transfer::{Completion, Plan, Segment};
 
 /// Direction of a transfer, seen from the initiator.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -113,12 +116,12 @@ pub trait Transport: Send + Sync + 'static {
 
     /// Whether the local side of a transfer (the source of a WRITE, the destination of a
     /// READ) must be registered with this engine. Engines that reach local memory through the
-    /// segment's address alone ([`Segment::local_ptr`](crate::Segment::local_ptr)) and whose
+    /// segment's address alone ([`Segment::local_ptr`](crate::engine::Segment::local_ptr)) and whose
     /// [`register`](Transport::register) does nothing for it return `false`: the agent then
     /// never calls them for [`Agent::register_local`](crate::Agent::register_local), and
     /// their plans may name local registrations this engine never saw. The default, `true`,
     /// suits engines that look up their own handle of the local memory by
-    /// [`Segment::local_reg`](crate::Segment::local_reg).
+    /// [`Segment::local_reg`](crate::engine::Segment::local_reg).
     fn local_side_needs_registration(&self) -> bool {
         true
     }

@@ -1,0 +1,435 @@
+//! Agents: one named endpoint of one engine, and what it owns. The registration cache
+//! (`registry`), peers (`peer`) and the notification queue (`notify`) each live in a module of
+//! their own.
+
+mod notify;
+mod peer;
+mod registry;
+#[cfg(test)]
+mod tests;
+
+pub(crate) use notify::Notifications;
+pub use notify::{NextNotification, Notification};
+pub use peer::Peer;
+pub(crate) use peer::PeerCore;
+use registry::Listed;
+pub use registry::Registration;
+pub(crate) use registry::{RegEntry, RegTable, Registry};
+
+use std::collections::HashMap;
+use std::fmt;
+use std::time::Duration;
+
+use crate::desc::LocalDesc;
+use crate::engine::{Host, PeerInfo, RegInfo, Transport};
+use crate::error::{AgentError, ConnectError, RegisterError};
+use crate::metadata;
+use crate::sync::{lock, next_id, Arc, AtomicBool, AtomicUsize, Counter, Mutex, Ordering, Weak};
+use crate::Region;
+
+/// Largest notification, in bytes.
+pub const MAX_NOTIFICATION: usize = 64 * 1024;
+
+/// A named endpoint of one backend: one per process per backend.
+///
+/// It registers memory, publishes [`metadata`](Agent::metadata) for peers, and turns a peer's
+/// metadata into a [`Peer`] to transfer with. Dropping the agent shuts its engine down: pending
+/// transfers fail, peers see it as gone, and registrations still held are deregistered as their
+/// guards drop.
+pub struct Agent {
+    core: Arc<AgentCore>,
+}
+
+pub(crate) struct AgentCore {
+    pub(crate) host: Arc<HostShared>,
+    pub(crate) transport: Arc<dyn Transport>,
+    peers: Mutex<HashMap<String, Weak<PeerCore>>>,
+    pub(crate) in_flight: Arc<AtomicUsize>,
+}
+
+/// The part of an agent its engine may hold: registrations and notifications, never the engine.
+pub(crate) struct HostShared {
+    pub(crate) name: String,
+    pub(crate) id: u64,
+    pub(crate) registry: Registry,
+    pub(crate) notifications: Notifications,
+    pub(crate) closed: AtomicBool,
+    /// Payload bytes this agent's engine copied into WRITE destinations.
+    pub(crate) copied_write: Counter,
+    /// Payload bytes this agent's engine copied into READ destinations.
+    pub(crate) copied_read: Counter,
+    /// Inbound links by peer name: how many of the engine's readers serving that peer are
+    /// still running (engines that track them, see [`Transport::tracks_links`]).
+    pub(crate) inbound: Mutex<HashMap<String, usize>>,
+}
+
+/// Whether a peer can still reach this agent's memory, as far as its engine can tell.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LinkState {
+    /// A link from the peer is open, or its reader is still running: a WRITE it sent may
+    /// still land.
+    Open,
+    /// No link from the peer is open and no reader serving it is running: nothing the peer
+    /// sent can land any more (until it connects again).
+    Closed,
+    /// The engine cannot tell (one-sided engines such as `ucx` and `nixl` have no
+    /// target-side signal, and `inproc` peers write from their own thread).
+    Unknown,
+}
+
+/// Occupancy of an agent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct AgentReport {
+    /// Live registrations (each cached range counts once, however many guards it has).
+    /// Local-only registrations ([`Agent::register_local`]) are never listed, so never counted.
+    pub registrations: usize,
+    /// Bytes they cover.
+    pub registered_bytes: u64,
+    /// Peers with a live handle.
+    pub peers: usize,
+    /// Transfers posted and not yet completed.
+    pub in_flight: usize,
+    /// Payload bytes of WRITEs this agent's engine copied into their destination since the
+    /// agent started. Engines that copy on the initiator (`inproc`, `shm`: one `memcpy`)
+    /// count at the writer; `tcp` counts where the bytes land (the target of the WRITE), so
+    /// summed over both agents each byte moved counts once. `ucx` and `nixl` hand the copy to
+    /// their library and count nothing.
+    pub copied_write_bytes: u64,
+    /// The same for READs (`tcp`: counted at the reader, where the bytes land).
+    pub copied_read_bytes: u64,
+}
+
+const _: () = {
+    const fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<Agent>();
+    assert_send_sync::<Peer>();
+    assert_send_sync::<Registration>();
+    assert_send_sync::<LocalDesc>();
+};
+
+impl Agent {
+    /// An agent named `name` (1 to 255 bytes) on `transport`.
+    pub fn new(name: &str, transport: impl Transport) -> Result<Self, AgentError> {
+        Self::with_transport(name, Arc::new(transport))
+    }
+
+    /// Like [`Agent::new`], for an engine already behind an `Arc`.
+    pub fn with_transport(name: &str, transport: Arc<dyn Transport>) -> Result<Self, AgentError> {
+        if name.is_empty() || name.len() > metadata::MAX_NAME {
+            return Err(AgentError::InvalidName {
+                name: name.to_owned(),
+            });
+        }
+        let host = Arc::new(HostShared {
+            name: name.to_owned(),
+            id: next_id(),
+            registry: Registry::default(),
+            notifications: Notifications::default(),
+            closed: AtomicBool::new(false),
+            copied_write: Counter::default(),
+            copied_read: Counter::default(),
+            inbound: Mutex::new(HashMap::new()),
+        });
+        transport.start(Host {
+            shared: host.clone(),
+        })?;
+        Ok(Self {
+            core: Arc::new(AgentCore {
+                host,
+                transport,
+                peers: Mutex::new(HashMap::new()),
+                in_flight: Arc::new(AtomicUsize::new(0)),
+            }),
+        })
+    }
+
+    /// The agent's name.
+    pub fn name(&self) -> &str {
+        &self.core.host.name
+    }
+
+    /// The backend's kind, such as `"shm"`.
+    pub fn kind(&self) -> &'static str {
+        self.core.transport.kind()
+    }
+
+    /// Registers the whole region. See [`Agent::register_range`].
+    pub fn register(&self, region: &Region) -> Result<Registration, RegisterError> {
+        self.register_range(region, 0, region.len())
+    }
+
+    /// Registers `len` bytes at `offset` of `region` and returns a guard; the range is
+    /// deregistered when the last guard, descriptor and transfer using it are gone.
+    ///
+    /// Registrations are cached: if a live registration of this region already covers the
+    /// range, this returns a guard on it without asking the engine (a lock and a lookup).
+    pub fn register_range(
+        &self,
+        region: &Region,
+        offset: u64,
+        len: u64,
+    ) -> Result<Registration, RegisterError> {
+        let host = &self.core.host;
+        if host.closed.load(Ordering::Acquire) {
+            return Err(RegisterError::AgentClosed {
+                agent: host.name.clone(),
+            });
+        }
+        let end = offset.checked_add(len);
+        if len == 0 || end.is_none_or(|e| e > region.len()) {
+            return Err(RegisterError::OutOfRange {
+                offset,
+                len,
+                region_len: region.len(),
+            });
+        }
+        if region.mark_registered() {
+            if let Some(entry) = host.registry.find(region, offset, len) {
+                let start = offset - entry.offset;
+                return Ok(Registration { entry, start, len });
+            }
+        }
+        let id = next_id();
+        let key = self.core.transport.register(&RegInfo {
+            id,
+            region,
+            offset,
+            len,
+        })?;
+        let entry = Arc::new(RegEntry {
+            id,
+            agent_id: host.id,
+            region: region.clone(),
+            offset,
+            len,
+            key,
+            listed: Some(Listed {
+                transport: self.core.transport.clone(),
+                host: Arc::downgrade(host),
+            }),
+        });
+        host.registry.insert(&entry);
+        Ok(Registration {
+            entry,
+            start: 0,
+            len,
+        })
+    }
+
+    /// Whether the local side of this agent's transfers must be registered with its engine.
+    ///
+    /// `false` for engines that reach local memory by address alone (`inproc`, `shm`, `tcp`):
+    /// [`Agent::register_local`] then creates a local-only registration without asking the
+    /// engine. `true` for engines that look up their own handle of the local memory (`ucx`,
+    /// `nixl`): there `register_local` is [`Agent::register`], and whatever it registers is
+    /// exposed to peers like any registration.
+    pub fn local_side_needs_registration(&self) -> bool {
+        self.core.transport.local_side_needs_registration()
+    }
+
+    /// Registers the whole region for use only as the *local* side of this agent's own
+    /// transfers (the source of a WRITE, the destination of a READ).
+    ///
+    /// Where the engine needs no local registration (see
+    /// [`Agent::local_side_needs_registration`]), the registration is local-only: the engine
+    /// is not asked, and it is never listed in the agent's registrations, so it is absent from
+    /// [`Agent::metadata`] and from [`AgentReport::registrations`],
+    /// [`Agent::find_registered`] never returns it, and a peer naming its id is refused like
+    /// an unknown registration. Its [`Registration::remote`] descriptors are therefore
+    /// useless to peers. Creating and dropping one takes no lock. Otherwise this is exactly
+    /// [`Agent::register`].
+    ///
+    /// In both cases a live registration of this agent that already covers the region is
+    /// reused, as [`Agent::register`] does.
+    pub fn register_local(&self, region: &Region) -> Result<Registration, RegisterError> {
+        if self.core.transport.local_side_needs_registration() {
+            return self.register(region);
+        }
+        let host = &self.core.host;
+        if host.closed.load(Ordering::Acquire) {
+            return Err(RegisterError::AgentClosed {
+                agent: host.name.clone(),
+            });
+        }
+        let len = region.len();
+        if region.mark_registered() {
+            if let Some(entry) = host.registry.find(region, 0, len) {
+                // It covers the whole region, so it starts at the region's first byte.
+                return Ok(Registration {
+                    entry,
+                    start: 0,
+                    len,
+                });
+            }
+        }
+        let entry = Arc::new(RegEntry {
+            id: next_id(),
+            agent_id: host.id,
+            region: region.clone(),
+            offset: 0,
+            len,
+            key: Vec::new(),
+            listed: None,
+        });
+        Ok(Registration {
+            entry,
+            start: 0,
+            len,
+        })
+    }
+
+    /// The live registration of this agent that covers `len` bytes at `ptr`, as a window
+    /// starting at `ptr`: memory that already lives in registered memory (a pool block, a
+    /// received buffer) is described in place with `desc(0, len)`, without registering again.
+    pub fn find_registered(&self, ptr: *const u8, len: u64) -> Option<Registration> {
+        if len == 0 {
+            return None;
+        }
+        let entry = self.core.host.registry.find_addr(ptr as usize, len)?;
+        let start = ptr as u64 - entry.base() as u64;
+        Some(Registration { entry, start, len })
+    }
+
+    /// Everything a peer needs to reach this agent and its registrations: the engine's
+    /// address and each live registration's id, length and remote key. Send it to peers by any
+    /// means; call again after registering more memory.
+    pub fn metadata(&self) -> Vec<u8> {
+        metadata::encode(&PeerInfo {
+            name: self.core.host.name.clone(),
+            kind: self.core.transport.kind().to_owned(),
+            address: self.core.transport.address(),
+            regs: self.core.host.registry.remote_regs(),
+        })
+    }
+
+    /// Adds (or updates) the peer that published `metadata`. Metadata from a peer this agent
+    /// already knows replaces the old: the same [`Peer`] handle sees the new registrations.
+    pub fn add_remote(&self, metadata: &[u8]) -> Result<Peer, ConnectError> {
+        let info = metadata::decode(metadata)?;
+        let host = &self.core.host;
+        if host.closed.load(Ordering::Acquire) {
+            return Err(ConnectError::AgentClosed {
+                agent: host.name.clone(),
+            });
+        }
+        let ours = self.core.transport.kind();
+        if info.kind != ours {
+            return Err(ConnectError::BackendMismatch {
+                peer: info.name,
+                ours,
+                theirs: info.kind,
+            });
+        }
+        if info.name == host.name {
+            return Err(ConnectError::SelfPeer { agent: info.name });
+        }
+        let backend_err = |source| ConnectError::Backend {
+            peer: info.name.clone(),
+            source,
+        };
+        let existing = lock(&self.core.peers)
+            .get(&info.name)
+            .and_then(Weak::upgrade);
+        if let Some(existing) = existing {
+            let moved = *lock(&existing.address) != info.address;
+            if moved {
+                // The peer restarted (or rebound): reconnect, and retire the old connection.
+                let fresh = self.core.transport.connect(&info).map_err(backend_err)?;
+                let old = std::mem::replace(&mut *lock(&existing.conn), fresh);
+                old.close();
+                *lock(&existing.address) = info.address.clone();
+            } else {
+                let conn = lock(&existing.conn).clone();
+                conn.update(&info).map_err(backend_err)?;
+            }
+            *lock(&existing.regs) = Arc::new(RegTable::new(&info.regs));
+            return Ok(Peer { core: existing });
+        }
+        // Connect without holding the peer table: engines may take a while.
+        let conn = self.core.transport.connect(&info).map_err(backend_err)?;
+        let core = Arc::new(PeerCore {
+            name: Arc::from(info.name.as_str()),
+            agent: self.core.clone(),
+            conn: Mutex::new(conn),
+            address: Mutex::new(info.address),
+            regs: Mutex::new(Arc::new(RegTable::new(&info.regs))),
+        });
+        lock(&self.core.peers).insert(info.name, Arc::downgrade(&core));
+        Ok(Peer { core })
+    }
+
+    /// The peer named `name`, if a handle on it is alive.
+    pub fn peer(&self, name: &str) -> Option<Peer> {
+        let core = lock(&self.core.peers).get(name).and_then(Weak::upgrade)?;
+        Some(Peer { core })
+    }
+
+    /// The oldest undelivered notification, without waiting.
+    pub fn try_notification(&self) -> Option<Notification> {
+        self.core.host.notifications.try_pop()
+    }
+
+    /// Waits up to `timeout` for a notification (blocking the thread).
+    pub fn wait_notification(&self, timeout: Duration) -> Option<Notification> {
+        self.core.host.notifications.wait(timeout)
+    }
+
+    /// The next notification, as a future.
+    pub fn next_notification(&self) -> NextNotification<'_> {
+        NextNotification {
+            queue: &self.core.host.notifications,
+        }
+    }
+
+    /// Whether the peer named `name` can still reach this agent's memory: a target-side
+    /// question, for deciding when memory a peer was told about (and may still be writing)
+    /// can be reused. `Closed` means every link from that peer is closed and the engine's
+    /// reader for it has returned, so no byte it sent can land any more; a peer that connects
+    /// again makes it `Open` again.
+    pub fn peer_link(&self, name: &str) -> LinkState {
+        if !self.core.transport.tracks_links() {
+            return LinkState::Unknown;
+        }
+        if lock(&self.core.host.inbound).contains_key(name) {
+            LinkState::Open
+        } else {
+            LinkState::Closed
+        }
+    }
+
+    /// Occupancy now.
+    pub fn report(&self) -> AgentReport {
+        let (registrations, registered_bytes) = self.core.host.registry.stats();
+        let peers = lock(&self.core.peers)
+            .values()
+            .filter(|w| w.strong_count() > 0)
+            .count();
+        AgentReport {
+            registrations,
+            registered_bytes,
+            peers,
+            in_flight: self.core.in_flight.load(Ordering::Acquire),
+            copied_write_bytes: self.core.host.copied_write.get(),
+            copied_read_bytes: self.core.host.copied_read.get(),
+        }
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        self.core.host.closed.store(true, Ordering::Release);
+        self.core.transport.shutdown();
+    }
+}
+
+impl fmt::Debug for Agent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Agent")
+            .field("name", &self.name())
+            .field("kind", &self.kind())
+            .field("report", &self.report())
+            .finish()
+    }
+}

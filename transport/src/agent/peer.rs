@@ -1,0 +1,106 @@
+//! Handles on remote agents.
+
+use std::fmt;
+
+use super::{AgentCore, RegTable};
+use crate::desc::{LocalDesc, RemoteDesc};
+use crate::engine::{Connection, Op};
+use crate::error::TransferError;
+use crate::sync::{lock, Arc, Mutex};
+use crate::transfer::{Prepared, Transfer};
+
+/// A handle on a remote agent. Cloning is cheap; the connection closes when the last handle
+/// and the last transfer with the peer are gone.
+#[derive(Clone)]
+pub struct Peer {
+    pub(crate) core: Arc<PeerCore>,
+}
+
+pub(crate) struct PeerCore {
+    pub(crate) name: Arc<str>,
+    pub(crate) agent: Arc<AgentCore>,
+    pub(crate) conn: Mutex<Arc<dyn Connection>>,
+    pub(super) address: Mutex<Vec<u8>>,
+    pub(crate) regs: Mutex<Arc<RegTable>>,
+}
+
+impl Drop for PeerCore {
+    fn drop(&mut self) {
+        lock(&self.conn).close();
+        let mut peers = lock(&self.agent.peers);
+        if peers
+            .get(&*self.name)
+            .is_some_and(|w| w.strong_count() == 0)
+        {
+            peers.remove(&*self.name);
+        }
+    }
+}
+
+impl Peer {
+    /// The peer agent's name.
+    pub fn name(&self) -> &str {
+        &self.core.name
+    }
+
+    /// Whether the peer's latest metadata announced registration `id`, and its length.
+    pub fn registration_len(&self, id: u64) -> Option<u64> {
+        lock(&self.core.regs).len_of(id)
+    }
+
+    /// Validates and coalesces a descriptor pair list once, to post it many times.
+    pub fn prepare(
+        &self,
+        op: Op,
+        local: &[LocalDesc],
+        remote: &[RemoteDesc],
+    ) -> Result<Prepared, TransferError> {
+        Prepared::new(self.core.clone(), op, local, remote, true)
+    }
+
+    /// Like [`Peer::prepare`] without coalescing: the engine sees one segment per pair, in the
+    /// given order. Useful to measure what coalescing saves, or to keep a strict order of
+    /// overlapping destinations.
+    pub fn prepare_uncoalesced(
+        &self,
+        op: Op,
+        local: &[LocalDesc],
+        remote: &[RemoteDesc],
+    ) -> Result<Prepared, TransferError> {
+        Prepared::new(self.core.clone(), op, local, remote, false)
+    }
+
+    /// Copies each `local[i]` to `remote[i]` (pairwise equal lengths), then delivers `notify`
+    /// to the peer. Every remote descriptor is checked against the peer's metadata before a
+    /// byte moves.
+    pub fn write(
+        &self,
+        local: &[LocalDesc],
+        remote: &[RemoteDesc],
+        notify: Option<&[u8]>,
+    ) -> Result<Transfer, TransferError> {
+        self.prepare(Op::Write, local, remote)?.post(notify)
+    }
+
+    /// Copies each `remote[i]` into `local[i]` (pairwise equal lengths), then delivers
+    /// `notify` to the peer.
+    pub fn read(
+        &self,
+        local: &[LocalDesc],
+        remote: &[RemoteDesc],
+        notify: Option<&[u8]>,
+    ) -> Result<Transfer, TransferError> {
+        self.prepare(Op::Read, local, remote)?.post(notify)
+    }
+
+    /// Sends a notification alone.
+    pub fn notify(&self, msg: &[u8]) -> Result<Transfer, TransferError> {
+        self.prepare(Op::Write, &[], &[])?.post(Some(msg))
+    }
+}
+
+impl fmt::Debug for Peer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Peer").field("name", &self.name()).finish()
+    }
+}
