@@ -592,21 +592,6 @@ struct Session {
     raw_addr: Option<String>,
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Result<Vec<u8>> {
-    (0..s.len())
-        .step_by(2)
-        .map(|i| {
-            s.get(i..i + 2)
-                .and_then(|h| u8::from_str_radix(h, 16).ok())
-                .ok_or_else(|| anyhow!("bad hex"))
-        })
-        .collect()
-}
-
 impl Session {
     fn start(kind: &str) -> Result<Self> {
         let exe = std::env::current_exe()?;
@@ -625,7 +610,7 @@ impl Session {
                 .ok_or_else(|| anyhow!("peer exited"))?
                 .map_err(Into::into)
         };
-        let meta = unhex(next()?.strip_prefix("META ").context("META")?)?;
+        let meta = hex::decode(next()?.strip_prefix("META ").context("META")?)?;
         let peer_reg: u64 = next()?.strip_prefix("REG ").context("REG")?.parse()?;
         let raw_addr = next()?
             .strip_prefix("RAW ")
@@ -647,7 +632,7 @@ impl Session {
             peer_reg,
             raw_addr,
         };
-        let meta = hex(&s.agent.metadata());
+        let meta = hex::encode(s.agent.metadata());
         s.cmd(&format!("ADD {meta}"))?;
         Ok(s)
     }
@@ -829,7 +814,7 @@ fn peer_main(kind: &str) -> Result<()> {
         "-".to_owned()
     };
     let mut out = std::io::stdout().lock();
-    writeln!(out, "META {}", hex(&agent.metadata()))?;
+    writeln!(out, "META {}", hex::encode(agent.metadata()))?;
     writeln!(out, "REG {}", reg.id())?;
     writeln!(out, "RAW {raw}")?;
     out.flush()?;
@@ -838,7 +823,7 @@ fn peer_main(kind: &str) -> Result<()> {
         let line = line?;
         let answer = match line.split_once(' ') {
             Some(("ADD", h)) => {
-                peer = Some(agent.add_remote(&unhex(h)?)?);
+                peer = Some(agent.add_remote(&hex::decode(h)?)?);
                 "ADDED".to_owned()
             }
             _ if line == "EXIT" => break,

@@ -8,7 +8,7 @@ use tessera_transport::testing::{pattern, HANG_GUARD};
 use tessera_transport::{Agent, Region, RemoteDesc};
 
 mod engines_common;
-use engines_common::{hex, killed_mid_transfer, round_trip, Child};
+use engines_common::{killed_mid_transfer, round_trip, Child};
 
 fn agent(kind: &str) -> Agent {
     let kind: EngineKind = kind.parse().unwrap();
@@ -25,7 +25,7 @@ fn initiator_killed_mid_transfer(kind: &str) {
     let mut child = Child::spawn(kind, SIZE, &[]);
     let _peer = parent.add_remote(&child.meta).unwrap();
     assert_eq!(
-        child.cmd(&format!("ADD {}", hex(&parent.metadata()))),
+        child.cmd(&format!("ADD {}", hex::encode(parent.metadata()))),
         "ADDED"
     );
     assert_eq!(

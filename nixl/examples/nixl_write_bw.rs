@@ -8,7 +8,7 @@
 #[path = "../../onesided/examples/bw_common/mod.rs"]
 mod bw_common;
 
-use bw_common::{announce, gbps, hex, pin, unhex, Target};
+use bw_common::{announce, gbps, pin, Target};
 use tessera_nixl::raw::{NixlEngine, XferOpDesc};
 use tessera_nixl::NixlConfig;
 
@@ -34,15 +34,15 @@ fn main() {
     let region = unsafe { engine.register(buf.as_mut_ptr(), len as u64) }.expect("register");
     if target {
         announce(&[
-            format!("MD:{}", hex(&engine.metadata().expect("metadata"))),
-            format!("KEY:{}", hex(&region.remote_key())),
+            format!("MD:{}", hex::encode(engine.metadata().expect("metadata"))),
+            format!("KEY:{}", hex::encode(region.remote_key())),
         ]);
         drop(region);
         return;
     }
     let mut child = Target::spawn(rest);
-    let md = unhex(&child.next("MD:"));
-    let key = unhex(&child.next("KEY:"));
+    let md = hex::decode(child.next("MD:")).expect("hex");
+    let key = hex::decode(child.next("KEY:")).expect("hex");
     let peer = engine.load_remote(&md).expect("load_remote");
     peer.add_remote(1, &key).expect("key");
     let op = [XferOpDesc {

@@ -351,16 +351,6 @@ fn teardown_releases_everything() {
     assert!(!pa.is_alive() && !pb.is_alive(), "agent leaked");
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len() / 2)
-        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).expect("hex"))
-        .collect()
-}
-
 /// The target side of `peer_death_mid_transfer_across_processes`; does nothing unless spawned by it.
 #[test]
 #[ignore = "helper process of peer_death_mid_transfer_across_processes"]
@@ -371,8 +361,8 @@ fn helper_target_process() {
     let b = engine("death-target");
     let dst = Reg::new(&b, 64 * MIB, |_| 0);
     let mut out = std::io::stdout().lock();
-    writeln!(out, "MD:{}", hex(&b.metadata().unwrap())).unwrap();
-    writeln!(out, "KEY:{}", hex(&dst.region().remote_key())).unwrap();
+    writeln!(out, "MD:{}", hex::encode(b.metadata().unwrap())).unwrap();
+    writeln!(out, "KEY:{}", hex::encode(dst.region().remote_key())).unwrap();
     out.flush().unwrap();
     drop(out);
     // Serve until the parent kills us or closes stdin.
@@ -406,9 +396,9 @@ fn peer_death_mid_transfer_across_processes() {
         seen.push(line.chars().take(80).collect::<String>());
         // The test harness may print its own words before ours on the same line.
         if let Some(i) = line.find("MD:") {
-            md = Some(unhex(&line[i + 3..]));
+            md = Some(hex::decode(&line[i + 3..]).expect("hex"));
         } else if let Some(i) = line.find("KEY:") {
-            key = Some(unhex(&line[i + 4..]));
+            key = Some(hex::decode(&line[i + 4..]).expect("hex"));
             break;
         }
     }

@@ -9,7 +9,7 @@
 #[path = "../../onesided/examples/bw_common/mod.rs"]
 mod bw_common;
 
-use bw_common::{announce, gbps, hex, pin, unhex, Target};
+use bw_common::{announce, gbps, pin, Target};
 use tessera_ucx::raw::{RmaOp, UcxEngine};
 use tessera_ucx::{ErrorHandling, UcxConfig};
 
@@ -38,15 +38,15 @@ fn main() {
     let region = unsafe { engine.register(buf.as_mut_ptr(), len as u64) }.expect("register");
     if target {
         announce(&[
-            format!("ADDR:{}", hex(engine.address())),
-            format!("KEY:{}", hex(region.remote_key())),
+            format!("ADDR:{}", hex::encode(engine.address())),
+            format!("KEY:{}", hex::encode(region.remote_key())),
         ]);
         drop(region);
         return;
     }
     let mut child = Target::spawn(rest);
-    let addr = unhex(&child.next("ADDR:"));
-    let key = unhex(&child.next("KEY:"));
+    let addr = hex::decode(child.next("ADDR:")).expect("hex");
+    let key = hex::decode(child.next("KEY:")).expect("hex");
     let ep = engine.connect("bw-target", &addr).expect("connect");
     ep.add_remote(1, &key).expect("key");
     let op = [RmaOp {

@@ -426,16 +426,6 @@ fn engine_outlived_by_handles_tears_down_in_order() {
     assert!(!pa.is_alive());
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len() / 2)
-        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).expect("hex"))
-        .collect()
-}
-
 /// The target side of `two_processes_and_peer_death_mid_transfer`; does nothing unless
 /// spawned by it.
 #[test]
@@ -447,8 +437,8 @@ fn helper_target_process() {
     let b = engine("ucx-target");
     let dst = Reg::new(&b, 64 * MIB, |_| 0);
     let mut out = std::io::stdout().lock();
-    writeln!(out, "ADDR:{}", hex(b.address())).unwrap();
-    writeln!(out, "KEY:{}", hex(dst.region().remote_key())).unwrap();
+    writeln!(out, "ADDR:{}", hex::encode(b.address())).unwrap();
+    writeln!(out, "KEY:{}", hex::encode(dst.region().remote_key())).unwrap();
     out.flush().unwrap();
     drop(out);
     // Serve (the progress thread does) until the parent kills us or closes stdin.
@@ -482,9 +472,9 @@ fn two_processes_and_peer_death_mid_transfer() {
         seen.push(line.chars().take(80).collect::<String>());
         // The test harness may print its own words before ours on the same line.
         if let Some(i) = line.find("ADDR:") {
-            addr = Some(unhex(&line[i + 5..]));
+            addr = Some(hex::decode(&line[i + 5..]).expect("hex"));
         } else if let Some(i) = line.find("KEY:") {
-            key = Some(unhex(&line[i + 4..]));
+            key = Some(hex::decode(&line[i + 4..]).expect("hex"));
             break;
         }
     }

@@ -109,17 +109,6 @@ fn checksum(region: &Region, offset: u64, len: u64) -> Result<u64, tessera_trans
     Ok(h)
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Option<Vec<u8>> {
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
-        .collect()
-}
-
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let (Some(kind), Some(size)) = (
@@ -139,7 +128,7 @@ fn main() {
     }
     let reg = agent.register(&region).expect("register");
     let mut out = std::io::stdout().lock();
-    writeln!(out, "META {}", hex(&agent.metadata())).unwrap();
+    writeln!(out, "META {}", hex::encode(agent.metadata())).unwrap();
     writeln!(out, "REG {}", reg.id()).unwrap();
     out.flush().unwrap();
     let mut parent: Option<Peer> = None;
@@ -157,7 +146,7 @@ fn main() {
                 .unwrap_or(0)
         };
         let answer = match words.first().copied() {
-            Some("ADD") => match words.get(1).and_then(|h| unhex(h)) {
+            Some("ADD") => match words.get(1).and_then(|h| hex::decode(h).ok()) {
                 Some(meta) => match agent.add_remote(&meta) {
                     Ok(p) => {
                         parent = Some(p);
@@ -259,8 +248,11 @@ fn main() {
                 },
                 Err(e) => format!("ERR {e}"),
             },
-            Some("META") => format!("META {}", hex(&agent.metadata())),
-            Some("WRITE") => match (regs.get(&num(1)), words.get(3).and_then(|h| unhex(h))) {
+            Some("META") => format!("META {}", hex::encode(agent.metadata())),
+            Some("WRITE") => match (
+                regs.get(&num(1)),
+                words.get(3).and_then(|h| hex::decode(h).ok()),
+            ) {
                 (Some(g), Some(bytes)) => {
                     let at = g.offset_in_registration() + num(2);
                     match g.region().write_at(at, &bytes) {
@@ -277,7 +269,7 @@ fn main() {
                         .region()
                         .read_at(g.offset_in_registration() + num(2), &mut got)
                     {
-                        Ok(()) => format!("DATA {}", hex(&got)),
+                        Ok(()) => format!("DATA {}", hex::encode(&got)),
                         Err(e) => format!("ERR {e}"),
                     }
                 }

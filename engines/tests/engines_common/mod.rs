@@ -18,17 +18,6 @@ pub(crate) struct Child {
     pub(crate) reg: u64,
 }
 
-pub(crate) fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
-        .collect()
-}
-
 impl Child {
     pub(crate) fn spawn(kind: &str, size: u64, env: &[(&str, &str)]) -> Self {
         let mut proc = Command::new(env!("CARGO_BIN_EXE_tessera-transport-peer"))
@@ -46,7 +35,7 @@ impl Child {
             proc,
             stdin,
             lines,
-            meta: unhex(meta.strip_prefix("META ").unwrap()),
+            meta: hex::decode(meta.strip_prefix("META ").unwrap()).expect("hex"),
             reg: reg.strip_prefix("REG ").unwrap().parse().unwrap(),
         }
     }
@@ -66,7 +55,7 @@ impl Target for Child {
 
     fn metadata(&mut self) -> Vec<u8> {
         let line = self.cmd("META");
-        unhex(line.strip_prefix("META ").expect("META answer"))
+        hex::decode(line.strip_prefix("META ").expect("META answer")).expect("hex")
     }
 
     fn register(&mut self, len: u64) -> u64 {
@@ -79,21 +68,22 @@ impl Target for Child {
 
     fn write_at(&mut self, reg: u64, offset: u64, data: &[u8]) {
         assert_eq!(
-            self.cmd(&format!("WRITE {reg} {offset} {}", hex(data))),
+            self.cmd(&format!("WRITE {reg} {offset} {}", hex::encode(data))),
             "WRITTEN"
         );
     }
 
     fn read_at(&mut self, reg: u64, offset: u64, len: u64) -> Vec<u8> {
         let line = self.cmd(&format!("READ {reg} {offset} {len}"));
-        unhex(
+        hex::decode(
             line.strip_prefix("DATA ")
                 .unwrap_or_else(|| panic!("{line}")),
         )
+        .expect("hex")
     }
 
     fn add_remote(&mut self, metadata: &[u8]) {
-        assert_eq!(self.cmd(&format!("ADD {}", hex(metadata))), "ADDED");
+        assert_eq!(self.cmd(&format!("ADD {}", hex::encode(metadata))), "ADDED");
     }
 
     fn wait_notification(&mut self) -> Option<(String, Vec<u8>)> {
@@ -205,7 +195,7 @@ pub(crate) fn round_trip(parent: &Agent, kind: &str, env: &[(&str, &str)]) {
     let mut child = Child::spawn(kind, 4 * MIB, env);
     let peer = parent.add_remote(&child.meta).unwrap();
     assert_eq!(
-        child.cmd(&format!("ADD {}", hex(&parent.metadata()))),
+        child.cmd(&format!("ADD {}", hex::encode(parent.metadata()))),
         "ADDED"
     );
 
@@ -330,7 +320,7 @@ pub(crate) fn initiator_killed_mid_write(
         let mut child = Child::spawn(kind, SIZE, env);
         let _peer = parent.add_remote(&child.meta).unwrap();
         assert_eq!(
-            child.cmd(&format!("ADD {}", hex(&parent.metadata()))),
+            child.cmd(&format!("ADD {}", hex::encode(parent.metadata()))),
             "ADDED"
         );
         assert_eq!(
@@ -345,7 +335,7 @@ pub(crate) fn initiator_killed_mid_write(
     let mut other = Child::spawn(kind, 65536, env);
     let peer = parent.add_remote(&other.meta).unwrap();
     assert_eq!(
-        other.cmd(&format!("ADD {}", hex(&parent.metadata()))),
+        other.cmd(&format!("ADD {}", hex::encode(parent.metadata()))),
         "ADDED"
     );
     assert_eq!(other.cmd(&format!("PUSH {} 0 65536", reg.id())), "PUSHED");

@@ -3,7 +3,7 @@
 //! (pinned to cpu 1); both pre-touch their SIZE (256 MiB by default); after one untimed write, `ITERS` writes
 //! are timed back to back and the average is printed as `GBPS <value>`.
 
-use crate::bw_common::{announce, gbps, hex, pin, unhex, Target};
+use crate::bw_common::{announce, gbps, pin, Target};
 
 use tessera_transport::{Agent, Op, Region, RemoteDesc};
 
@@ -29,13 +29,13 @@ pub(crate) fn main(make: impl Fn(&str) -> Agent) {
     let reg = agent.register(&region).expect("register");
     if target {
         announce(&[
-            format!("META {}", hex(&agent.metadata())),
+            format!("META {}", hex::encode(agent.metadata())),
             format!("REG {}", reg.id()),
         ]);
         return;
     }
     let mut child = Target::spawn(rest);
-    let meta = unhex(&child.next("META "));
+    let meta = hex::decode(child.next("META ")).expect("hex");
     let remote_reg: u64 = child.next("REG ").parse().expect("target registration");
     let peer = agent.add_remote(&meta).expect("add the target");
     let prepared = peer

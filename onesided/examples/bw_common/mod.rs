@@ -18,18 +18,6 @@ pub(crate) fn pin(cpu: usize) {
     }
 }
 
-/// `bytes` as lowercase hex.
-pub(crate) fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// The bytes of a hex string (a bad pair reads as 0).
-pub(crate) fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len() / 2)
-        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap_or(0))
-        .collect()
-}
-
 /// The target's side of the handshake: prints `lines` for the initiator, then waits until the
 /// initiator writes a line or closes this process's stdin.
 pub(crate) fn announce(lines: &[String]) {
