@@ -34,9 +34,11 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+
+use tessera_onesided::{in_bounds, lock, Reader};
 
 use nixl_sys::{
     Agent, AgentConfig, Backend, MemType, MemoryRegion, NixlDescriptor, NixlError, NotificationMap,
@@ -192,12 +194,14 @@ pub enum NixlEngineError {
     Shutdown(String),
 }
 
-fn nixl(call: &'static str) -> impl FnOnce(NixlError) -> NixlEngineError {
-    move |source| NixlEngineError::Nixl { call, source }
+impl From<tessera_onesided::Malformed> for NixlEngineError {
+    fn from(m: tessera_onesided::Malformed) -> Self {
+        NixlEngineError::Malformed(m.detail)
+    }
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
+fn nixl(call: &'static str) -> impl FnOnce(NixlError) -> NixlEngineError {
+    move |source| NixlEngineError::Nixl { call, source }
 }
 
 /// A range of this process's memory, as NIXL's registration API wants it.
@@ -863,12 +867,12 @@ fn decode_key(bytes: &[u8]) -> Result<RemoteReg, NixlEngineError> {
     if bytes.len() < 8 || &bytes[..4] != KEY_MAGIC {
         return Err(bad("bad magic or truncated"));
     }
-    let count = u32::from_le_bytes([bytes[4], bytes[5], bytes[6], bytes[7]]);
+    let mut r = Reader::new(&bytes[4..], "key");
+    let count = r.u32()?;
     if count == 0 || count > MAX_CHUNKS {
         return Err(bad("chunk count out of bounds"));
     }
-    let body = &bytes[8..];
-    if body.len() != count as usize * 16 {
+    if r.remaining() != count as usize * 16 {
         return Err(bad("length does not match the chunk count"));
     }
     let mut reg = RemoteReg {
@@ -876,12 +880,9 @@ fn decode_key(bytes: &[u8]) -> Result<RemoteReg, NixlEngineError> {
         chunks: Vec::with_capacity(count as usize),
     };
     let mut next: Option<u64> = None;
-    for c in body.chunks_exact(16) {
-        let mut a = [0u8; 8];
-        a.copy_from_slice(&c[..8]);
-        let addr = u64::from_le_bytes(a);
-        a.copy_from_slice(&c[8..]);
-        let len = u64::from_le_bytes(a);
+    for _ in 0..count {
+        let addr = r.u64()?;
+        let len = r.u64()?;
         if len == 0 || addr.checked_add(len).is_none() {
             return Err(bad("empty or wrapping chunk"));
         }
@@ -892,6 +893,7 @@ fn decode_key(bytes: &[u8]) -> Result<RemoteReg, NixlEngineError> {
         reg.chunks.push((reg.len, addr, len));
         reg.len += len;
     }
+    r.finish()?;
     Ok(reg)
 }
 
@@ -923,10 +925,6 @@ impl fmt::Debug for NixlPeer {
             .field("name", &self.name)
             .finish()
     }
-}
-
-fn range_ok(offset: u64, len: u64, reg_len: u64) -> bool {
-    len > 0 && offset.checked_add(len).is_some_and(|end| end <= reg_len)
 }
 
 impl NixlPeer {
@@ -1025,7 +1023,7 @@ impl NixlPeer {
             if !Arc::ptr_eq(&local.engine, &self.engine) {
                 return Err(NixlEngineError::ForeignRegistration { index });
             }
-            if !range_ok(op.local_offset, op.len, local.len) {
+            if !in_bounds(op.local_offset, op.len, local.len) {
                 return Err(NixlEngineError::OutOfRange {
                     side: Side::Local,
                     index,
@@ -1053,7 +1051,7 @@ impl NixlPeer {
                     id: op.remote,
                 }
             })?;
-            if !range_ok(op.remote_offset, op.len, remote.len) {
+            if !in_bounds(op.remote_offset, op.len, remote.len) {
                 return Err(NixlEngineError::OutOfRange {
                     side: Side::Remote,
                     index,
@@ -1175,13 +1173,9 @@ impl NixlPeer {
         ops: &[XferOpDesc<'_>],
         notify: Option<Vec<u8>>,
     ) -> Result<Pending, NixlEngineError> {
-        let slot: Arc<Slot> = Arc::default();
-        let s = slot.clone();
-        self.post(kind, ops, notify, move |r| {
-            *lock(&s.result) = Some(r);
-            s.cv.notify_all();
-        })?;
-        Ok(Pending { slot })
+        let (pending, settle) = Pending::new();
+        self.post(kind, ops, notify, settle)?;
+        Ok(pending)
     }
 }
 
@@ -1197,59 +1191,8 @@ impl Drop for NixlPeer {
     }
 }
 
-#[derive(Default)]
-struct Slot {
-    result: Mutex<Option<Result<(), NixlEngineError>>>,
-    cv: Condvar,
-}
-
-/// A posted transfer's outcome, to wait on.
-#[must_use = "a transfer's outcome should be checked"]
-pub struct Pending {
-    slot: Arc<Slot>,
-}
-
-impl fmt::Debug for Pending {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Pending")
-            .field("done", &lock(&self.slot.result).is_some())
-            .finish()
-    }
-}
-
-impl Pending {
-    /// Blocks until the transfer completed or failed.
-    pub fn wait(self) -> Result<(), NixlEngineError> {
-        let mut r = lock(&self.slot.result);
-        loop {
-            if let Some(r) = r.take() {
-                return r;
-            }
-            r = self.slot.cv.wait(r).unwrap_or_else(|e| e.into_inner());
-        }
-    }
-
-    /// Blocks up to `timeout`; `None` if the outcome is not known by then.
-    pub fn wait_timeout(&mut self, timeout: Duration) -> Option<Result<(), NixlEngineError>> {
-        let deadline = Instant::now() + timeout;
-        let mut r = lock(&self.slot.result);
-        loop {
-            if let Some(r) = r.take() {
-                return Some(r);
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return None;
-            }
-            r = self
-                .slot
-                .cv
-                .wait_timeout(r, deadline - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
-    }
-}
+/// A posted transfer's outcome, to wait on (the raw API's `write` and `read`).
+pub type Pending = tessera_onesided::Pending<Result<(), NixlEngineError>>;
 
 #[allow(dead_code)]
 fn assert_send_sync() {

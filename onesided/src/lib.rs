@@ -1,6 +1,12 @@
 #![doc = include_str!("../README.md")]
 #![warn(missing_docs)]
 
+mod pending;
+mod wire;
+
+pub use pending::Pending;
+pub use wire::{in_bounds, Malformed, Reader};
+
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};

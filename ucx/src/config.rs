@@ -162,6 +162,15 @@ pub enum UcxError {
     },
 }
 
+impl From<tessera_onesided::Malformed> for UcxError {
+    fn from(m: tessera_onesided::Malformed) -> Self {
+        UcxError::Malformed {
+            what: m.what,
+            detail: m.detail,
+        }
+    }
+}
+
 impl UcxError {
     /// Whether this error means the peer is gone.
     pub fn is_peer_gone(&self) -> bool {

@@ -52,9 +52,11 @@ use std::ffi::{c_void, CStr, CString};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::ptr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+
+use tessera_onesided::{in_bounds, lock};
 
 use crate::key::{self, KeyChunk};
 use crate::sys;
@@ -70,10 +72,6 @@ const QUIET: Duration = Duration::from_millis(100);
 type Done = Box<dyn FnOnce(Result<(), UcxError>) + Send>;
 /// A completed transfer: its callback, outcome and the memory it held.
 type Finished = (Done, Result<(), UcxError>, Vec<Arc<MemInner>>);
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 fn status_message(status: sys::ucs_status_t) -> String {
     // SAFETY: ucs_status_string accepts any status value and returns a pointer to a static,
@@ -1442,10 +1440,6 @@ impl std::fmt::Debug for UcxEndpoint {
     }
 }
 
-fn range_ok(offset: u64, len: u64, reg_len: u64) -> bool {
-    len > 0 && offset.checked_add(len).is_some_and(|end| end <= reg_len)
-}
-
 impl UcxEndpoint {
     /// The peer's name.
     pub fn peer(&self) -> &str {
@@ -1546,19 +1540,9 @@ impl UcxEndpoint {
     /// An endpoint flush alone: completes once everything posted before it completed and
     /// the endpoint's connection is established (UCX wires endpoints up lazily).
     pub fn flush(&self) -> Result<Pending, UcxError> {
-        let slot: Arc<Slot> = Arc::default();
-        let s = slot.clone();
-        self.post_inner(
-            RmaKind::Put,
-            &[],
-            None,
-            move |r| {
-                *lock(&s.result) = Some(r);
-                s.cv.notify_all();
-            },
-            true,
-        )?;
-        Ok(Pending { slot })
+        let (pending, settle) = Pending::new();
+        self.post_inner(RmaKind::Put, &[], None, settle, true)?;
+        Ok(pending)
     }
 
     fn post_inner(
@@ -1589,7 +1573,7 @@ impl UcxEndpoint {
             if !Arc::ptr_eq(&local.engine, &self.engine) {
                 return Err(UcxError::ForeignRegistration { index });
             }
-            if !range_ok(op.local_offset, op.len, local.len) {
+            if !in_bounds(op.local_offset, op.len, local.len) {
                 return Err(UcxError::OutOfRange {
                     side: Side::Local,
                     index,
@@ -1615,7 +1599,7 @@ impl UcxEndpoint {
                     index,
                     id: op.remote,
                 })?;
-            if !range_ok(op.remote_offset, op.len, remote.len) {
+            if !in_bounds(op.remote_offset, op.len, remote.len) {
                 return Err(UcxError::OutOfRange {
                     side: Side::Remote,
                     index,
@@ -1771,13 +1755,9 @@ impl UcxEndpoint {
         ops: &[RmaOp<'_>],
         notify: Option<Vec<u8>>,
     ) -> Result<Pending, UcxError> {
-        let slot: Arc<Slot> = Arc::default();
-        let s = slot.clone();
-        self.post(kind, ops, notify, move |r| {
-            *lock(&s.result) = Some(r);
-            s.cv.notify_all();
-        })?;
-        Ok(Pending { slot })
+        let (pending, settle) = Pending::new();
+        self.post(kind, ops, notify, settle)?;
+        Ok(pending)
     }
 }
 
@@ -1800,65 +1780,8 @@ impl Drop for UcxEndpoint {
     }
 }
 
-#[derive(Default)]
-struct Slot {
-    result: Mutex<Option<Result<(), UcxError>>>,
-    cv: Condvar,
-}
-
-/// A posted transfer's outcome, to wait on.
-#[must_use = "a transfer's outcome should be checked"]
-pub struct Pending {
-    slot: Arc<Slot>,
-}
-
-impl std::fmt::Debug for Pending {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Pending")
-            .field("done", &self.is_done())
-            .finish()
-    }
-}
-
-impl Pending {
-    /// Whether the outcome is known.
-    pub fn is_done(&self) -> bool {
-        lock(&self.slot.result).is_some()
-    }
-
-    /// Blocks until the transfer completed or failed.
-    pub fn wait(self) -> Result<(), UcxError> {
-        let mut r = lock(&self.slot.result);
-        loop {
-            if let Some(r) = r.take() {
-                return r;
-            }
-            r = self.slot.cv.wait(r).unwrap_or_else(|e| e.into_inner());
-        }
-    }
-
-    /// Blocks up to `timeout`; `None` if the outcome is not known by then (the transfer
-    /// keeps its memory until it is).
-    pub fn wait_timeout(&mut self, timeout: Duration) -> Option<Result<(), UcxError>> {
-        let deadline = Instant::now() + timeout;
-        let mut r = lock(&self.slot.result);
-        loop {
-            if let Some(r) = r.take() {
-                return Some(r);
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return None;
-            }
-            r = self
-                .slot
-                .cv
-                .wait_timeout(r, deadline - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
-    }
-}
+/// A posted transfer's outcome, to wait on (the raw API's `put`, `get` and `flush`).
+pub type Pending = tessera_onesided::Pending<Result<(), UcxError>>;
 
 #[allow(dead_code)]
 fn assert_send_sync() {

@@ -3,6 +3,8 @@
 //! Both are framed by us, so that a truncated or corrupted blob is rejected here, with an
 //! error, before UCX parses a byte of it. Pure code, no UCX calls.
 
+use tessera_onesided::Reader;
+
 use crate::UcxError;
 
 const ADDRESS_MAGIC: &[u8; 4] = b"TUA1";
@@ -36,10 +38,7 @@ pub(crate) fn encode_address(raw: &[u8]) -> Vec<u8> {
 
 /// The UCX worker address inside a framed address.
 pub(crate) fn decode_address(bytes: &[u8]) -> Result<&[u8], UcxError> {
-    let mut r = Reader {
-        bytes,
-        what: "address",
-    };
+    let mut r = Reader::new(bytes, "address");
     if r.take(4)? != ADDRESS_MAGIC {
         return Err(UcxError::Malformed {
             what: "address",
@@ -97,7 +96,7 @@ pub(crate) fn decode_key(bytes: &[u8]) -> Result<Vec<KeyChunk<'_>>, UcxError> {
         what: "key",
         detail,
     };
-    let mut r = Reader { bytes, what: "key" };
+    let mut r = Reader::new(bytes, "key");
     if r.take(4)? != KEY_MAGIC {
         return Err(bad("bad magic"));
     }
@@ -107,7 +106,7 @@ pub(crate) fn decode_key(bytes: &[u8]) -> Result<Vec<KeyChunk<'_>>, UcxError> {
     }
     // Each chunk takes at least 20 bytes: reject a count the input cannot hold before
     // reserving room for it.
-    if (count as usize).saturating_mul(20) > r.bytes.len() {
+    if (count as usize).saturating_mul(20) > r.remaining() {
         return Err(bad("truncated"));
     }
     let mut chunks = Vec::with_capacity(count as usize);
@@ -134,48 +133,6 @@ pub(crate) fn decode_key(bytes: &[u8]) -> Result<Vec<KeyChunk<'_>>, UcxError> {
     }
     r.finish()?;
     Ok(chunks)
-}
-
-struct Reader<'a> {
-    bytes: &'a [u8],
-    what: &'static str,
-}
-
-impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8], UcxError> {
-        if self.bytes.len() < n {
-            return Err(UcxError::Malformed {
-                what: self.what,
-                detail: "truncated",
-            });
-        }
-        let (head, tail) = self.bytes.split_at(n);
-        self.bytes = tail;
-        Ok(head)
-    }
-
-    fn u32(&mut self) -> Result<u32, UcxError> {
-        let b = self.take(4)?;
-        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-    }
-
-    fn u64(&mut self) -> Result<u64, UcxError> {
-        let b = self.take(8)?;
-        let mut a = [0u8; 8];
-        a.copy_from_slice(b);
-        Ok(u64::from_le_bytes(a))
-    }
-
-    fn finish(&self) -> Result<(), UcxError> {
-        if self.bytes.is_empty() {
-            Ok(())
-        } else {
-            Err(UcxError::Malformed {
-                what: self.what,
-                detail: "trailing bytes",
-            })
-        }
-    }
 }
 
 #[cfg(test)]
