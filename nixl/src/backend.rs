@@ -31,7 +31,7 @@ use std::sync::Arc;
 use crate::engine::{
     NixlConfig, NixlEngine, NixlEngineError, NixlPeer, NixlRegion, XferKind, XferOpDesc,
 };
-use tessera_onesided::{self as onesided, EngineSlot, Link, PeerHandle, Regs};
+use tessera_onesided::{self as onesided, EngineSlot, Fault, Link, PeerHandle, Regs};
 use tessera_transport::engine::{
     Connection, Host, Op, PeerInfo, RegInfo, Segment, Transport, Xfer,
 };
@@ -174,49 +174,29 @@ impl PeerHandle for NixlPeer {
         NixlPeer::post(self, kind, ops, notify, done)
     }
 
-    fn transfer_error(
-        peer: &str,
-        e: NixlEngineError,
-        remote_reg: impl Fn(usize) -> u64,
-    ) -> TransferError {
-        let peer = peer.to_owned();
+    fn fault(e: NixlEngineError) -> Fault<NixlEngineError> {
         match e {
-            NixlEngineError::TransferFailed { source, .. } => TransferError::PeerGone {
-                peer,
-                detail: format!("NIXL reported the transfer failed: {source}"),
-            },
-            NixlEngineError::Shutdown(_) => TransferError::PeerGone {
-                peer,
-                detail: "this agent's engine is shut down".into(),
-            },
-            NixlEngineError::Timeout { after, .. } => TransferError::Timeout { peer, after },
+            NixlEngineError::TransferFailed { source, .. } => {
+                Fault::PeerGone(format!("NIXL reported the transfer failed: {source}"))
+            }
+            NixlEngineError::Shutdown(_) => {
+                Fault::PeerGone("this agent's engine is shut down".into())
+            }
+            NixlEngineError::Timeout { after, .. } => Fault::Timeout(after),
             NixlEngineError::OutOfRange {
                 side: Side::Remote,
                 index,
                 offset,
                 len,
                 reg_len,
-            } => TransferError::OutOfRange {
-                peer,
-                side: Side::Remote,
+            } => Fault::RemoteOutOfRange {
                 index,
-                reg: remote_reg(index),
                 offset,
                 len,
                 reg_len,
             },
-            NixlEngineError::UnknownRemote { index, id, .. } => {
-                TransferError::UnknownRegistration {
-                    peer,
-                    side: Side::Remote,
-                    index,
-                    reg: id,
-                }
-            }
-            other => TransferError::Backend {
-                peer,
-                source: backend_error(other),
-            },
+            NixlEngineError::UnknownRemote { index, id, .. } => Fault::UnknownRemote { index, id },
+            other => Fault::Other(other),
         }
     }
 

@@ -1,9 +1,11 @@
 #![doc = include_str!("../README.md")]
 #![warn(missing_docs)]
 
+mod fault;
 mod pending;
 mod wire;
 
+pub use fault::Fault;
 pub use pending::Pending;
 pub use wire::{in_bounds, Malformed, Reader};
 
@@ -159,13 +161,18 @@ pub trait PeerHandle: Send + Sync + Sized + 'static {
         done: impl FnOnce(Result<(), Self::Error>) + Send + 'static,
     ) -> Result<(), Self::Error>;
 
-    /// The engine's error as a transfer error naming `peer`; `remote_reg` gives the remote
-    /// registration of op `index`, for range errors.
+    /// What the engine's error means for a transfer.
+    fn fault(e: Self::Error) -> Fault<Self::Error>;
+
+    /// The engine's error as a transfer error naming `peer` (see [`Fault::transfer_error`]);
+    /// `remote_reg` gives the remote registration of op `index`, for range errors.
     fn transfer_error(
         peer: &str,
         e: Self::Error,
         remote_reg: impl Fn(usize) -> u64,
-    ) -> TransferError;
+    ) -> TransferError {
+        Self::fault(e).transfer_error(Self::KIND, peer, remote_reg)
+    }
 
     /// Posts `xfer` on `link` (see [`Connection::post`]): what an empty plan or a closed
     /// connection becomes, then [`Link::post_plan`].

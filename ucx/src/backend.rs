@@ -31,11 +31,11 @@ use std::sync::Arc;
 
 use crate::engine::{MemRegion, RmaOp, UcxEndpoint, UcxEngine};
 use crate::{RmaKind, UcxConfig, UcxError};
-use tessera_onesided::{self as onesided, EngineSlot, Link, PeerHandle, Regs};
+use tessera_onesided::{self as onesided, EngineSlot, Fault, Link, PeerHandle, Regs};
 use tessera_transport::engine::{
     Connection, Host, Op, PeerInfo, RegInfo, Segment, Transport, Xfer,
 };
-use tessera_transport::{BackendError, RegisterError, Side, TransferError};
+use tessera_transport::{BackendError, RegisterError, Side};
 
 const KIND: &str = "ucx";
 /// How long [`Transport::connect`] waits for the peer to answer.
@@ -197,42 +197,26 @@ impl PeerHandle for UcxEndpoint {
         UcxEndpoint::post(self, kind, ops, notify, done)
     }
 
-    fn transfer_error(peer: &str, e: UcxError, remote_reg: impl Fn(usize) -> u64) -> TransferError {
-        let peer = peer.to_owned();
+    fn fault(e: UcxError) -> Fault<UcxError> {
         match e {
-            UcxError::PeerGone { message, .. } => TransferError::PeerGone {
-                peer,
-                detail: message,
-            },
-            UcxError::Shutdown(_) => TransferError::PeerGone {
-                peer,
-                detail: "the endpoint or this agent's engine is shut down".into(),
-            },
+            UcxError::PeerGone { message, .. } => Fault::PeerGone(message),
+            UcxError::Shutdown(_) => {
+                Fault::PeerGone("the endpoint or this agent's engine is shut down".into())
+            }
             UcxError::OutOfRange {
                 side: Side::Remote,
                 index,
                 offset,
                 len,
                 reg_len,
-            } => TransferError::OutOfRange {
-                peer,
-                side: Side::Remote,
+            } => Fault::RemoteOutOfRange {
                 index,
-                reg: remote_reg(index),
                 offset,
                 len,
                 reg_len,
             },
-            UcxError::UnknownRemote { index, id, .. } => TransferError::UnknownRegistration {
-                peer,
-                side: Side::Remote,
-                index,
-                reg: id,
-            },
-            other => TransferError::Backend {
-                peer,
-                source: backend_error(other),
-            },
+            UcxError::UnknownRemote { index, id, .. } => Fault::UnknownRemote { index, id },
+            other => Fault::Other(other),
         }
     }
 
