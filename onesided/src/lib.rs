@@ -2,10 +2,12 @@
 #![warn(missing_docs)]
 
 mod fault;
+mod key;
 mod pending;
 mod wire;
 
 pub use fault::Fault;
+pub use key::{KeyChunk, KeyFormat};
 pub use pending::Pending;
 pub use wire::{in_bounds, Malformed, Reader};
 

@@ -3,7 +3,8 @@
 //! Both are framed by us, so that a truncated or corrupted blob is rejected here, with an
 //! error, before UCX parses a byte of it. Pure code, no UCX calls.
 
-use tessera_onesided::Reader;
+pub(crate) use tessera_onesided::KeyChunk;
+use tessera_onesided::{KeyFormat, Reader};
 
 use crate::UcxError;
 
@@ -64,75 +65,22 @@ pub(crate) fn decode_address(bytes: &[u8]) -> Result<&[u8], UcxError> {
     Ok(raw)
 }
 
-/// One registered chunk as a peer sees it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct KeyChunk<'a> {
-    /// Address of the chunk in the owner's address space.
-    pub(crate) addr: u64,
-    /// Its length.
-    pub(crate) len: u64,
-    /// The packed UCX rkey.
-    pub(crate) rkey: &'a [u8],
-}
+/// The remote key: per chunk its address, length and packed rkey.
+const KEY: KeyFormat = KeyFormat {
+    magic: KEY_MAGIC,
+    max_chunks: MAX_CHUNKS,
+    max_blob: MAX_RKEY,
+};
 
 /// Encodes a remote key: magic, chunk count, then per chunk address, length and packed rkey.
 pub(crate) fn encode_key<'a>(chunks: impl ExactSizeIterator<Item = KeyChunk<'a>>) -> Vec<u8> {
-    let mut out = Vec::new();
-    out.extend_from_slice(KEY_MAGIC);
-    out.extend_from_slice(&(chunks.len() as u32).to_le_bytes());
-    for c in chunks {
-        out.extend_from_slice(&c.addr.to_le_bytes());
-        out.extend_from_slice(&c.len.to_le_bytes());
-        out.extend_from_slice(&(c.rkey.len() as u32).to_le_bytes());
-        out.extend_from_slice(c.rkey);
-    }
-    out
+    KEY.encode(chunks)
 }
 
 /// Decodes a remote key. Chunks must be non-empty and contiguous; every length is checked
 /// against the bytes present before anything is allocated.
 pub(crate) fn decode_key(bytes: &[u8]) -> Result<Vec<KeyChunk<'_>>, UcxError> {
-    let bad = |detail| UcxError::Malformed {
-        what: "key",
-        detail,
-    };
-    let mut r = Reader::new(bytes, "key");
-    if r.take(4)? != KEY_MAGIC {
-        return Err(bad("bad magic"));
-    }
-    let count = r.u32()?;
-    if count == 0 || count > MAX_CHUNKS {
-        return Err(bad("chunk count out of bounds"));
-    }
-    // Each chunk takes at least 20 bytes: reject a count the input cannot hold before
-    // reserving room for it.
-    if (count as usize).saturating_mul(20) > r.remaining() {
-        return Err(bad("truncated"));
-    }
-    let mut chunks = Vec::with_capacity(count as usize);
-    let mut next: Option<u64> = None;
-    for _ in 0..count {
-        let addr = r.u64()?;
-        let len = r.u64()?;
-        let klen = r.u32()?;
-        if len == 0 {
-            return Err(bad("empty chunk"));
-        }
-        if addr.checked_add(len).is_none() {
-            return Err(bad("chunk wraps the address space"));
-        }
-        if next.is_some_and(|n| n != addr) {
-            return Err(bad("chunks are not contiguous"));
-        }
-        next = Some(addr + len);
-        if klen == 0 || klen > MAX_RKEY {
-            return Err(bad("rkey length out of bounds"));
-        }
-        let rkey = r.take(klen as usize)?;
-        chunks.push(KeyChunk { addr, len, rkey });
-    }
-    r.finish()?;
-    Ok(chunks)
+    Ok(KEY.decode(bytes)?)
 }
 
 #[cfg(test)]
@@ -145,12 +93,12 @@ mod tests {
                 KeyChunk {
                     addr: 4096,
                     len: 100,
-                    rkey: b"abc",
+                    blob: b"abc",
                 },
                 KeyChunk {
                     addr: 4196,
                     len: 7,
-                    rkey: b"de",
+                    blob: b"de",
                 },
             ]
             .into_iter(),
@@ -163,7 +111,7 @@ mod tests {
         let chunks = decode_key(&bytes).unwrap();
         assert_eq!(chunks.len(), 2);
         assert_eq!(chunks[1].addr, 4196);
-        assert_eq!(chunks[1].rkey, b"de");
+        assert_eq!(chunks[1].blob, b"de");
     }
 
     #[test]
@@ -184,12 +132,12 @@ mod tests {
                 KeyChunk {
                     addr: 0,
                     len: 10,
-                    rkey: b"a",
+                    blob: b"a",
                 },
                 KeyChunk {
                     addr: 11,
                     len: 10,
-                    rkey: b"b",
+                    blob: b"b",
                 },
             ]
             .into_iter(),

@@ -46,14 +46,11 @@ impl NixlRegion {
     /// What a peer passes to [`NixlPeer::add_remote`]: the chunks' addresses and lengths.
     /// (NIXL's own keys travel in [`NixlEngine::metadata`].)
     pub fn remote_key(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(8 + 16 * self.inner.chunks.len());
-        out.extend_from_slice(KEY_MAGIC);
-        out.extend_from_slice(&(self.inner.chunks.len() as u32).to_le_bytes());
-        for &(start, len) in &self.inner.chunks {
-            out.extend_from_slice(&(self.inner.base as u64 + start).to_le_bytes());
-            out.extend_from_slice(&len.to_le_bytes());
-        }
-        out
+        KEY.encode(self.inner.chunks.iter().map(|&(start, len)| KeyChunk {
+            addr: self.inner.base as u64 + start,
+            len,
+            blob: &[],
+        }))
     }
 
     /// Length in bytes.
@@ -78,36 +75,14 @@ impl NixlRegion {
 }
 
 pub(super) fn decode_key(bytes: &[u8]) -> Result<RemoteReg, NixlEngineError> {
-    let bad = NixlEngineError::Malformed;
-    if bytes.len() < 8 || &bytes[..4] != KEY_MAGIC {
-        return Err(bad("bad magic or truncated"));
-    }
-    let mut r = Reader::new(&bytes[4..], "key");
-    let count = r.u32()?;
-    if count == 0 || count > MAX_CHUNKS {
-        return Err(bad("chunk count out of bounds"));
-    }
-    if r.remaining() != count as usize * 16 {
-        return Err(bad("length does not match the chunk count"));
-    }
+    let chunks = KEY.decode(bytes)?;
     let mut reg = RemoteReg {
         len: 0,
-        chunks: Vec::with_capacity(count as usize),
+        chunks: Vec::with_capacity(chunks.len()),
     };
-    let mut next: Option<u64> = None;
-    for _ in 0..count {
-        let addr = r.u64()?;
-        let len = r.u64()?;
-        if len == 0 || addr.checked_add(len).is_none() {
-            return Err(bad("empty or wrapping chunk"));
-        }
-        if next.is_some_and(|n| n != addr) {
-            return Err(bad("chunks are not contiguous"));
-        }
-        next = Some(addr + len);
-        reg.chunks.push((reg.len, addr, len));
-        reg.len += len;
+    for c in chunks {
+        reg.chunks.push((reg.len, c.addr, c.len));
+        reg.len += c.len;
     }
-    r.finish()?;
     Ok(reg)
 }

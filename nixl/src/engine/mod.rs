@@ -38,7 +38,7 @@ use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use tessera_onesided::{in_bounds, lock, Reader};
+use tessera_onesided::{in_bounds, lock, KeyChunk, KeyFormat};
 
 use nixl_sys::{
     Agent, AgentConfig, Backend, MemType, MemoryRegion, NixlDescriptor, NixlError, NotificationMap,
@@ -55,7 +55,12 @@ pub use peer::{NixlPeer, XferOpDesc};
 use waiter::*;
 
 const KEY_MAGIC: &[u8; 4] = b"TNK1";
-const MAX_CHUNKS: u32 = 1 << 20;
+/// The remote key: per chunk its address and length (NIXL's own keys travel in the metadata).
+const KEY: KeyFormat = KeyFormat {
+    magic: KEY_MAGIC,
+    max_chunks: 1 << 20,
+    max_blob: 0,
+};
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 
 /// Direction of a transfer, seen from the initiator.

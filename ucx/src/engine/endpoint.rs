@@ -71,7 +71,7 @@ impl UcxEndpoint {
             let mut rkey: sys::ucp_rkey_h = ptr::null_mut();
             // SAFETY: open endpoint, lock held; the packed key bytes passed our framing checks
             // and live for the call; `rkey` is a valid out pointer.
-            let s = unsafe { sys::ucp_ep_rkey_unpack(ep.ep, c.rkey.as_ptr().cast(), &mut rkey) };
+            let s = unsafe { sys::ucp_ep_rkey_unpack(ep.ep, c.blob.as_ptr().cast(), &mut rkey) };
             if s != sys::UCS_OK {
                 for done in remote.chunks {
                     // SAFETY: unpacked just above, never used by a transfer; destroyed once.

@@ -437,7 +437,7 @@ impl UcxEngine {
         let key = key::encode_key(chunks.iter().zip(&packed).map(|(c, k)| KeyChunk {
             addr: ptr as u64 + c.start,
             len: c.len,
-            rkey: k,
+            blob: k,
         }));
         Ok(MemRegion {
             inner: Arc::new(MemInner {
