@@ -227,6 +227,17 @@ mod tests {
         );
     }
 
+    #[cfg(feature = "serde")]
+    #[test]
+    fn serde_uses_the_names() {
+        for k in EngineKind::ALL {
+            let json = serde_json::to_string(&k).unwrap();
+            assert_eq!(json, format!("\"{k}\""));
+            assert_eq!(serde_json::from_str::<EngineKind>(&json).unwrap(), k);
+        }
+        assert!(serde_json::from_str::<EngineKind>("\"rdma\"").is_err());
+    }
+
     /// Without its feature, an engine is refused naming the feature, never replaced.
     #[test]
     fn an_engine_not_built_in_is_refused_naming_its_feature() {
