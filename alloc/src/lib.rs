@@ -5,7 +5,6 @@
 mod error;
 mod layout;
 mod shared;
-mod sync;
 mod tlsf;
 
 pub use error::{AllocError, WrongAllocator};

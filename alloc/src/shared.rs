@@ -2,8 +2,10 @@
 
 use std::fmt;
 
-use crate::sync::{Arc, Mutex, MutexGuard};
+// The allocator's `Arc` is loom's under the model: its reference count is part of what the
+// loom tests check (a lease outliving every other handle).
 use crate::{AllocError, Allocator, Block, Group, Layout, Placement, Report};
+use tessera_sync::{CheckedArc as Arc, Mutex, MutexGuard};
 
 /// An [`Allocator`] shared between threads. Cloning it is cheap and shares the same ranges.
 ///
@@ -40,8 +42,8 @@ impl SharedAllocator {
 
     fn lock(&self) -> MutexGuard<'_, Allocator> {
         // The allocator never panics while locked; should a caller's thread die while holding
-        // the guard anyway, the bookkeeping is still consistent, so poisoning is ignored.
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+        // the guard anyway, the bookkeeping is still consistent (the lock ignores poisoning).
+        self.inner.lock()
     }
 
     fn wrap(&self, block: Block) -> Lease {
@@ -134,7 +136,7 @@ impl fmt::Debug for Lease {
 impl Drop for Lease {
     fn drop(&mut self) {
         if let Some(block) = self.block.take() {
-            let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
+            let mut pool = self.pool.lock();
             // The block came from this very allocator, so `free` cannot refuse it.
             let freed = pool.free(block);
             debug_assert!(freed.is_ok());
@@ -154,7 +156,7 @@ impl Group<Lease> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sync::{model, thread};
+    use tessera_sync::{model, thread};
 
     #[test]
     fn lease_frees_on_drop_from_another_thread() {

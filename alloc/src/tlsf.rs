@@ -155,7 +155,7 @@ impl Allocator {
     /// front, so that no allocation up to that many pays for growing it.
     pub fn with_range_hint(capacity: u64, ranges: usize) -> Self {
         let mut a = Self {
-            id: crate::sync::next_allocator_id(),
+            id: next_allocator_id(),
             capacity,
             nodes: Vec::with_capacity(ranges.saturating_add(1)),
             spare: NIL,
@@ -715,6 +715,15 @@ impl Allocator {
         self.sl_bitmap[fl] &= !(u64::from(head == NIL) << sl);
         self.fl_bitmap &= !(u64::from(self.sl_bitmap[fl] == 0) << fl);
     }
+}
+
+/// Allocator ids only need to be unique; they are not part of any model-checked protocol, so a
+/// std atomic serves under loom too.
+/// After 2^32 allocators the ids wrap; a block would then be misattributed only if it outlived
+/// 2^32 allocator creations and was handed to exactly the one that reused its owner's id.
+fn next_allocator_id() -> u32 {
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 #[cfg(test)]

@@ -4,7 +4,7 @@
 //! (as `cargo xtask bench` builds it), ucx.
 //!
 //! The unit process is this very binary, started again with `TESSERA_BENCH_STORAGE_UNIT` set
-//! to the backend: it runs [`unit_main`] instead of the suites.
+//! to the backend: it runs `unit_main` instead of the suites.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};

@@ -4,7 +4,7 @@
 //! examples) and `ucx_perftest`, at 256 MiB and across the sizes of the throughput figure.
 //!
 //! The second process is this very binary, started again with `TESSERA_BENCH_TRANSPORT_PEER`
-//! set: it runs [`peer_main`] instead of the suites.
+//! set: it runs `peer_main` instead of the suites.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};

@@ -10,6 +10,7 @@
 //!
 //! It never falls back to another engine: a backend this build lacks (`ucx` and `nixl` need
 //! the cargo features of the same name) is an error before anything starts.
+#![forbid(unsafe_code)]
 
 mod events;
 mod orchestrator;

@@ -1,64 +1,21 @@
 //! Counts copies: encoding and decoding a value with large payloads allocate nothing of payload
 //! size, and every payload of the result is the very memory that went in.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-
 use bytes::Bytes;
 use tessera_framecodec::half::bf16;
 use tessera_framecodec::{decode, decode_contiguous, encode, DType, Decoder, Tensor, Value};
+use tessera_testkit::CountingAlloc;
 
-/// Wraps the system allocator and counts allocations of at least `BIG` bytes while armed.
-struct Counting;
-
-const BIG: usize = 64 * 1024;
-static ARMED: AtomicBool = AtomicBool::new(false);
-static BIG_ALLOCS: AtomicUsize = AtomicUsize::new(0);
-
-impl Counting {
-    fn note(size: usize) {
-        if size >= BIG && ARMED.load(Ordering::SeqCst) {
-            BIG_ALLOCS.fetch_add(1, Ordering::SeqCst);
-        }
-    }
-}
-
-// SAFETY: every method forwards to `System` with the caller's arguments unchanged, so it
-// upholds `GlobalAlloc`'s contract exactly as `System` does; counting touches only atomics.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        Self::note(layout.size());
-        // SAFETY: same layout, forwarded to the system allocator.
-        unsafe { System.alloc(layout) }
-    }
-
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        Self::note(layout.size());
-        // SAFETY: same layout, forwarded to the system allocator.
-        unsafe { System.alloc_zeroed(layout) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: `ptr` was allocated by `System` (through us) with `layout`.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        Self::note(new_size);
-        // SAFETY: `ptr` was allocated by `System` (through us) with `layout`.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
-
+/// Counts allocations of at least 64 KiB: nothing of payload size may be allocated.
 #[global_allocator]
-static GLOBAL: Counting = Counting;
+static GLOBAL: CountingAlloc = CountingAlloc::new(64 * 1024);
 
 fn inside(inner: &Bytes, outer: &Bytes) -> bool {
     let (i, o) = (inner.as_ptr() as usize, outer.as_ptr() as usize);
     i >= o && i + inner.len() <= o + outer.len()
 }
 
-/// One test in this binary, so that no other test allocates while the counter is armed.
+/// One test in this binary, so that no other test allocates while the counts are read.
 #[test]
 fn encode_and_decode_copy_no_payload() {
     const N: usize = 16 << 20;
@@ -79,8 +36,7 @@ fn encode_and_decode_copy_no_payload() {
     }
     let buf = Bytes::from(raw);
 
-    BIG_ALLOCS.store(0, Ordering::SeqCst);
-    ARMED.store(true, Ordering::SeqCst);
+    let before = GLOBAL.count();
     let frames = encode(&value).unwrap();
     let from_frames = decode(&frames.meta, &frames.payloads).unwrap();
     let from_buf = decode_contiguous(&frames.meta, &buf, 64).unwrap();
@@ -94,9 +50,8 @@ fn encode_and_decode_copy_no_payload() {
         .select(&frames.meta, &frames.payloads, &["blob".into()])
         .unwrap()
         .unwrap();
-    ARMED.store(false, Ordering::SeqCst);
     assert_eq!(
-        BIG_ALLOCS.load(Ordering::SeqCst),
+        GLOBAL.count() - before,
         0,
         "a payload-sized allocation happened during encode or decode"
     );
@@ -130,9 +85,9 @@ fn encode_and_decode_copy_no_payload() {
     assert_eq!(w.as_slice::<bf16>().unwrap().len(), N / 2);
 
     // The counter does see copies: an explicit copy is counted.
-    ARMED.store(true, Ordering::SeqCst);
+    let before = GLOBAL.count();
     let copy = w.to_vec::<bf16>().unwrap();
-    ARMED.store(false, Ordering::SeqCst);
+    let counted = GLOBAL.count() - before;
     assert_eq!(copy.len(), N / 2);
-    assert_eq!(BIG_ALLOCS.load(Ordering::SeqCst), 1);
+    assert_eq!(counted, 1);
 }

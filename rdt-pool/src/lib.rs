@@ -7,7 +7,6 @@ mod error;
 mod receiver;
 mod report;
 mod sender;
-mod sync;
 mod tensor_ref;
 
 pub use descriptor::{

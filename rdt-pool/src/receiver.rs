@@ -18,7 +18,8 @@ use tessera_transport::{
 use crate::descriptor::{ObjectDescriptor, PackedLayout};
 use crate::error::FetchError;
 use crate::report::PoolReport;
-use crate::sync::{lock, Arc, AtomicU64, Mutex, Ordering};
+use tessera_sync::atomic::{AtomicU64, Ordering};
+use tessera_sync::{Arc, Mutex};
 
 /// The receiver side: one region registered once with an agent, carved into receive blocks.
 /// Cloning is cheap and shares the pool.
@@ -334,7 +335,7 @@ impl ReceiverPool {
 
     /// Drops quarantine entries whose transfer resolved; returns the bytes still held.
     fn sweep(&self) -> u64 {
-        let mut q = lock(&self.inner.quarantine);
+        let mut q = self.inner.quarantine.lock();
         q.retain(|e| e.transfer.status() == Status::Pending);
         q.iter().map(|e| e.bytes).sum()
     }
@@ -465,7 +466,7 @@ impl Inner {
     fn quarantine(&self, p: Pending<'_>) -> u64 {
         let bytes = p.group.blocks.iter().map(PoolBlock::len).sum();
         if let Some(transfer) = p.transfer {
-            lock(&self.quarantine).push(Quarantined {
+            self.quarantine.lock().push(Quarantined {
                 transfer,
                 _blocks: p.group.blocks,
                 bytes,
@@ -520,8 +521,8 @@ impl fmt::Debug for Fetch<'_> {
 mod tests {
     use super::*;
     use crate::descriptor::{BlockDesc, Place, TensorDesc};
-    use crate::sync::{model, thread};
     use tessera_framecodec::DType;
+    use tessera_sync::{model, thread};
     use tessera_transport::Inproc;
 
     fn overlaps(a: &std::ops::Range<u64>, b: &std::ops::Range<u64>) -> bool {
@@ -565,7 +566,7 @@ mod tests {
                 thread::spawn(move || {
                     assert!(view.iter().all(|&b| b == 7), "viewed bytes changed");
                     if holders.fetch_sub(1, Ordering::AcqRel) == 1 {
-                        lock(&viewed).clear();
+                        viewed.lock().clear();
                     }
                     drop(view);
                 })
@@ -579,7 +580,7 @@ mod tests {
                 if let Ok(lease) = pool.lease(32, 8) {
                     let got = lease.offset()..lease.offset() + 32;
                     assert!(
-                        lock(&viewed).iter().all(|r| !overlaps(r, &got)),
+                        viewed.lock().iter().all(|r| !overlaps(r, &got)),
                         "a viewed block was leased again"
                     );
                     lease.write_at(0, &[0xff; 32]).unwrap();
@@ -597,9 +598,9 @@ mod tests {
 #[cfg(test)]
 mod fetch_loom {
     use super::*;
-    use crate::sync::{model, thread};
     use crate::{SenderPool, TensorRef};
     use tessera_framecodec::DType;
+    use tessera_sync::{model, thread};
     use tessera_transport::Inproc;
 
     /// The whole path: fetched views dropped on two threads while the receiver fetches the
@@ -634,7 +635,7 @@ mod fetch_loom {
                 thread::spawn(move || {
                     assert_eq!(&view[..], &expect[..], "viewed bytes changed");
                     let r = view.as_ptr() as usize..view.as_ptr() as usize + view.len();
-                    lock(&viewed).retain(|v| *v != r);
+                    viewed.lock().retain(|v| *v != r);
                     drop(view);
                 })
             };
@@ -646,7 +647,8 @@ mod fetch_loom {
                     for t in &again {
                         let got = range(t.data());
                         assert!(
-                            lock(&viewed)
+                            viewed
+                                .lock()
                                 .iter()
                                 .all(|v| got.end <= v.start || v.end <= got.start),
                             "a fetch landed in a block that is still viewed"

@@ -10,9 +10,9 @@ use tessera_transport::{Agent, PoolBlock, PoolError, RegisteredPool, Registratio
 use crate::descriptor::{BlockDesc, ObjectDescriptor, Place, TensorDesc, MAX_ALIGN, MAX_TENSORS};
 use crate::error::{FreeError, PutError};
 use crate::report::PoolReport;
-use crate::sync::{lock, Arc, Mutex};
 use crate::tensor_ref::{Source, TensorRef};
 use tessera_framecodec::Dims;
+use tessera_sync::{Arc, Mutex};
 
 /// The sender side: one region registered once with an agent, holding put objects until they
 /// are freed. Cloning is cheap and shares the pool.
@@ -208,7 +208,7 @@ impl SenderPool {
         } = self.allocate(id, &layouts)?;
         let restore = |previous: Option<Object>| {
             if let Some(prev) = previous {
-                lock(&self.inner.objects).entry(id.into()).or_insert(prev);
+                self.inner.objects.lock().entry(id.into()).or_insert(prev);
             }
         };
         // From here on every failure drops `group`, which returns every block: rollback.
@@ -322,7 +322,7 @@ impl SenderPool {
             in_place: in_place_bytes,
             desc: desc.clone(),
         };
-        let replaced = lock(&self.inner.objects).insert(id.into(), object);
+        let replaced = self.inner.objects.lock().insert(id.into(), object);
         // Outside the lock: dropping returns blocks to the allocator.
         drop(replaced);
         drop(previous);
@@ -333,7 +333,7 @@ impl SenderPool {
     /// previous object is taken out of the table; it comes back to be restored on failure or
     /// dropped on success.
     fn allocate(&self, id: &[u8], layouts: &[Layout]) -> Result<Allocated, PutError> {
-        let previous = lock(&self.inner.objects).remove(id);
+        let previous = self.inner.objects.lock().remove(id);
         if layouts.is_empty() {
             return Ok(Allocated {
                 group: Group {
@@ -388,7 +388,7 @@ impl SenderPool {
             },
             Err(e) => {
                 if let Some(prev) = previous {
-                    lock(&self.inner.objects).entry(id.into()).or_insert(prev);
+                    self.inner.objects.lock().entry(id.into()).or_insert(prev);
                 }
                 Err(match e {
                     PoolError::Alloc(a) => PutError::Alloc(a),
@@ -407,7 +407,7 @@ impl SenderPool {
     /// Releases `id`'s blocks and whatever kept its in-place views alive.
     pub fn free(&self, id: impl AsRef<[u8]>) -> Result<(), FreeError> {
         let id = id.as_ref();
-        let removed = lock(&self.inner.objects).remove(id);
+        let removed = self.inner.objects.lock().remove(id);
         match removed {
             Some(object) => {
                 drop(object);
@@ -421,20 +421,22 @@ impl SenderPool {
 
     /// The descriptor of a live object.
     pub fn descriptor(&self, id: impl AsRef<[u8]>) -> Option<Arc<ObjectDescriptor>> {
-        lock(&self.inner.objects)
+        self.inner
+            .objects
+            .lock()
             .get(id.as_ref())
             .map(|o| o.desc.clone())
     }
 
     /// Whether `id` is live.
     pub fn contains(&self, id: impl AsRef<[u8]>) -> bool {
-        lock(&self.inner.objects).contains_key(id.as_ref())
+        self.inner.objects.lock().contains_key(id.as_ref())
     }
 
     /// Occupancy now.
     pub fn report(&self) -> PoolReport {
         let (leased, in_place, live_objects) = {
-            let objects = lock(&self.inner.objects);
+            let objects = self.inner.objects.lock();
             objects.values().fold((0, 0, 0), |(l, i, n), o| {
                 (l + o.pool_bytes, i + o.in_place, n + 1)
             })

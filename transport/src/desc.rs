@@ -4,11 +4,11 @@
 //! remote descriptor is plain data naming a peer's registration. Coalescing works on plain
 //! [`Pair`]s and is a pure function.
 
-use std::any::Any;
 use std::fmt;
 
-use crate::agent::RegEntry;
-use crate::sync::Arc;
+use crate::registry::RegEntry;
+pub use crate::transfer::KeepAlive;
+use tessera_sync::Arc;
 
 /// A range of a peer's registered memory: plain data, safe to send to anyone.
 ///
@@ -59,10 +59,6 @@ impl RemoteDesc {
         self.offset.checked_add(self.len)
     }
 }
-
-/// Something that must stay alive while a transfer may touch a descriptor's bytes (a pool
-/// block's lease, the owner of foreign memory).
-pub type KeepAlive = Arc<dyn Any + Send + Sync>;
 
 /// A range of this agent's registered memory. It keeps its registration (and, for a pool block,
 /// the block) alive, so the memory cannot be deregistered or handed out again while the

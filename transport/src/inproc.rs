@@ -6,7 +6,8 @@ use std::sync::OnceLock;
 
 use crate::engine::{Connection, Grant, Host, Op, PeerInfo, RegInfo, Transport, Xfer};
 use crate::error::{BackendError, RegisterError, RejectReason, TransferError};
-use crate::sync::{next_id, Arc, StaticMutex, Weak};
+use crate::region::next_id;
+use tessera_sync::{Arc, StaticMutex, Weak};
 
 const KIND: &str = "inproc";
 
@@ -61,7 +62,6 @@ impl Transport for Inproc {
             .map_err(|_| BackendError::new(KIND, "started twice"))?;
         directory()
             .lock()
-            .unwrap_or_else(|e| e.into_inner())
             .insert(self.address, Arc::downgrade(&node));
         Ok(())
     }
@@ -87,7 +87,6 @@ impl Transport for Inproc {
             .map_err(|_| BackendError::new(KIND, "malformed address"))?;
         let target = directory()
             .lock()
-            .unwrap_or_else(|e| e.into_inner())
             .get(&address)
             .cloned()
             .ok_or_else(|| BackendError::new(KIND, "no such agent in this process"))?;
@@ -105,10 +104,7 @@ impl Transport for Inproc {
     }
 
     fn shutdown(&self) {
-        directory()
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&self.address);
+        directory().lock().remove(&self.address);
     }
 }
 

@@ -8,26 +8,25 @@ mod error;
 pub mod inproc;
 mod interval;
 mod metadata;
+mod notify;
 mod pool;
 mod region;
+mod registry;
 pub mod shm;
-mod sync;
 pub mod tcp;
 #[cfg(feature = "testing")]
 pub mod testing;
 mod transfer;
 
-pub use agent::{
-    Agent, AgentReport, LinkState, NextNotification, Notification, Peer, Registration,
-    MAX_NOTIFICATION,
-};
+pub use agent::Prepared;
+pub use agent::{Agent, AgentReport, LinkState, Peer, Registration};
 pub use desc::{coalesce, coalesce_in_place, KeepAlive, Loc, LocalDesc, Pair, RemoteDesc};
-pub use engine::Op;
 pub use error::{
     AgentError, BackendError, ConnectError, DescError, MetadataError, PoolError, RegionError,
     RegisterError, RejectReason, Side, TransferError,
 };
 pub use inproc::Inproc;
+pub use notify::{NextNotification, Notification, MAX_NOTIFICATION};
 pub use pool::{FrozenBlock, PoolBlock, RegisteredPool};
 pub use region::Region;
-pub use transfer::{Prepared, Status, Transfer};
+pub use transfer::{Op, Status, Transfer};

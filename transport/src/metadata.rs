@@ -1,6 +1,7 @@
 //! The agent metadata wire format: little-endian, versioned, every length checked against the
 //! bytes present and a fixed maximum before anything is allocated.
 
+use crate::engine::wire::{Reader, WireError};
 use crate::engine::{PeerInfo, RemoteReg};
 use crate::error::MetadataError;
 
@@ -37,75 +38,30 @@ pub(crate) fn encode(info: &PeerInfo) -> Vec<u8> {
     out
 }
 
-struct Reader<'a> {
-    bytes: &'a [u8],
+impl From<WireError> for MetadataError {
+    fn from(e: WireError) -> Self {
+        match e {
+            WireError::Truncated { what, needed } => MetadataError::Truncated { what, needed },
+            WireError::TooLarge { what, len, max } => MetadataError::TooLarge { what, len, max },
+        }
+    }
 }
 
-impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize, what: &'static str) -> Result<&'a [u8], MetadataError> {
-        if self.bytes.len() < n {
-            return Err(MetadataError::Truncated {
-                what,
-                needed: n - self.bytes.len(),
-            });
-        }
-        let (head, tail) = self.bytes.split_at(n);
-        self.bytes = tail;
-        Ok(head)
-    }
-
-    fn u8(&mut self, what: &'static str) -> Result<u8, MetadataError> {
-        Ok(self.take(1, what)?[0])
-    }
-
-    fn u16(&mut self, what: &'static str) -> Result<u16, MetadataError> {
-        let b = self.take(2, what)?;
-        Ok(u16::from_le_bytes([b[0], b[1]]))
-    }
-
-    fn u32(&mut self, what: &'static str) -> Result<u32, MetadataError> {
-        let b = self.take(4, what)?;
-        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-    }
-
-    fn u64(&mut self, what: &'static str) -> Result<u64, MetadataError> {
-        let b = self.take(8, what)?;
-        let mut a = [0u8; 8];
-        a.copy_from_slice(b);
-        Ok(u64::from_le_bytes(a))
-    }
-
-    fn limited(
-        &mut self,
-        len: usize,
-        max: usize,
-        what: &'static str,
-    ) -> Result<&'a [u8], MetadataError> {
-        if len > max {
-            return Err(MetadataError::TooLarge {
-                what,
-                len: len as u64,
-                max: max as u64,
-            });
-        }
-        self.take(len, what)
-    }
-
-    fn string(
-        &mut self,
-        len: usize,
-        max: usize,
-        what: &'static str,
-    ) -> Result<String, MetadataError> {
-        let b = self.limited(len, max, what)?;
-        std::str::from_utf8(b)
-            .map(str::to_owned)
-            .map_err(|_| MetadataError::Invalid { what })
-    }
+/// A UTF-8 string of `len` bytes, at most `max`.
+fn string(
+    r: &mut Reader<'_>,
+    len: usize,
+    max: usize,
+    what: &'static str,
+) -> Result<String, MetadataError> {
+    let b = r.limited(len, max, what)?;
+    std::str::from_utf8(b)
+        .map(str::to_owned)
+        .map_err(|_| MetadataError::Invalid { what })
 }
 
 pub(crate) fn decode(bytes: &[u8]) -> Result<PeerInfo, MetadataError> {
-    let mut r = Reader { bytes };
+    let mut r = Reader::new(bytes);
     if r.take(4, "magic")? != MAGIC {
         return Err(MetadataError::BadMagic);
     }
@@ -117,12 +73,12 @@ pub(crate) fn decode(bytes: &[u8]) -> Result<PeerInfo, MetadataError> {
         });
     }
     let name_len = r.u8("name length")? as usize;
-    let name = r.string(name_len, MAX_NAME, "name")?;
+    let name = string(&mut r, name_len, MAX_NAME, "name")?;
     if name.is_empty() {
         return Err(MetadataError::Invalid { what: "name" });
     }
     let kind_len = r.u8("kind length")? as usize;
-    let kind = r.string(kind_len, MAX_KIND, "kind")?;
+    let kind = string(&mut r, kind_len, MAX_KIND, "kind")?;
     let addr_len = r.u32("address length")? as usize;
     let address = r.limited(addr_len, MAX_ADDRESS, "address")?.to_vec();
     let count = r.u32("registration count")? as usize;
@@ -133,10 +89,10 @@ pub(crate) fn decode(bytes: &[u8]) -> Result<PeerInfo, MetadataError> {
             max: MAX_REGS as u64,
         });
     }
-    if count.saturating_mul(MIN_REG) > r.bytes.len() {
+    if count.saturating_mul(MIN_REG) > r.rest().len() {
         return Err(MetadataError::Truncated {
             what: "registrations",
-            needed: count * MIN_REG - r.bytes.len(),
+            needed: count * MIN_REG - r.rest().len(),
         });
     }
     let mut regs = Vec::with_capacity(count);
@@ -152,9 +108,9 @@ pub(crate) fn decode(bytes: &[u8]) -> Result<PeerInfo, MetadataError> {
         let key = r.limited(key_len, MAX_KEY, "key")?.to_vec();
         regs.push(RemoteReg { id, len, key });
     }
-    if !r.bytes.is_empty() {
+    if !r.rest().is_empty() {
         return Err(MetadataError::Trailing {
-            extra: r.bytes.len(),
+            extra: r.rest().len(),
         });
     }
     Ok(PeerInfo {

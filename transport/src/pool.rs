@@ -8,8 +8,8 @@ use tessera_alloc::{Group, Layout, Lease, Report, SharedAllocator};
 use crate::agent::{Agent, Registration};
 use crate::desc::{KeepAlive, LocalDesc, RemoteDesc};
 use crate::error::{DescError, PoolError, RegionError};
-use crate::sync::Arc;
 use crate::Region;
+use tessera_sync::Arc;
 
 /// A region registered once with an agent, handing out [`PoolBlock`]s. Registering large
 /// regions once and carving blocks out of them is what keeps engines fast: no per-block

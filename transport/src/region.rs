@@ -10,7 +10,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;
 
 use crate::error::RegionError;
-use crate::sync::{next_id, Arc};
+use tessera_sync::Arc;
 
 /// Seals every memfd region carries once sized: nobody, us included, can grow or shrink it, so a
 /// peer that maps it never faults on a truncated page.
@@ -454,6 +454,15 @@ impl fmt::Debug for Region {
             .field("shareable", &self.is_shareable())
             .finish()
     }
+}
+
+/// A process-unique id (regions, agents, engines' sockets). Ids only need to be unique within
+/// the process; they are not part of any model-checked protocol, so a std atomic serves under
+/// loom too.
+pub(crate) fn next_id() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Relaxed)
 }
 
 #[cfg(test)]

@@ -20,10 +20,13 @@ use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::sync::OnceLock;
 
+use crate::engine::wire::{u32_at, u64_at};
 use crate::engine::{Connection, Grant, Host, Op, PeerInfo, RegInfo, Transport, Xfer};
 use crate::error::{BackendError, RegisterError, RejectReason, TransferError};
-use crate::sync::{lock, next_id, Arc, AtomicBool, Mutex, Ordering, Weak};
+use crate::region::next_id;
 use crate::Region;
+use tessera_sync::atomic::{AtomicBool, Ordering};
+use tessera_sync::{Arc, Mutex, Weak};
 
 const KIND: &str = "shm";
 
@@ -89,7 +92,7 @@ fn backend(e: impl std::fmt::Display) -> BackendError {
 
 impl Inner {
     fn track(&self, s: &Arc<UnixStream>) {
-        let mut v = lock(&self.sockets);
+        let mut v = self.sockets.lock();
         v.retain(|w| w.strong_count() > 0);
         v.push(Arc::downgrade(s));
     }
@@ -175,7 +178,7 @@ impl Transport for Shm {
         if let Ok(addr) = SocketAddr::from_abstract_name(self.inner.name.as_bytes()) {
             let _ = UnixStream::connect_addr(&addr);
         }
-        let sockets = std::mem::take(&mut *lock(&self.inner.sockets));
+        let sockets = std::mem::take(&mut *self.inner.sockets.lock());
         for s in sockets.iter().filter_map(Weak::upgrade) {
             let _ = s.shutdown(std::net::Shutdown::Both);
         }
@@ -357,10 +360,6 @@ impl Reader {
     }
 }
 
-fn u64_at(b: &[u8], at: usize) -> Option<u64> {
-    Some(u64::from_le_bytes(b.get(at..at + 8)?.try_into().ok()?))
-}
-
 // ----- initiator side ----------------------------------------------------------------------
 
 struct Mapped {
@@ -398,7 +397,7 @@ impl ShmConnection {
     /// Fails every pending transfer; later posts fail at once.
     fn die(&self, why: &str) {
         let pending: Vec<Xfer> = {
-            let mut st = lock(&self.state);
+            let mut st = self.state.lock();
             st.dead.get_or_insert_with(|| why.to_owned());
             st.pending.drain().map(|(_, x)| x).collect()
         };
@@ -408,7 +407,7 @@ impl ShmConnection {
     }
 
     fn send(&self, build: impl FnOnce(&mut Vec<u8>)) -> io::Result<()> {
-        let mut buf = lock(&self.writer);
+        let mut buf = self.writer.lock();
         buf.clear();
         build(&mut buf);
         send_all(&self.stream, &buf)
@@ -437,7 +436,7 @@ impl ShmConnection {
                         .checked_add(len)
                         .ok_or(crate::RegionError::TooLarge { len })
                         .and_then(|total| Region::map_sealed(fd, total));
-                    let mut st = lock(&self.state);
+                    let mut st = self.state.lock();
                     st.requested.remove(&reg);
                     // A mapping that fails leaves the registration unmapped: transfers to it
                     // fail with a backend error naming it.
@@ -450,14 +449,14 @@ impl ShmConnection {
                     let Some(reg) = u64_at(b, 0) else {
                         break "malformed MAP_ERR".to_owned();
                     };
-                    lock(&self.state).requested.remove(&reg);
+                    self.state.lock().requested.remove(&reg);
                 }
                 GRANT | REJECT => {
                     let Some(id) = u64_at(b, 0) else {
                         break "malformed GRANT".to_owned();
                     };
                     let reason = b.get(8).copied().unwrap_or(0);
-                    let xfer = lock(&self.state).pending.remove(&id);
+                    let xfer = self.state.lock().pending.remove(&id);
                     let Some(xfer) = xfer else {
                         break "GRANT for an unknown transfer".to_owned();
                     };
@@ -508,7 +507,9 @@ impl ShmConnection {
             let m: &Mapped = match &mut current {
                 Some((reg, m)) if *reg == seg.remote_reg => m,
                 slot => {
-                    let m = lock(&self.state)
+                    let m = self
+                        .state
+                        .lock()
                         .mapped
                         .get(&seg.remote_reg)
                         .cloned()
@@ -553,7 +554,7 @@ impl ShmConnection {
 impl Connection for ShmConnection {
     fn post(&self, xfer: Xfer) {
         if xfer.plan().segments().is_empty() {
-            if let Some(why) = lock(&self.state).dead.clone() {
+            if let Some(why) = self.state.lock().dead.clone() {
                 xfer.done.complete(Err(self.gone(&why)));
                 return;
             }
@@ -566,10 +567,10 @@ impl Connection for ShmConnection {
         let id = next_id();
         // Lock order: writer, then state. The progress thread never holds both, and the
         // target always keeps reading, so a blocked send cannot deadlock.
-        let mut out = lock(&self.writer);
+        let mut out = self.writer.lock();
         out.clear();
         {
-            let mut st = lock(&self.state);
+            let mut st = self.state.lock();
             if let Some(why) = st.dead.clone() {
                 drop(st);
                 drop(out);
@@ -607,7 +608,7 @@ impl Connection for ShmConnection {
     fn update(&self, peer: &PeerInfo) -> Result<(), BackendError> {
         let live: HashSet<u64> = peer.regs.iter().map(|r| r.id).collect();
         let dropped: Vec<Arc<Mapped>> = {
-            let mut st = lock(&self.state);
+            let mut st = self.state.lock();
             let gone: Vec<u64> = st
                 .mapped
                 .keys()
@@ -715,10 +716,10 @@ fn serve(host: Host, stream: Arc<UnixStream>) {
                 }
             }
             XFER => {
-                let (Some(id), Some(&op), Some(n)) = (u64_at(b, 0), b.get(8), b.get(9..13)) else {
+                let (Some(id), Some(&op), Some(n)) = (u64_at(b, 0), b.get(8), u32_at(b, 9)) else {
                     break;
                 };
-                let n = u32::from_le_bytes([n[0], n[1], n[2], n[3]]) as usize;
+                let n = n as usize;
                 if Op::from_code(op).is_none() || b.len() != 13 + n * 24 {
                     break;
                 }

@@ -1,16 +1,46 @@
-//! Plans, prepared transfers, transfer handles and typed completion.
+//! What one transfer is made of, below the agent: its direction, its plan of segments, the
+//! completion an engine reports through, and the handle its caller waits on.
 
+use std::any::Any;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::task::{Context, Poll, Waker};
-use std::time::{Duration, Instant};
+use std::task::{Context, Poll};
+use std::time::Duration;
 
-use crate::agent::{PeerCore, RegEntry, MAX_NOTIFICATION};
-use crate::desc::{coalesce_in_place, KeepAlive, Loc, LocalDesc, Pair, RemoteDesc};
-use crate::engine::{Op, Xfer};
-use crate::error::{RejectReason, Side, TransferError};
-use crate::sync::{lock, Arc, AtomicUsize, Condvar, Mutex, Ordering};
+use crate::error::{RejectReason, TransferError};
+use tessera_sync::atomic::{AtomicUsize, Ordering};
+use tessera_sync::{Arc, OneShot};
+
+/// Direction of a transfer, seen from the initiator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub enum Op {
+    /// Local memory to remote memory.
+    Write,
+    /// Remote memory to local memory.
+    Read,
+}
+impl Op {
+    pub(crate) fn code(self) -> u8 {
+        match self {
+            Op::Write => 1,
+            Op::Read => 2,
+        }
+    }
+
+    pub(crate) fn from_code(code: u8) -> Option<Self> {
+        match code {
+            1 => Some(Op::Write),
+            2 => Some(Op::Read),
+            _ => None,
+        }
+    }
+}
+
+/// Something that must stay alive while a transfer may touch a descriptor's bytes (a pool
+/// block's lease, the owner of foreign memory, a pinned registration, the peer handle).
+pub type KeepAlive = Arc<dyn Any + Send + Sync>;
 
 /// One contiguous copy of a plan: `len` bytes between a local address and a remote
 /// (registration, offset).
@@ -30,6 +60,21 @@ pub struct Segment {
 }
 
 impl Segment {
+    pub(crate) fn new(
+        (local_reg, local_offset, local_addr): (u64, u64, usize),
+        (remote_reg, remote_offset): (u64, u64),
+        len: u64,
+    ) -> Self {
+        Self {
+            local_reg,
+            local_offset,
+            local_addr,
+            remote_reg,
+            remote_offset,
+            len,
+        }
+    }
+
     /// Address of the local bytes. Valid while the plan lives: the plan pins the registration.
     pub fn local_ptr(&self) -> *mut u8 {
         self.local_addr as *mut u8
@@ -41,14 +86,31 @@ impl Segment {
 /// until the engine drops the plan.
 pub struct Plan {
     op: Op,
-    peer: Arc<PeerCore>,
+    peer: Arc<str>,
     segments: Vec<Segment>,
-    _pins: Vec<Arc<RegEntry>>,
+    /// The peer handle, the local registrations and pool blocks the segments touch.
     _keep: Vec<KeepAlive>,
     bytes: u64,
 }
 
 impl Plan {
+    /// A plan of `segments` with `peer`, keeping `keep` alive until the engine drops it.
+    pub(crate) fn new(
+        op: Op,
+        peer: Arc<str>,
+        segments: Vec<Segment>,
+        keep: Vec<KeepAlive>,
+        bytes: u64,
+    ) -> Self {
+        Self {
+            op,
+            peer,
+            segments,
+            _keep: keep,
+            bytes,
+        }
+    }
+
     /// Direction.
     pub fn op(&self) -> Op {
         self.op
@@ -66,7 +128,7 @@ impl Plan {
 
     /// The peer's name.
     pub fn peer_name(&self) -> &str {
-        &self.peer.name
+        &self.peer
     }
 }
 
@@ -81,213 +143,8 @@ impl fmt::Debug for Plan {
     }
 }
 
-/// A descriptor pair list validated and coalesced once, to post many times cheaply (NIXL's
-/// prepared transfers). Posting costs an `Arc` clone and the engine's own work.
-#[derive(Clone)]
-pub struct Prepared {
-    plan: Arc<Plan>,
-}
-
-impl Prepared {
-    pub(crate) fn new(
-        peer: Arc<PeerCore>,
-        op: Op,
-        local: &[LocalDesc],
-        remote: &[RemoteDesc],
-        merge: bool,
-    ) -> Result<Self, TransferError> {
-        let name = |p: &PeerCore| p.name.to_string();
-        if local.len() != remote.len() {
-            return Err(TransferError::Mismatch {
-                peer: name(&peer),
-                detail: format!(
-                    "{} local descriptors for {} remote ones",
-                    local.len(),
-                    remote.len()
-                ),
-            });
-        }
-        let table = lock(&peer.regs).clone();
-        let agent_id = peer.agent.host.id;
-        let mut pairs: Vec<Pair> = Vec::with_capacity(local.len());
-        let mut pins: Vec<Arc<RegEntry>> = Vec::new();
-        let mut keep = Vec::new();
-        let mut bytes = 0u64;
-        let mut last_remote: Option<(u64, u64)> = None;
-        for (index, (l, r)) in local.iter().zip(remote).enumerate() {
-            if l.len != r.len {
-                return Err(TransferError::Mismatch {
-                    peer: name(&peer),
-                    detail: format!(
-                        "pair {index}: local {} bytes, remote {} bytes",
-                        l.len, r.len
-                    ),
-                });
-            }
-            if l.reg.agent_id != agent_id {
-                return Err(TransferError::Mismatch {
-                    peer: name(&peer),
-                    detail: format!("local descriptor {index} is registered with another agent"),
-                });
-            }
-            let reg_len = match last_remote {
-                Some((id, len)) if id == r.reg => len,
-                _ => {
-                    let len =
-                        table
-                            .len_of(r.reg)
-                            .ok_or_else(|| TransferError::UnknownRegistration {
-                                peer: name(&peer),
-                                side: Side::Remote,
-                                index,
-                                reg: r.reg,
-                            })?;
-                    last_remote = Some((r.reg, len));
-                    len
-                }
-            };
-            match r.end() {
-                Some(end) if end <= reg_len && r.len > 0 => {}
-                _ => {
-                    return Err(TransferError::OutOfRange {
-                        peer: name(&peer),
-                        side: Side::Remote,
-                        index,
-                        reg: r.reg,
-                        offset: r.offset,
-                        len: r.len,
-                        reg_len,
-                    })
-                }
-            }
-            if pins.last().is_none_or(|p| p.id != l.reg.id) {
-                pins.push(l.reg.clone());
-            }
-            if let Some(k) = &l.keep {
-                keep.push(k.clone());
-            }
-            bytes += l.len;
-            let pair = Pair {
-                local: Loc {
-                    reg: l.reg.id,
-                    offset: l.offset,
-                },
-                remote: Loc {
-                    reg: r.reg,
-                    offset: r.offset,
-                },
-                len: l.len,
-            };
-            // Merging a pair into the one just before it is always right; `coalesce_in_place`
-            // below then handles whatever is out of order.
-            match pairs.last_mut() {
-                Some(last) if merge && last.continued_by(&pair) => last.len += pair.len,
-                _ => pairs.push(pair),
-            }
-        }
-        if merge {
-            coalesce_in_place(&mut pairs);
-        }
-        pins.sort_unstable_by_key(|p| p.id);
-        pins.dedup_by_key(|p| p.id);
-        let segments = pairs
-            .iter()
-            .map(|p| {
-                let base = pins
-                    .binary_search_by_key(&p.local.reg, |e| e.id)
-                    .map(|i| pins[i].base() as usize)
-                    .unwrap_or(0);
-                Segment {
-                    local_reg: p.local.reg,
-                    local_offset: p.local.offset,
-                    local_addr: base + p.local.offset as usize,
-                    remote_reg: p.remote.reg,
-                    remote_offset: p.remote.offset,
-                    len: p.len,
-                }
-            })
-            .collect();
-        Ok(Self {
-            plan: Arc::new(Plan {
-                op,
-                peer,
-                segments,
-                _pins: pins,
-                _keep: keep,
-                bytes,
-            }),
-        })
-    }
-
-    /// The plan: segments after coalescing.
-    pub fn plan(&self) -> &Plan {
-        &self.plan
-    }
-
-    /// Posts the transfer; `notify` reaches the peer after the data landed.
-    pub fn post(&self, notify: Option<&[u8]>) -> Result<Transfer, TransferError> {
-        let peer = &self.plan.peer;
-        if let Some(msg) = notify {
-            if msg.len() > MAX_NOTIFICATION {
-                return Err(TransferError::NotificationTooLarge {
-                    peer: peer.name.to_string(),
-                    len: msg.len(),
-                    max: MAX_NOTIFICATION,
-                });
-            }
-        }
-        if peer.agent.host.closed.load(Ordering::Acquire) {
-            return Err(TransferError::PeerGone {
-                peer: peer.name.to_string(),
-                detail: "this agent is shut down".into(),
-            });
-        }
-        let state = Arc::new(XferState::default());
-        let in_flight = peer.agent.in_flight.clone();
-        in_flight.fetch_add(1, Ordering::AcqRel);
-        let done = Completion {
-            state: state.clone(),
-            plan: Some(self.plan.clone()),
-            in_flight: Some(in_flight),
-            peer: peer.name.clone(),
-        };
-        let conn = lock(&peer.conn).clone();
-        conn.post(Xfer {
-            notify: notify.map(<[u8]>::to_vec),
-            done,
-        });
-        Ok(Transfer {
-            state,
-            peer: peer.name.clone(),
-        })
-    }
-}
-
-impl fmt::Debug for Prepared {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        self.plan.fmt(f)
-    }
-}
-
-const _: () = {
-    const fn assert_send_sync<T: Send + Sync>() {}
-    assert_send_sync::<Transfer>();
-    assert_send_sync::<Prepared>();
-    assert_send_sync::<Completion>();
-    assert_send_sync::<Plan>();
-};
-
-#[derive(Default)]
-struct XferState {
-    slot: Mutex<Slot>,
-    done: Condvar,
-}
-
-#[derive(Default)]
-struct Slot {
-    result: Option<Result<(), TransferError>>,
-    waker: Option<Waker>,
-}
+/// A transfer's outcome, set once by its [`Completion`] and read by its [`Transfer`].
+type XferState = OneShot<Result<(), TransferError>>;
 
 /// Where an engine reports a transfer's outcome. Completing consumes it, so an outcome is
 /// reported once; dropping it unreported fails the transfer with
@@ -301,6 +158,21 @@ pub struct Completion {
 }
 
 impl Completion {
+    /// A new transfer of `plan`, counted in `in_flight` until its outcome is reported: the
+    /// completion for the engine and the handle for the caller.
+    pub(crate) fn start(plan: Arc<Plan>, in_flight: Arc<AtomicUsize>) -> (Self, Transfer) {
+        let state = Arc::new(XferState::default());
+        let peer = plan.peer.clone();
+        in_flight.fetch_add(1, Ordering::AcqRel);
+        let done = Completion {
+            state: state.clone(),
+            plan: Some(plan),
+            in_flight: Some(in_flight),
+            peer: peer.clone(),
+        };
+        (done, Transfer { state, peer })
+    }
+
     /// Reports the outcome. A target's refusal because it is shutting down is reported as
     /// [`TransferError::PeerGone`], whichever engine saw it.
     pub fn complete(mut self, result: Result<(), TransferError>) {
@@ -347,15 +219,7 @@ impl Completion {
         };
         drop(self.plan.take());
         in_flight.fetch_sub(1, Ordering::AcqRel);
-        let waker = {
-            let mut slot = lock(&self.state.slot);
-            slot.result = Some(result);
-            slot.waker.take()
-        };
-        self.state.done.notify_all();
-        if let Some(w) = waker {
-            w.wake();
-        }
+        self.state.set(result);
     }
 }
 
@@ -400,10 +264,10 @@ pub struct Transfer {
 impl Transfer {
     /// The status now, without waiting.
     pub fn status(&self) -> Status {
-        match &lock(&self.state.slot).result {
+        match self.state.get() {
             None => Status::Pending,
             Some(Ok(())) => Status::Done,
-            Some(Err(e)) => Status::Failed(e.clone()),
+            Some(Err(e)) => Status::Failed(e),
         }
     }
 
@@ -414,41 +278,18 @@ impl Transfer {
 
     /// Blocks the thread until the transfer completes.
     pub fn wait(self) -> Result<(), TransferError> {
-        let mut slot = lock(&self.state.slot);
-        loop {
-            if let Some(r) = &slot.result {
-                return r.clone();
-            }
-            slot = self
-                .state
-                .done
-                .wait(slot)
-                .unwrap_or_else(|e| e.into_inner());
-        }
+        self.state.wait()
     }
 
     /// Blocks up to `timeout`. On timeout the transfer goes on (its resources stay held) and
     /// [`TransferError::Timeout`] is returned; check again with [`Transfer::status`].
     pub fn wait_timeout(&self, timeout: Duration) -> Result<(), TransferError> {
-        let deadline = Instant::now() + timeout;
-        let mut slot = lock(&self.state.slot);
-        loop {
-            if let Some(r) = &slot.result {
-                return r.clone();
-            }
-            let Some(left) = deadline.checked_duration_since(Instant::now()) else {
-                return Err(TransferError::Timeout {
-                    peer: self.peer.to_string(),
-                    after: timeout,
-                });
-            };
-            slot = self
-                .state
-                .done
-                .wait_timeout(slot, left)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
+        self.state.wait_timeout(timeout).unwrap_or_else(|| {
+            Err(TransferError::Timeout {
+                peer: self.peer.to_string(),
+                after: timeout,
+            })
+        })
     }
 }
 
@@ -456,14 +297,7 @@ impl Future for Transfer {
     type Output = Result<(), TransferError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let mut slot = lock(&self.state.slot);
-        match &slot.result {
-            Some(r) => Poll::Ready(r.clone()),
-            None => {
-                slot.waker = Some(cx.waker().clone());
-                Poll::Pending
-            }
-        }
+        self.state.poll(cx)
     }
 }
 

@@ -1,37 +1,13 @@
 //! The `tcp` data path allocates nothing per request in steady state: a prepared transfer
 //! posted many times costs only the transfer handle's own state.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicU64, Ordering};
-
+use tessera_testkit::CountingAlloc;
 use tessera_transport::tcp::Tcp;
 use tessera_transport::{Agent, LocalDesc, Op, Region, RemoteDesc};
 
-struct Counting;
-
-static ALLOCS: AtomicU64 = AtomicU64::new(0);
-// SAFETY: forwards every call to the system allocator unchanged; only counts.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        ALLOCS.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: same contract as ours, passed through.
-        unsafe { System.alloc(layout) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: same contract as ours, passed through.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        ALLOCS.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: same contract as ours, passed through.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
-
+/// Counts every allocation.
 #[global_allocator]
-static GLOBAL: Counting = Counting;
+static GLOBAL: CountingAlloc = CountingAlloc::new(0);
 
 #[test]
 fn prepared_posts_allocate_only_the_handle() {
@@ -56,12 +32,12 @@ fn prepared_posts_allocate_only_the_handle() {
         read.post(None).unwrap().wait().unwrap();
     }
     const POSTS: u64 = 400;
-    let before = ALLOCS.load(Ordering::Relaxed);
+    let before = GLOBAL.count();
     for _ in 0..POSTS / 2 {
         write.post(None).unwrap().wait().unwrap();
         read.post(None).unwrap().wait().unwrap();
     }
-    let per_post = (ALLOCS.load(Ordering::Relaxed) - before) as f64 / POSTS as f64;
+    let per_post = (GLOBAL.count() - before) as f64 / POSTS as f64;
     // One allocation is the transfer handle's shared state; the engine adds none (a little
     // slack for the channel's amortised block reuse).
     assert!(per_post < 1.1, "{per_post} allocations per post");

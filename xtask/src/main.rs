@@ -1,5 +1,6 @@
 //! `cargo xtask`: the project's automation. CI runs `cargo xtask test` and nothing else, so what
 //! passes here passes there. `cargo xtask demo` is the first command of the README.
+#![forbid(unsafe_code)]
 
 mod deps;
 mod two_node;
@@ -19,15 +20,15 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Install what the tests need (idempotent), then run fmt, clippy, the tests and loom,
-    /// then the `ucx` and `nixl` backend tests.
+    /// Run fmt, clippy and the docs (warnings are errors), install what the tests need
+    /// (idempotent), then run the tests and loom, then the `ucx` and `nixl` backend tests.
     Test,
     /// Install what the `ucx` and `nixl` backends need (idempotent) and print the shell env.
     Deps,
     /// As root: two agents in two network namespaces joined by a veth pair move 1 GiB each
     /// way over `tcp`, `ucx` and `nixl`, survive a killed target, and clean up.
     TwoNodeTest,
-    /// Run benchmark suites, print their tables and write target/tessera-bench/<suite>.json.
+    /// Run benchmark suites, print their tables and write target/tessera-bench/SUITE.json.
     Bench {
         /// Suites to run (default: all).
         suites: Vec<String>,
@@ -46,6 +47,7 @@ enum Cmd {
 
 /// Crates with loom tests (`--cfg tessera_loom`), run in release in their own target dir.
 const LOOM_CRATES: &[&str] = &[
+    "tessera-sync",
     "tessera-alloc",
     "tessera-transport",
     "tessera-rdt-pool",
@@ -84,7 +86,8 @@ struct BackendTests {
     package: &'static str,
     /// The package's features that build the engine in.
     features: &'static [&'static str],
-    /// Whether the library's unit tests run too.
+    /// Whether the library's unit tests run too (the engine's own crate: its docs and
+    /// doctests are checked as well).
     lib: bool,
     /// The integration test targets.
     targets: &'static [&'static str],
@@ -173,13 +176,14 @@ fn qualified_features(rows: &[&BackendTests]) -> String {
 }
 
 fn test(root: &Path) -> Result<()> {
-    deps::install(root).context("installing the backends' dependencies (cargo xtask deps)")?;
+    // The offline checks first: a formatting slip fails in seconds, before anything installs.
+    // Clippy, docs and tests of the default members (all but tessera-ucx and tessera-nixl,
+    // which need the installed libraries and are checked with their engine below).
     step("cargo fmt", cargo(&["fmt", "--all", "--check"]))?;
     step(
         "cargo clippy",
         cargo(&[
             "clippy",
-            "--workspace",
             "--all-targets",
             "--locked",
             "--",
@@ -187,8 +191,10 @@ fn test(root: &Path) -> Result<()> {
             "warnings",
         ]),
     )?;
-    // The default members: tessera-ucx and tessera-nixl are tested below, each with its
-    // engine's settings and in its own invocation.
+    let mut doc = cargo(&["doc", "--no-deps", "--locked"]);
+    doc.env("RUSTDOCFLAGS", "-D warnings");
+    step("cargo doc", doc)?;
+    deps::install(root).context("installing the backends' dependencies (cargo xtask deps)")?;
     step("cargo test", cargo(&["test", "--locked"]))?;
     let loom_dir = root.join("target-loom");
     for krate in LOOM_CRATES {
@@ -225,6 +231,21 @@ fn test(root: &Path) -> Result<()> {
         clippy.args(["--", "-D", "warnings"]);
         clippy.envs(deps::TEST_ENV.iter().copied());
         step(&format!("cargo clippy of the {engine} engine"), clippy)?;
+        for row in rows.iter().filter(|r| r.lib) {
+            // The engine's own crate: its docs and its README's examples too.
+            let features = qualified_features(&[row]);
+            let mut doc = cargo(&["doc", "--no-deps", "--locked", "-p", row.package]);
+            let mut doctest = cargo(&["test", "--locked", "--doc", "-p", row.package]);
+            for cmd in [&mut doc, &mut doctest] {
+                if !features.is_empty() {
+                    cmd.args(["--features", &features]);
+                }
+                cmd.envs(deps::TEST_ENV.iter().copied());
+            }
+            doc.env("RUSTDOCFLAGS", "-D warnings");
+            step(&format!("cargo doc of {}", row.package), doc)?;
+            step(&format!("doctests of {}", row.package), doctest)?;
+        }
         for row in rows {
             let mut cmd = cargo(&["test", "--locked", "-p", row.package]);
             let features = qualified_features(&[row]);

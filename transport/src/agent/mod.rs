@@ -2,33 +2,33 @@
 //! (`registry`), peers (`peer`) and the notification queue (`notify`) each live in a module of
 //! their own.
 
-mod notify;
 mod peer;
-mod registry;
+mod prepared;
+mod registration;
 #[cfg(test)]
 mod tests;
 
-pub(crate) use notify::Notifications;
-pub use notify::{NextNotification, Notification};
 pub use peer::Peer;
-pub(crate) use peer::PeerCore;
-use registry::Listed;
-pub use registry::Registration;
-pub(crate) use registry::{RegEntry, RegTable, Registry};
+pub(crate) use peer::{PeerCore, RegTable};
+pub use prepared::Prepared;
+pub use registration::Registration;
+
+use crate::engine::HostShared;
+use crate::notify::{NextNotification, Notification, Notifications};
+use crate::registry::{Deregister, Listed, RegEntry, Registry};
 
 use std::collections::HashMap;
 use std::fmt;
 use std::time::Duration;
 
 use crate::desc::LocalDesc;
-use crate::engine::{Host, PeerInfo, RegInfo, Transport};
+use crate::engine::{Host, PeerInfo, RegInfo, RemoteReg, Transport};
 use crate::error::{AgentError, ConnectError, RegisterError};
 use crate::metadata;
-use crate::sync::{lock, next_id, Arc, AtomicBool, AtomicUsize, Counter, Mutex, Ordering, Weak};
+use crate::region::next_id;
 use crate::Region;
-
-/// Largest notification, in bytes.
-pub const MAX_NOTIFICATION: usize = 64 * 1024;
+use tessera_sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use tessera_sync::{Arc, Counter, Mutex, Weak};
 
 /// A named endpoint of one backend: one per process per backend.
 ///
@@ -43,24 +43,19 @@ pub struct Agent {
 pub(crate) struct AgentCore {
     pub(crate) host: Arc<HostShared>,
     pub(crate) transport: Arc<dyn Transport>,
+    /// The engine, as the registrations it listed see it.
+    deregister: Arc<dyn Deregister>,
     peers: Mutex<HashMap<String, Weak<PeerCore>>>,
     pub(crate) in_flight: Arc<AtomicUsize>,
 }
 
-/// The part of an agent its engine may hold: registrations and notifications, never the engine.
-pub(crate) struct HostShared {
-    pub(crate) name: String,
-    pub(crate) id: u64,
-    pub(crate) registry: Registry,
-    pub(crate) notifications: Notifications,
-    pub(crate) closed: AtomicBool,
-    /// Payload bytes this agent's engine copied into WRITE destinations.
-    pub(crate) copied_write: Counter,
-    /// Payload bytes this agent's engine copied into READ destinations.
-    pub(crate) copied_read: Counter,
-    /// Inbound links by peer name: how many of the engine's readers serving that peer are
-    /// still running (engines that track them, see [`Transport::tracks_links`]).
-    pub(crate) inbound: Mutex<HashMap<String, usize>>,
+/// An agent's engine as its registrations reach it: only to deregister them.
+struct EngineDeregister(Arc<dyn Transport>);
+
+impl Deregister for EngineDeregister {
+    fn deregister(&self, id: u64) {
+        self.0.deregister(id);
+    }
 }
 
 /// Whether a peer can still reach this agent's memory, as far as its engine can tell.
@@ -125,7 +120,7 @@ impl Agent {
         let host = Arc::new(HostShared {
             name: name.to_owned(),
             id: next_id(),
-            registry: Registry::default(),
+            registry: Arc::new(Registry::default()),
             notifications: Notifications::default(),
             closed: AtomicBool::new(false),
             copied_write: Counter::default(),
@@ -138,6 +133,7 @@ impl Agent {
         Ok(Self {
             core: Arc::new(AgentCore {
                 host,
+                deregister: Arc::new(EngineDeregister(transport.clone())),
                 transport,
                 peers: Mutex::new(HashMap::new()),
                 in_flight: Arc::new(AtomicUsize::new(0)),
@@ -206,8 +202,8 @@ impl Agent {
             len,
             key,
             listed: Some(Listed {
-                transport: self.core.transport.clone(),
-                host: Arc::downgrade(host),
+                engine: self.core.deregister.clone(),
+                registry: Arc::downgrade(&host.registry),
             }),
         });
         host.registry.insert(&entry);
@@ -300,7 +296,14 @@ impl Agent {
             name: self.core.host.name.clone(),
             kind: self.core.transport.kind().to_owned(),
             address: self.core.transport.address(),
-            regs: self.core.host.registry.remote_regs(),
+            regs: self
+                .core
+                .host
+                .registry
+                .remote_regs()
+                .into_iter()
+                .map(|(id, len, key)| RemoteReg { id, len, key })
+                .collect(),
         })
     }
 
@@ -329,22 +332,25 @@ impl Agent {
             peer: info.name.clone(),
             source,
         };
-        let existing = lock(&self.core.peers)
+        let existing = self
+            .core
+            .peers
+            .lock()
             .get(&info.name)
             .and_then(Weak::upgrade);
         if let Some(existing) = existing {
-            let moved = *lock(&existing.address) != info.address;
+            let moved = *existing.address.lock() != info.address;
             if moved {
                 // The peer restarted (or rebound): reconnect, and retire the old connection.
                 let fresh = self.core.transport.connect(&info).map_err(backend_err)?;
-                let old = std::mem::replace(&mut *lock(&existing.conn), fresh);
+                let old = std::mem::replace(&mut *existing.conn.lock(), fresh);
                 old.close();
-                *lock(&existing.address) = info.address.clone();
+                *existing.address.lock() = info.address.clone();
             } else {
-                let conn = lock(&existing.conn).clone();
+                let conn = existing.conn.lock().clone();
                 conn.update(&info).map_err(backend_err)?;
             }
-            *lock(&existing.regs) = Arc::new(RegTable::new(&info.regs));
+            *existing.regs.lock() = Arc::new(RegTable::new(&info.regs));
             return Ok(Peer { core: existing });
         }
         // Connect without holding the peer table: engines may take a while.
@@ -356,13 +362,16 @@ impl Agent {
             address: Mutex::new(info.address),
             regs: Mutex::new(Arc::new(RegTable::new(&info.regs))),
         });
-        lock(&self.core.peers).insert(info.name, Arc::downgrade(&core));
+        self.core
+            .peers
+            .lock()
+            .insert(info.name, Arc::downgrade(&core));
         Ok(Peer { core })
     }
 
     /// The peer named `name`, if a handle on it is alive.
     pub fn peer(&self, name: &str) -> Option<Peer> {
-        let core = lock(&self.core.peers).get(name).and_then(Weak::upgrade)?;
+        let core = self.core.peers.lock().get(name).and_then(Weak::upgrade)?;
         Some(Peer { core })
     }
 
@@ -392,7 +401,7 @@ impl Agent {
         if !self.core.transport.tracks_links() {
             return LinkState::Unknown;
         }
-        if lock(&self.core.host.inbound).contains_key(name) {
+        if self.core.host.inbound.lock().contains_key(name) {
             LinkState::Open
         } else {
             LinkState::Closed
@@ -402,7 +411,10 @@ impl Agent {
     /// Occupancy now.
     pub fn report(&self) -> AgentReport {
         let (registrations, registered_bytes) = self.core.host.registry.stats();
-        let peers = lock(&self.core.peers)
+        let peers = self
+            .core
+            .peers
+            .lock()
             .values()
             .filter(|w| w.strong_count() > 0)
             .count();

@@ -1,13 +1,16 @@
 //! Handles on remote agents.
 
+use std::collections::HashMap;
 use std::fmt;
 
-use super::{AgentCore, RegTable};
+use super::AgentCore;
+use super::Prepared;
 use crate::desc::{LocalDesc, RemoteDesc};
+use crate::engine::RemoteReg;
 use crate::engine::{Connection, Op};
 use crate::error::TransferError;
-use crate::sync::{lock, Arc, Mutex};
-use crate::transfer::{Prepared, Transfer};
+use crate::transfer::Transfer;
+use tessera_sync::{Arc, Mutex};
 
 /// A handle on a remote agent. Cloning is cheap; the connection closes when the last handle
 /// and the last transfer with the peer are gone.
@@ -26,8 +29,8 @@ pub(crate) struct PeerCore {
 
 impl Drop for PeerCore {
     fn drop(&mut self) {
-        lock(&self.conn).close();
-        let mut peers = lock(&self.agent.peers);
+        self.conn.lock().close();
+        let mut peers = self.agent.peers.lock();
         if peers
             .get(&*self.name)
             .is_some_and(|w| w.strong_count() == 0)
@@ -45,7 +48,7 @@ impl Peer {
 
     /// Whether the peer's latest metadata announced registration `id`, and its length.
     pub fn registration_len(&self, id: u64) -> Option<u64> {
-        lock(&self.core.regs).len_of(id)
+        self.core.regs.lock().len_of(id)
     }
 
     /// Validates and coalesces a descriptor pair list once, to post it many times.
@@ -102,5 +105,22 @@ impl Peer {
 impl fmt::Debug for Peer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Peer").field("name", &self.name()).finish()
+    }
+}
+
+/// A peer's registrations as its latest metadata announced them: id -> length.
+pub(crate) struct RegTable {
+    lens: HashMap<u64, u64>,
+}
+
+impl RegTable {
+    pub(crate) fn new(regs: &[RemoteReg]) -> Self {
+        Self {
+            lens: regs.iter().map(|r| (r.id, r.len)).collect(),
+        }
+    }
+
+    pub(crate) fn len_of(&self, id: u64) -> Option<u64> {
+        self.lens.get(&id).copied()
     }
 }

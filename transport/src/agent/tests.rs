@@ -3,8 +3,8 @@
 use super::*;
 use crate::engine::{Connection, Grant, Xfer};
 use crate::error::BackendError;
-use crate::sync::{model, thread};
 use crate::{RejectReason, RemoteDesc, TransferError};
+use tessera_sync::{model, thread};
 
 /// An engine that counts registrations and parks posted transfers for the test to
 /// complete from another thread.
@@ -22,15 +22,15 @@ impl Transport for Arc<Counting> {
         "counting"
     }
     fn start(&self, host: Host) -> Result<(), BackendError> {
-        *lock(&self.host) = Some(host);
+        *self.host.lock() = Some(host);
         Ok(())
     }
     fn register(&self, _: &RegInfo<'_>) -> Result<Vec<u8>, RegisterError> {
-        *lock(&self.live) += 1;
+        *self.live.lock() += 1;
         Ok(Vec::new())
     }
     fn deregister(&self, _: u64) {
-        *lock(&self.live) -= 1;
+        *self.live.lock() -= 1;
     }
     fn address(&self) -> Vec<u8> {
         Vec::new()
@@ -50,7 +50,7 @@ impl Transport for Arc<Counting> {
 struct Parking(Arc<Mutex<Vec<Xfer>>>);
 impl Connection for Parking {
     fn post(&self, xfer: Xfer) {
-        lock(&self.0).push(xfer);
+        self.0.lock().push(xfer);
     }
 }
 
@@ -69,13 +69,13 @@ fn cache_answers_sub_ranges_and_refcounts() {
     );
     assert!(part.desc(0, 101).is_err());
     assert!(part.desc(0, 0).is_err());
-    assert_eq!(*lock(&engine.live), 1);
+    assert_eq!(*engine.live.lock(), 1);
     let desc = whole.desc(0, 10).unwrap();
     drop((whole, part));
     assert_eq!(agent.report().registrations, 1, "the descriptor keeps it");
     drop(desc);
     assert_eq!(agent.report().registrations, 0);
-    assert_eq!(*lock(&engine.live), 0);
+    assert_eq!(*engine.live.lock(), 0);
     let other = Region::anonymous(100).unwrap();
     assert!(agent.register_range(&other, 50, 51).is_err());
 }
@@ -90,12 +90,12 @@ fn register_local_falls_back_where_the_engine_needs_it() {
     assert!(agent.local_side_needs_registration());
     let region = Region::anonymous(4096).unwrap();
     let reg = agent.register_local(&region).unwrap();
-    assert_eq!(*lock(&engine.live), 1);
+    assert_eq!(*engine.live.lock(), 1);
     assert_eq!(agent.report().registrations, 1);
     let found = agent.find_registered(region.as_ptr(), 4096).unwrap();
     assert_eq!(found.id(), reg.id());
     drop((reg, found));
-    assert_eq!(*lock(&engine.live), 0);
+    assert_eq!(*engine.live.lock(), 0);
     assert_eq!(agent.report().registrations, 0);
 }
 
@@ -229,11 +229,11 @@ proptest::proptest! {
                 .collect();
             model.retain(|id, _| live.contains(id));
             proptest::prop_assert_eq!(agent.report().registrations, model.len());
-            proptest::prop_assert_eq!(*lock(&engine.live), model.len() as i64);
+            proptest::prop_assert_eq!(*engine.live.lock(), model.len() as i64);
         }
         drop((guards, descs));
         proptest::prop_assert_eq!(agent.report().registrations, 0);
-        proptest::prop_assert_eq!(*lock(&engine.live), 0);
+        proptest::prop_assert_eq!(*engine.live.lock(), 0);
     }
 }
 
@@ -261,7 +261,7 @@ fn loom_completion_releases_before_waking() {
             .write(&[block.desc().unwrap()], &[gb.remote(0, 64).unwrap()], None)
             .unwrap();
         drop((block, peer));
-        let xfer = lock(&engine.parked).pop().unwrap();
+        let xfer = engine.parked.lock().pop().unwrap();
         let completer = thread::spawn(move || xfer.done.complete(Ok(())));
         assert_eq!(t.wait(), Ok(()));
         assert_eq!(pool.report().used, 0, "block released before completion");
@@ -290,7 +290,7 @@ fn loom_local_only_registration_outlives_its_transfer() {
         let listed = a.register(&Region::anonymous(4096).unwrap()).unwrap();
         let ra = Region::anonymous(4096).unwrap();
         let local = a.register_local(&ra).unwrap();
-        assert_eq!(*lock(&engine.live), 1, "the engine saw only the listed one");
+        assert_eq!(*engine.live.lock(), 1, "the engine saw only the listed one");
         let peer = a.add_remote(&b.metadata()).unwrap();
         let t = peer
             .write(
@@ -301,16 +301,16 @@ fn loom_local_only_registration_outlives_its_transfer() {
             .unwrap();
         let id = local.id();
         drop((local, ra, peer));
-        let xfer = lock(&engine.parked).pop().unwrap();
+        let xfer = engine.parked.lock().pop().unwrap();
         assert_eq!(xfer.plan().segments()[0].local_reg, id, "the plan pins it");
         let completer = thread::spawn(move || xfer.done.complete(Ok(())));
         assert_eq!(t.wait(), Ok(()));
         completer.join().unwrap();
         assert_eq!(a.report().registrations, 1);
-        assert_eq!(*lock(&engine.live), 1);
+        assert_eq!(*engine.live.lock(), 1);
         drop(listed);
         assert_eq!(a.report().registrations, 0);
-        assert_eq!(*lock(&engine.live), 0);
+        assert_eq!(*engine.live.lock(), 0);
     });
 }
 
@@ -331,7 +331,7 @@ fn loom_lost_status_is_a_failure() {
             .write(&[ga.desc(0, 8).unwrap()], &[gb.remote(0, 8).unwrap()], None)
             .unwrap();
         drop(ga);
-        let xfer = lock(&engine.parked).pop().unwrap();
+        let xfer = engine.parked.lock().pop().unwrap();
         let dropper = thread::spawn(move || drop(xfer));
         assert!(matches!(
             t.wait(),
@@ -350,7 +350,7 @@ fn loom_target_grant_races_deregistration() {
     model(|| {
         let engine = Arc::new(Counting::default());
         let agent = Agent::new("a", engine.clone()).unwrap();
-        let host = lock(&engine.host).clone().unwrap();
+        let host = engine.host.lock().clone().unwrap();
         let region = Region::anonymous(4096).unwrap();
         let reg = agent.register(&region).unwrap();
         let id = reg.id();
@@ -359,13 +359,13 @@ fn loom_target_grant_races_deregistration() {
         match host.grant_into(&mut grant, [(id, 0, 64)]) {
             Ok(()) => {
                 assert_eq!(grant.len(), 1);
-                assert_eq!(*lock(&engine.live), 1, "pinned memory stays registered");
+                assert_eq!(*engine.live.lock(), 1, "pinned memory stays registered");
             }
             Err(reason) => assert_eq!(reason, RejectReason::UnknownRegistration),
         }
         dropper.join().unwrap();
         drop(grant);
-        assert_eq!(*lock(&engine.live), 0);
+        assert_eq!(*engine.live.lock(), 0);
         assert_eq!(agent.report().registrations, 0);
     });
 }
@@ -378,7 +378,7 @@ fn loom_peer_link_counts_every_reader() {
     model(|| {
         let engine = Arc::new(Counting::default());
         let agent = Agent::new("a", engine.clone()).unwrap();
-        let host = lock(&engine.host).clone().unwrap();
+        let host = engine.host.lock().clone().unwrap();
         let first = host.link_open("c");
         let mut second = host.link_open("unnamed");
         let reader = thread::spawn(move || {
@@ -391,7 +391,7 @@ fn loom_peer_link_counts_every_reader() {
         other.join().unwrap();
         assert_eq!(agent.peer_link("c"), LinkState::Closed);
         assert_eq!(agent.peer_link("unnamed"), LinkState::Closed);
-        assert!(lock(&agent.core.host.inbound).is_empty());
+        assert!(agent.core.host.inbound.lock().is_empty());
     });
 }
 
@@ -419,6 +419,6 @@ fn loom_registration_cache_refcounts() {
             t.join().unwrap();
         }
         assert_eq!(agent.report().registrations, 0);
-        assert_eq!(*lock(&engine.live), 0);
+        assert_eq!(*engine.live.lock(), 0);
     });
 }

@@ -6,7 +6,10 @@ use std::pin::Pin;
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
-use crate::sync::{lock, Condvar, Mutex};
+use tessera_sync::{Condvar, Mutex};
+
+/// Largest notification, in bytes.
+pub const MAX_NOTIFICATION: usize = 64 * 1024;
 
 /// A notification from a peer, delivered after the data of its transfer landed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -26,7 +29,7 @@ pub(crate) struct Notifications {
 impl Notifications {
     pub(crate) fn push(&self, from: String, msg: Vec<u8>) {
         let wakers = {
-            let mut q = lock(&self.queue);
+            let mut q = self.queue.lock();
             q.0.push_back(Notification { from, msg });
             std::mem::take(&mut q.1)
         };
@@ -36,38 +39,34 @@ impl Notifications {
         }
     }
 
-    pub(super) fn try_pop(&self) -> Option<Notification> {
-        lock(&self.queue).0.pop_front()
+    pub(crate) fn try_pop(&self) -> Option<Notification> {
+        self.queue.lock().0.pop_front()
     }
 
-    pub(super) fn wait(&self, timeout: Duration) -> Option<Notification> {
+    pub(crate) fn wait(&self, timeout: Duration) -> Option<Notification> {
         let deadline = Instant::now() + timeout;
-        let mut q = lock(&self.queue);
+        let mut q = self.queue.lock();
         loop {
             if let Some(n) = q.0.pop_front() {
                 return Some(n);
             }
             let left = deadline.checked_duration_since(Instant::now())?;
-            q = self
-                .ready
-                .wait_timeout(q, left)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+            q = self.ready.wait_timeout(q, left).0;
         }
     }
 }
 
-/// Future of [`Agent::next_notification`](super::Agent::next_notification).
+/// Future of [`Agent::next_notification`](crate::Agent::next_notification).
 #[must_use = "futures do nothing unless polled"]
 pub struct NextNotification<'a> {
-    pub(super) queue: &'a Notifications,
+    pub(crate) queue: &'a Notifications,
 }
 
 impl Future for NextNotification<'_> {
     type Output = Notification;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Notification> {
-        let mut q = lock(&self.queue.queue);
+        let mut q = self.queue.queue.lock();
         match q.0.pop_front() {
             Some(n) => Poll::Ready(n),
             None => {

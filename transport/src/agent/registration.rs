@@ -1,0 +1,111 @@
+//! Registration guards: windows onto registered ranges, and the descriptors cut from them.
+
+use std::fmt;
+
+use crate::desc::{LocalDesc, RemoteDesc};
+use crate::error::DescError;
+use crate::registry::RegEntry;
+use crate::transfer::KeepAlive;
+use crate::Region;
+use tessera_sync::Arc;
+
+/// A registration guard: a window onto a registered range. Cloning is cheap; the range is
+/// deregistered when the last guard, descriptor and transfer on it are gone.
+#[derive(Clone)]
+#[must_use = "dropping the last guard deregisters the memory"]
+pub struct Registration {
+    pub(crate) entry: Arc<RegEntry>,
+    /// Window start, relative to the registration.
+    pub(crate) start: u64,
+    pub(crate) len: u64,
+}
+
+impl Registration {
+    /// The registration's id, as peers name it.
+    pub fn id(&self) -> u64 {
+        self.entry.id
+    }
+
+    /// Length of this window.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Always false.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Where this window starts inside the registration that peers see (non-zero when the
+    /// cache answered with a larger registration).
+    pub fn offset_in_registration(&self) -> u64 {
+        self.start
+    }
+
+    /// The region this registration covers.
+    pub fn region(&self) -> &Region {
+        &self.entry.region
+    }
+
+    /// Address of the window's first byte.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.entry.base().wrapping_add(self.start as usize)
+    }
+
+    fn window(&self, offset: u64, len: u64) -> Result<u64, DescError> {
+        if len == 0 {
+            return Err(DescError::Empty);
+        }
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(self.start + offset),
+            _ => Err(DescError::OutOfRange {
+                reg: self.entry.id,
+                offset,
+                len,
+                reg_len: self.len,
+            }),
+        }
+    }
+
+    /// A local descriptor of `len` bytes at `offset` in this window.
+    pub fn desc(&self, offset: u64, len: u64) -> Result<LocalDesc, DescError> {
+        Ok(LocalDesc {
+            offset: self.window(offset, len)?,
+            reg: self.entry.clone(),
+            len,
+            keep: None,
+        })
+    }
+
+    /// Like [`Registration::desc`], also keeping `keep` alive as long as the descriptor and
+    /// any transfer using it.
+    pub fn desc_keeping(
+        &self,
+        offset: u64,
+        len: u64,
+        keep: KeepAlive,
+    ) -> Result<LocalDesc, DescError> {
+        let mut d = self.desc(offset, len)?;
+        d.keep = Some(keep);
+        Ok(d)
+    }
+
+    /// The same range as a peer names it, to send to the peer.
+    pub fn remote(&self, offset: u64, len: u64) -> Result<RemoteDesc, DescError> {
+        Ok(RemoteDesc::new(
+            self.entry.id,
+            self.window(offset, len)?,
+            len,
+        ))
+    }
+}
+
+impl fmt::Debug for Registration {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Registration")
+            .field("id", &self.entry.id)
+            .field("start", &self.start)
+            .field("len", &self.len)
+            .finish()
+    }
+}

@@ -1,0 +1,209 @@
+//! The agent as its engine sees it: target-side validation, registrations by id, notification
+//! delivery, copy counts and inbound links.
+
+use std::collections::HashMap;
+use std::fmt;
+
+use crate::error::RejectReason;
+use crate::notify::Notifications;
+use crate::registry::{RegEntry, Registry};
+use crate::transfer::Op;
+use crate::Region;
+use tessera_sync::atomic::{AtomicBool, Ordering};
+use tessera_sync::{Arc, Counter, Mutex};
+
+/// The part of an agent its engine may hold: registrations and notifications, never the engine.
+pub(crate) struct HostShared {
+    pub(crate) name: String,
+    pub(crate) id: u64,
+    pub(crate) registry: Arc<Registry>,
+    pub(crate) notifications: Notifications,
+    pub(crate) closed: AtomicBool,
+    /// Payload bytes this agent's engine copied into WRITE destinations.
+    pub(crate) copied_write: Counter,
+    /// Payload bytes this agent's engine copied into READ destinations.
+    pub(crate) copied_read: Counter,
+    /// Inbound links by peer name: how many of the engine's readers serving that peer are
+    /// still running (engines that track them, see `Transport::tracks_links`).
+    pub(crate) inbound: Mutex<HashMap<String, usize>>,
+}
+
+/// The agent, as its engine sees it when a peer reaches it: target-side validation and
+/// notification delivery. Cheap to clone.
+#[derive(Clone)]
+pub struct Host {
+    pub(crate) shared: Arc<HostShared>,
+}
+
+impl fmt::Debug for Host {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Host")
+            .field("name", &self.shared.name)
+            .finish()
+    }
+}
+
+impl Host {
+    /// The agent's name.
+    pub fn name(&self) -> &str {
+        &self.shared.name
+    }
+
+    /// Target-side validation: checks every `(registration, offset, len)` a peer asks to
+    /// touch against this agent's live registrations and pins them in `grant`, so none can be
+    /// deregistered until the grant is cleared or dropped. On error `grant` is left empty.
+    pub fn grant_into(
+        &self,
+        grant: &mut Grant,
+        spans: impl IntoIterator<Item = (u64, u64, u64)>,
+    ) -> Result<(), RejectReason> {
+        grant.clear();
+        if self.shared.closed.load(Ordering::Acquire) {
+            return Err(RejectReason::ShuttingDown);
+        }
+        let result = self
+            .shared
+            .registry
+            .pin_spans(&mut grant.pins, &mut grant.spans, spans);
+        if result.is_err() {
+            grant.clear();
+        }
+        result
+    }
+
+    /// A live registration by id: its region, where it starts in the region and its length.
+    /// Engines that hand memory to peers (such as `shm` passing a memfd) use it.
+    pub fn registration(&self, id: u64) -> Option<(Region, u64, u64)> {
+        self.shared.registry.lookup(id)
+    }
+
+    /// Queues a notification from peer `from` for the agent's user.
+    pub fn notify(&self, from: &str, msg: Vec<u8>) {
+        self.shared.notifications.push(from.to_owned(), msg);
+    }
+
+    /// Counts `bytes` of payload this engine copied into the destination of an `op`, for the
+    /// agent's [`report`](crate::Agent::report). Count each byte once, where it lands (or
+    /// where the one copy runs); a relaxed atomic add.
+    pub fn count_copied(&self, op: Op, bytes: u64) {
+        match op {
+            Op::Write => self.shared.copied_write.add(bytes),
+            Op::Read => self.shared.copied_read.add(bytes),
+        }
+    }
+
+    /// Whether the agent is shutting down.
+    pub fn is_closed(&self) -> bool {
+        self.shared.closed.load(Ordering::Acquire)
+    }
+
+    /// An inbound link from peer `peer` is open: the peer counts as able to write into this
+    /// agent's memory until the returned guard drops. Engines take it when a link is set up
+    /// and drop it only after the link's reader returned (no grant of it is live any more).
+    pub fn link_open(&self, peer: &str) -> LinkGuard {
+        *self
+            .shared
+            .inbound
+            .lock()
+            .entry(peer.to_owned())
+            .or_insert(0) += 1;
+        LinkGuard {
+            host: self.clone(),
+            peer: peer.to_owned(),
+        }
+    }
+}
+
+/// An open inbound link, counted until dropped (see [`Host::link_open`]).
+#[must_use = "the link counts as closed as soon as the guard drops"]
+pub struct LinkGuard {
+    host: Host,
+    peer: String,
+}
+
+impl LinkGuard {
+    /// Files the link under another peer name (engines that learn the name after accepting).
+    pub fn rename(&mut self, peer: &str) {
+        if peer == self.peer {
+            return;
+        }
+        let mut map = self.host.shared.inbound.lock();
+        forget(&mut map, &self.peer);
+        *map.entry(peer.to_owned()).or_insert(0) += 1;
+        self.peer = peer.to_owned();
+    }
+}
+
+fn forget(map: &mut HashMap<String, usize>, peer: &str) {
+    if let Some(n) = map.get_mut(peer) {
+        *n -= 1;
+        if *n == 0 {
+            map.remove(peer);
+        }
+    }
+}
+
+impl Drop for LinkGuard {
+    fn drop(&mut self) {
+        forget(&mut self.host.shared.inbound.lock(), &self.peer);
+    }
+}
+
+impl fmt::Debug for LinkGuard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LinkGuard")
+            .field("peer", &self.peer)
+            .finish()
+    }
+}
+
+/// Registrations pinned for a peer's request, with the address of each span. Reusable:
+/// [`Grant::clear`] keeps the allocation, so a steady stream of requests allocates nothing.
+#[derive(Default)]
+pub struct Grant {
+    pub(crate) pins: Vec<Arc<RegEntry>>,
+    pub(crate) spans: Vec<(usize, u64)>,
+}
+
+impl Grant {
+    /// An empty grant.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Releases the pins, keeping capacity.
+    pub fn clear(&mut self) {
+        self.pins.clear();
+        self.spans.clear();
+    }
+
+    /// Number of spans granted.
+    pub fn len(&self) -> usize {
+        self.spans.len()
+    }
+
+    /// Whether nothing is granted.
+    pub fn is_empty(&self) -> bool {
+        self.spans.is_empty()
+    }
+
+    /// Address and length of span `i`. The memory stays registered while the grant holds it.
+    pub fn span(&self, i: usize) -> (*mut u8, u64) {
+        let (addr, len) = self.spans[i];
+        (addr as *mut u8, len)
+    }
+
+    /// Total bytes granted.
+    pub fn bytes(&self) -> u64 {
+        self.spans.iter().map(|s| s.1).sum()
+    }
+}
+
+impl fmt::Debug for Grant {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Grant")
+            .field("spans", &self.spans.len())
+            .field("bytes", &self.bytes())
+            .finish()
+    }
+}

@@ -1,0 +1,146 @@
+//! The traits an engine implements and the plain data it exchanges with the agent.
+
+use std::fmt;
+
+use super::host::Host;
+use crate::error::{BackendError, RegisterError};
+use crate::transfer::{Completion, Plan};
+use crate::Region;
+use tessera_sync::Arc;
+
+/// A range an engine is asked to register.
+#[derive(Debug)]
+pub struct RegInfo<'a> {
+    /// Id the agent gave the registration; remote descriptors name it.
+    pub id: u64,
+    /// The region holding the range.
+    pub region: &'a Region,
+    /// First byte of the range inside the region.
+    pub offset: u64,
+    /// Length of the range.
+    pub len: u64,
+}
+
+impl RegInfo<'_> {
+    /// Address of the first byte.
+    pub fn ptr(&self) -> *mut u8 {
+        self.region.as_ptr().wrapping_add(self.offset as usize)
+    }
+}
+
+/// One registration a peer announced in its metadata.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RemoteReg {
+    /// Its id.
+    pub id: u64,
+    /// Its length.
+    pub len: u64,
+    /// The engine's remote key (empty for engines that need none).
+    pub key: Vec<u8>,
+}
+
+/// Everything a peer's metadata says, decoded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerInfo {
+    /// The peer agent's name.
+    pub name: String,
+    /// The peer's backend kind.
+    pub kind: String,
+    /// The engine's address (socket address, worker address, NIXL metadata).
+    pub address: Vec<u8>,
+    /// Its registrations.
+    pub regs: Vec<RemoteReg>,
+}
+
+/// An engine: one per agent. Object safe, so agents hold `Arc<dyn Transport>`.
+///
+/// Engines run their own progress (threads or a tokio runtime they own); they never need the
+/// caller to poll them, and they never busy-spin while idle.
+pub trait Transport: Send + Sync + 'static {
+    /// Short name, such as `"tcp"`; peers must use the same kind.
+    fn kind(&self) -> &'static str;
+
+    /// Called once by [`Agent::new`](crate::Agent::new) before anything else: `host` is how
+    /// the engine, acting as a target, validates requests and delivers notifications.
+    fn start(&self, host: Host) -> Result<(), BackendError>;
+
+    /// Registers a range; returns the remote key peers need to reach it (may be empty).
+    fn register(&self, reg: &RegInfo<'_>) -> Result<Vec<u8>, RegisterError>;
+
+    /// Forgets registration `id`. Called once, after every transfer using it completed.
+    fn deregister(&self, id: u64);
+
+    /// Whether the local side of a transfer (the source of a WRITE, the destination of a
+    /// READ) must be registered with this engine. Engines that reach local memory through the
+    /// segment's address alone ([`Segment::local_ptr`](crate::transfer::Segment::local_ptr)) and whose
+    /// [`register`](Transport::register) does nothing for it return `false`: the agent then
+    /// never calls them for [`Agent::register_local`](crate::Agent::register_local), and
+    /// their plans may name local registrations this engine never saw. The default, `true`,
+    /// suits engines that look up their own handle of the local memory by
+    /// [`Segment::local_reg`](crate::transfer::Segment::local_reg).
+    fn local_side_needs_registration(&self) -> bool {
+        true
+    }
+
+    /// What peers need to reach this engine, placed in the agent's metadata.
+    fn address(&self) -> Vec<u8>;
+
+    /// Opens (or prepares to open lazily) a connection to a peer.
+    fn connect(&self, peer: &PeerInfo) -> Result<Arc<dyn Connection>, BackendError>;
+
+    /// Whether the engine reports its inbound links through [`Host::link_open`], so that
+    /// [`Agent::peer_link`](crate::Agent::peer_link) can tell when a peer can no longer
+    /// write. Engines without a target-side signal keep the default (`false`).
+    fn tracks_links(&self) -> bool {
+        false
+    }
+
+    /// Stops progress, fails every pending transfer with a peer-gone or shutdown error, and
+    /// releases the engine's resources. Called once, when the agent is dropped.
+    fn shutdown(&self);
+}
+
+/// An engine's handle on one peer.
+pub trait Connection: Send + Sync {
+    /// Starts a transfer. The engine must eventually call [`Completion::complete`] (from any
+    /// thread), after the last byte landed and after the notification, if any, was handed
+    /// over; until then it must not touch memory outside the plan's segments. Dropping the
+    /// completion without completing it fails the transfer with a lost status.
+    fn post(&self, xfer: Xfer);
+
+    /// The peer published new metadata (such as new registrations).
+    fn update(&self, peer: &PeerInfo) -> Result<(), BackendError> {
+        let _ = peer;
+        Ok(())
+    }
+
+    /// The last handle on the peer is gone; no transfer is pending on it any more.
+    fn close(&self) {}
+}
+
+/// A transfer handed to an engine.
+pub struct Xfer {
+    /// The notification to deliver to the peer after the data landed.
+    pub notify: Option<Vec<u8>>,
+    /// Report the outcome here. It also owns the plan (see [`Completion::plan`]), so the
+    /// transfer's resources are released exactly when the outcome is reported.
+    pub done: Completion,
+}
+
+impl Xfer {
+    /// What to move, validated and coalesced.
+    pub fn plan(&self) -> &Plan {
+        self.done.plan()
+    }
+}
+
+impl fmt::Debug for Xfer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Xfer")
+            .field("op", &self.plan().op())
+            .field("segments", &self.plan().segments().len())
+            .field("bytes", &self.plan().bytes())
+            .field("notify", &self.notify.as_ref().map(Vec::len))
+            .finish()
+    }
+}

@@ -1,0 +1,99 @@
+use super::iov::{empty_iov, fill_iov, Cursor, MAX_IOV};
+use super::*;
+use crate::{Agent, LinkState};
+
+/// Polls `f` until it holds, failing after a generous deadline (a hang guard only).
+pub(crate) fn until(what: &str, f: impl Fn() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !f() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what} never happened"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// A target sees the link from a peer open once the peer connected, on both ends of the
+/// shared link, and closed once the peer's agent is gone and the reader returned; a peer
+/// that comes back opens it again.
+#[test]
+fn peer_link_follows_the_peers_connection() {
+    let unit = Agent::new("unit", Tcp::new()).unwrap();
+    assert_eq!(unit.peer_link("client"), LinkState::Closed);
+    let client = Agent::new("client", Tcp::new()).unwrap();
+    let peer = client.add_remote(&unit.metadata()).unwrap();
+    assert_eq!(unit.peer_link("client"), LinkState::Open);
+    assert_eq!(client.peer_link("unit"), LinkState::Open);
+    assert_eq!(unit.peer_link("someone-else"), LinkState::Closed);
+    // Dropping the peer handle keeps the link (it is shared and persistent).
+    drop(peer);
+    assert_eq!(unit.peer_link("client"), LinkState::Open);
+    drop(client);
+    until("the link closing", || {
+        unit.peer_link("client") == LinkState::Closed
+    });
+    let again = Agent::new("client", Tcp::new()).unwrap();
+    let _peer = again.add_remote(&unit.metadata()).unwrap();
+    assert_eq!(unit.peer_link("client"), LinkState::Open);
+}
+
+#[test]
+fn cursor_walks_spans_and_skips_empty_ones() {
+    // Addresses are never dereferenced here: only the bookkeeping is checked.
+    let spans = [
+        (0x1000usize, 10u64),
+        (0x2000, 0),
+        (0x3000, 5),
+        (0x4000, 3 << 30),
+    ];
+    let mut cur = Cursor::default();
+    assert!(!cur.done(&spans));
+    let mut iov = empty_iov();
+    let k = fill_iov(&spans, &cur, &mut iov, u64::MAX);
+    // 10 bytes, an empty entry, 5 bytes, then the 3 GiB span capped at MAX_IOV.
+    assert_eq!(k, 4);
+    assert_eq!(iov[3].iov_len as u64, MAX_IOV);
+    cur.advance(&spans, 12);
+    assert_eq!((cur.span, cur.offset), (2, 2));
+    cur.advance(&spans, 3);
+    assert!(!cur.done(&spans));
+    assert_eq!((cur.span, cur.offset), (3, 0));
+    cur.advance(&spans, MAX_IOV as usize);
+    let k = fill_iov(&spans, &cur, &mut iov, u64::MAX);
+    assert_eq!(
+        (k, iov[0].iov_base as usize),
+        (1, 0x4000 + MAX_IOV as usize)
+    );
+    cur.advance(&spans, (2 * MAX_IOV) as usize);
+    assert!(cur.done(&spans));
+}
+
+#[test]
+fn a_budget_caps_one_call() {
+    let spans = [(0x1000usize, 600u64), (0x2000, 600), (0x3000, 5000)];
+    let mut iov = empty_iov();
+    let mut cur = Cursor::default();
+    // 600 + 400 of the second span: the budget cuts inside it.
+    let k = fill_iov(&spans, &cur, &mut iov, 1000);
+    let lens: Vec<usize> = iov[..k].iter().map(|v| v.iov_len).collect();
+    assert_eq!(lens, [600, 400]);
+    cur.advance(&spans, 1000);
+    let k = fill_iov(&spans, &cur, &mut iov, 1000);
+    let got: Vec<(usize, usize)> = iov[..k]
+        .iter()
+        .map(|v| (v.iov_base as usize, v.iov_len))
+        .collect();
+    assert_eq!(got, [(0x2000 + 400, 200), (0x3000, 800)]);
+    // Every call of a payload larger than the budget stays within it, and all of it goes.
+    let mut cur = Cursor::default();
+    let mut sent = 0;
+    while !cur.done(&spans) {
+        let k = fill_iov(&spans, &cur, &mut iov, 1000);
+        let n: usize = iov[..k].iter().map(|v| v.iov_len).sum();
+        assert!(n > 0 && n <= 1000);
+        cur.advance(&spans, n);
+        sent += n;
+    }
+    assert_eq!(sent, 6200);
+}
