@@ -72,13 +72,12 @@ pub(crate) struct WorkerArgs {
 
 /// The storage `Backend` called `name`, or why there is none. Never falls back.
 pub(crate) fn backend(name: &str) -> Result<Backend> {
-    use clap::ValueEnum;
-    let offered: Vec<&str> = Backend::value_variants()
+    let offered: Vec<&str> = Backend::ALL
         .iter()
         .filter(|b| **b != Backend::Inproc)
         .map(|b| b.kind())
         .collect();
-    match Backend::from_str(name, true) {
+    match name.to_ascii_lowercase().parse::<Backend>() {
         Ok(Backend::Inproc) => bail!(
             "backend `inproc` moves bytes inside one process only, and the demo runs the unit, \
              the producer and the consumer as separate processes; choose one of: {}",

@@ -510,6 +510,23 @@ mod tests {
             })
         );
         assert!(Tensor::with_strides(DType::U16, &[2, 0], &[u64::MAX, 9], Bytes::new()).is_ok());
+        // Strides whose span overflows u64 are refused, wherever the overflow happens (a
+        // wrapped span would let a one-byte payload pass for a tensor reaching 2^64 bytes).
+        for (dtype, shape, strides) in [
+            (DType::U8, &[3u64][..], &[1u64 << 63][..]), // (dim - 1) * stride
+            (DType::U8, &[2, 2][..], &[u64::MAX, 1][..]), // the sum over dimensions
+            (DType::U8, &[2][..], &[u64::MAX][..]),      // the last element's end
+            (DType::F32, &[2][..], &[1 << 62][..]),      // times the element size
+        ] {
+            assert_eq!(
+                Tensor::with_strides(dtype, shape, strides, Bytes::from_static(&[0; 4])),
+                Err(TensorError::SizeOverflow {
+                    dtype,
+                    rank: shape.len()
+                }),
+                "{shape:?} {strides:?}"
+            );
+        }
         // A broadcast tensor may span one element, but its element count must still fit.
         assert_eq!(
             Tensor::with_strides(

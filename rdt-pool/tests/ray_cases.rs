@@ -3,11 +3,15 @@
 
 mod common;
 
+use std::sync::Arc;
+
 use common::{pair, pattern};
 use tessera_rdt_pool::{
-    DType, DescriptorError, FetchError, FreeError, ObjectDescriptor, Place, PutError, TensorRef,
+    DType, DescriptorError, FetchError, FreeError, ObjectDescriptor, Place, PutError, ReceiverPool,
+    SenderPool, TensorRef,
 };
-use tessera_transport::{Agent, Inproc, Region, RemoteDesc};
+use tessera_transport::testing::{Fault, Faults, Faulty};
+use tessera_transport::{Agent, Inproc, Op, Region, RemoteDesc};
 
 fn f32s(values: &[f32]) -> Vec<u8> {
     values.iter().flat_map(|v| v.to_le_bytes()).collect()
@@ -164,6 +168,41 @@ fn failure_after_allocation_leaks_nothing() {
 }
 
 #[test]
+fn a_read_failing_at_completion_frees_its_blocks() {
+    // The receiver's engine moves the bytes, then reports the READ failed (a link cut during
+    // the payload): the fetch fails and its blocks return at once, nothing quarantined.
+    let faults = Faults::new();
+    let sender_agent = Arc::new(Agent::new("sender", Inproc::new()).unwrap());
+    let receiver_agent =
+        Arc::new(Agent::new("receiver", Faulty::new(Inproc::new(), faults.clone())).unwrap());
+    let sender = SenderPool::new(sender_agent.clone(), 1 << 16).unwrap();
+    let receiver = ReceiverPool::new(receiver_agent.clone(), 1 << 16).unwrap();
+    let peer = receiver_agent.add_remote(&sender_agent.metadata()).unwrap();
+    let a = pattern(3, 4096);
+    let d = sender
+        .put("x", &[TensorRef::new(DType::U8, &[4096], &a).unwrap()])
+        .unwrap();
+    for fault in [Fault::FailAtCompletion, Fault::LoseCompletion] {
+        faults.next_on(Op::Read, fault);
+        let got = receiver.fetch(&d, &peer).unwrap().wait();
+        assert!(
+            matches!(got, Err(FetchError::Transfer(_))),
+            "{fault:?}: {got:?}"
+        );
+        let r = receiver.report();
+        assert_eq!(
+            (r.used, r.quarantined, r.live_objects),
+            (0, 0, 0),
+            "{fault:?}"
+        );
+    }
+    assert_eq!(faults.injected(), 2);
+    // And the next fetch, unfaulted, reads the object.
+    let views = receiver.fetch(&d, &peer).unwrap().wait().unwrap();
+    assert_eq!(views[0].data(), &a[..]);
+}
+
+#[test]
 fn slice_outlives_its_parent_view() {
     let p = pair(4096, 64);
     let data = pattern(2, 64);
@@ -258,7 +297,7 @@ fn forwarding_received_views_copies_nothing_and_frees_nothing_else() {
     let fetched = p.receiver.fetch(&d, &p.peer).unwrap().wait().unwrap();
 
     // The receiving process forwards them with a sender pool on the same agent.
-    let forwarder = tessera_rdt_pool::SenderPool::new(p.receiver_agent.clone(), 4096).unwrap();
+    let forwarder = SenderPool::new(p.receiver_agent.clone(), 4096).unwrap();
     let fwd: Vec<TensorRef<'static>> = fetched.iter().map(TensorRef::from_tensor).collect();
     let f1 = forwarder.put("fwd-1", &fwd).unwrap();
     let f2 = forwarder.put("fwd-2", &fwd[10..20]).unwrap();
@@ -275,8 +314,8 @@ fn forwarding_received_views_copies_nothing_and_frees_nothing_else() {
     assert_eq!(p.receiver.report().used, 100 * 64, "fwd-2 still holds it");
 
     // A third agent fetches the forwarded object from the receiving process.
-    let third = std::sync::Arc::new(Agent::new("third", Inproc::new()).unwrap());
-    let third_pool = tessera_rdt_pool::ReceiverPool::new(third.clone(), 1 << 20).unwrap();
+    let third = Arc::new(Agent::new("third", Inproc::new()).unwrap());
+    let third_pool = ReceiverPool::new(third.clone(), 1 << 20).unwrap();
     let to_fwd = third.add_remote(&p.receiver_agent.metadata()).unwrap();
     let got = third_pool.fetch(&f2, &to_fwd).unwrap().wait().unwrap();
     for (i, t) in got.iter().enumerate() {

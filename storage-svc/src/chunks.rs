@@ -7,6 +7,7 @@ use crate::sync::{Arc, AtomicU64, Ordering};
 use tessera_transport::{Agent, PoolBlock, RegisteredPool};
 
 use crate::core::PoolStats;
+use crate::error::MemoryError;
 
 /// Sizes of the chunked registered memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,7 +26,7 @@ pub(crate) trait ChunkSource {
     /// One chunk.
     type Pool: Chunk;
     /// Registers a chunk of `bytes`.
-    fn register(&self, bytes: u64) -> Result<Self::Pool, String>;
+    fn register(&self, bytes: u64) -> Result<Self::Pool, MemoryError>;
 }
 
 /// A registered chunk: leases blocks and reports its occupancy.
@@ -33,7 +34,7 @@ pub(crate) trait Chunk {
     /// A leased block.
     type Block;
     /// Leases `size` bytes aligned to `align`.
-    fn lease(&self, size: u64, align: u64) -> Result<Self::Block, String>;
+    fn lease(&self, size: u64, align: u64) -> Result<Self::Block, MemoryError>;
     /// Registered bytes.
     fn capacity(&self) -> u64;
     /// Leased bytes, largest free range and live blocks.
@@ -43,16 +44,16 @@ pub(crate) trait Chunk {
 impl ChunkSource for Arc<Agent> {
     type Pool = RegisteredPool;
 
-    fn register(&self, bytes: u64) -> Result<RegisteredPool, String> {
-        RegisteredPool::new(self, bytes).map_err(|e| e.to_string())
+    fn register(&self, bytes: u64) -> Result<RegisteredPool, MemoryError> {
+        Ok(RegisteredPool::new(self, bytes)?)
     }
 }
 
 impl Chunk for RegisteredPool {
     type Block = PoolBlock;
 
-    fn lease(&self, size: u64, align: u64) -> Result<PoolBlock, String> {
-        RegisteredPool::lease(self, size, align).map_err(|e| e.to_string())
+    fn lease(&self, size: u64, align: u64) -> Result<PoolBlock, MemoryError> {
+        Ok(RegisteredPool::lease(self, size, align)?)
     }
 
     fn capacity(&self) -> u64 {
@@ -82,9 +83,9 @@ pub(crate) struct ChunkPool<S: ChunkSource> {
 
 impl<S: ChunkSource> ChunkPool<S> {
     /// A pool with its first chunk registered (so that a failure to register shows at once).
-    pub(crate) fn new(source: S, limits: ChunkLimits) -> Result<Self, String> {
+    pub(crate) fn new(source: S, limits: ChunkLimits) -> Result<Self, MemoryError> {
         if limits.capacity == 0 || limits.chunk == 0 {
-            return Err("the registered memory and its chunks need a non-zero size".into());
+            return Err(MemoryError::ZeroSize);
         }
         let mut pool = Self {
             source,
@@ -102,9 +103,10 @@ impl<S: ChunkSource> ChunkPool<S> {
         self.generation.clone()
     }
 
-    fn grow(&mut self, bytes: u64) -> Result<&S::Pool, String> {
+    fn grow(&mut self, bytes: u64) -> Result<&S::Pool, MemoryError> {
         let chunk = self.source.register(bytes)?;
         self.registered += chunk.capacity();
+        let at = self.chunks.len();
         self.chunks.push(chunk);
         self.generation.fetch_add(1, Ordering::Release);
         tracing::debug!(
@@ -112,9 +114,7 @@ impl<S: ChunkSource> ChunkPool<S> {
             registered = self.registered,
             "registered a chunk of memory"
         );
-        self.chunks
-            .last()
-            .ok_or_else(|| "no chunk after registering one".to_owned())
+        Ok(&self.chunks[at])
     }
 
     /// Leases from the first chunk with room, registering a new chunk when none has it and the
@@ -123,12 +123,12 @@ impl<S: ChunkSource> ChunkPool<S> {
         &mut self,
         size: u64,
         align: u64,
-    ) -> Result<<S::Pool as Chunk>::Block, String> {
+    ) -> Result<<S::Pool as Chunk>::Block, MemoryError> {
         let mut last = None;
         for c in &self.chunks {
             match c.lease(size, align) {
                 Ok(b) => return Ok(b),
-                Err(e) => last = Some(e),
+                Err(e) => last = Some(Box::new(e)),
             }
         }
         // A chunk that surely fits the block: its start is page-aligned, so `align` up to a
@@ -136,7 +136,7 @@ impl<S: ChunkSource> ChunkPool<S> {
         let need = size
             .checked_add(if align > PAGE { align } else { 0 })
             .and_then(|n| n.checked_next_multiple_of(PAGE))
-            .ok_or_else(|| format!("a lease of {size} bytes is too large"))?;
+            .ok_or(MemoryError::LeaseTooLarge { size })?;
         let bytes = need.max(self.limits.chunk);
         let mut room = self.limits.capacity.saturating_sub(self.registered);
         if need > room {
@@ -146,13 +146,13 @@ impl<S: ChunkSource> ChunkPool<S> {
         }
         if need > room {
             let largest = self.chunks.iter().map(|c| c.usage().1).max().unwrap_or(0);
-            return Err(format!(
-                "registered memory exhausted: {size} bytes asked, {} of {} bytes registered, \
-                 largest free range {largest}{}",
-                self.registered,
-                self.limits.capacity,
-                last.map(|e| format!(" ({e})")).unwrap_or_default()
-            ));
+            return Err(MemoryError::Exhausted {
+                requested: size,
+                registered: self.registered,
+                limit: self.limits.capacity,
+                largest_free: largest,
+                chunk: last,
+            });
         }
         self.grow(bytes.min(room))?.lease(size, align)
     }
@@ -256,7 +256,15 @@ mod tests {
         assert_eq!(registered(&agent, &pool), 12 * MIB + 4 * MIB + 4096);
         // The limit: nothing more can be registered.
         let e = pool.lease(8 * MIB, 64).unwrap_err();
-        assert!(e.contains("registered memory exhausted"), "{e}");
+        assert!(e.to_string().contains("registered memory exhausted"), "{e}");
+        assert!(
+            matches!(
+                &e,
+                MemoryError::Exhausted { chunk: Some(c), .. }
+                    if matches!(**c, MemoryError::Alloc(tessera_alloc::AllocError::OutOfMemory { .. }))
+            ),
+            "{e:?}"
+        );
         drop(big);
         assert_eq!(pool.trim(), 4 * MIB + 4096, "the free big chunk goes");
         assert!(pool.lease(8 * MIB + 1, 64).is_err(), "8 MiB of room left");
@@ -311,7 +319,7 @@ mod tests {
         assert_eq!(registered(&agent, &pool), 8 * MIB);
         // The chunk with a live block stays: no room, a clear error.
         let e = pool.lease(4 * MIB, 64).unwrap_err();
-        assert!(e.contains("exhausted"), "{e}");
+        assert!(e.to_string().contains("exhausted"), "{e}");
         drop((big, small));
     }
 

@@ -1,7 +1,17 @@
-//! Errors: what the unit answers ([`RemoteError`]), what framing reports ([`WireError`]) and
-//! what the client returns ([`ClientError`]).
+//! Errors: what the unit answers ([`RemoteError`]), what framing reports ([`WireError`]),
+//! what the client returns ([`ClientError`]), and the local causes they wrap: the payload
+//! plane's memory ([`MemoryError`]) and payload transfers ([`PayloadError`]). The lower
+//! layers' errors are wrapped, never flattened to text, so that a caller matches on data
+//! (`ClientError::OutOfMemory { requested, free, largest_free, .. }`).
+
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+use tessera_alloc::AllocError;
+use tessera_framecodec::{DecodeError, EncodeError, LayoutError};
+use tessera_transport::{
+    AgentError, ConnectError, DescError, PoolError, RegionError, RegisterError, TransferError,
+};
 
 /// What went wrong, as the unit reports it. Caller misuse, peer misbehaviour and resource
 /// exhaustion are kept apart.
@@ -75,7 +85,7 @@ pub struct RemoteError {
 }
 
 /// Framing and message decoding errors.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum WireError {
     /// A frame is longer than the configured maximum.
@@ -94,13 +104,17 @@ pub enum WireError {
     },
     /// The bytes are not a valid message.
     #[error("malformed message: {0}")]
-    Decode(String),
+    Decode(#[source] rmp_serde::decode::Error),
     /// A message could not be encoded.
     #[error("cannot encode message: {0}")]
-    Encode(String),
+    Encode(#[source] rmp_serde::encode::Error),
 }
 
-/// Errors of the client API.
+/// Errors of the client API. Caller misuse ([`ClientError::ApiMisuse`],
+/// [`ClientError::BackendMismatch`]), the unit's answers and misbehaviour
+/// ([`ClientError::Remote`], [`ClientError::Unexpected`], [`ClientError::Wire`],
+/// [`ClientError::Decode`]) and resource exhaustion ([`ClientError::OutOfMemory`]) are kept
+/// apart.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ClientError {
@@ -139,24 +153,73 @@ pub enum ClientError {
         /// What came.
         what: String,
     },
-    /// A payload transfer or the client's transport failed. The outcome of the operation is
-    /// unknown and it is not retried.
-    #[error("unit {unit}: transport: {message}")]
-    Transport {
+    /// The unit's payload backend is not this client's; there is never a fallback.
+    #[error("unit {unit}: transport: unit uses backend {theirs}, client {ours}; no fallback")]
+    BackendMismatch {
         /// Which unit.
         unit: usize,
-        /// Detail.
-        message: String,
+        /// The unit's backend, as it named it.
+        theirs: String,
+        /// This client's.
+        ours: crate::Backend,
     },
-    /// Encoding or decoding values failed.
+    /// The client's agent could not be created.
+    #[error("transport: {0}")]
+    Agent(#[from] AgentError),
+    /// Connecting to a unit's agent failed.
+    #[error("unit {unit}: transport: {source}")]
+    Connect {
+        /// Which unit.
+        unit: usize,
+        /// The error.
+        #[source]
+        source: ConnectError,
+    },
+    /// A payload transfer failed or timed out. The outcome of the operation is unknown and it
+    /// is not retried.
+    #[error("unit {unit}: transport: {source}")]
+    Transfer {
+        /// Which unit.
+        unit: usize,
+        /// The error.
+        #[source]
+        source: PayloadError,
+    },
+    /// The client's own memory of the payload plane (its receive pool, its frames registered
+    /// in place) could not be registered or described.
+    #[error("client memory: {0}")]
+    Memory(#[from] MemoryError),
+    /// Encoding the values failed.
     #[error("codec: {0}")]
-    Codec(String),
+    Encode(#[from] EncodeError),
+    /// The values' frames cannot be laid out.
+    #[error("codec: {0}")]
+    Layout(#[from] LayoutError),
+    /// An answer's values could not be decoded.
+    #[error("codec: {0}")]
+    Decode(#[from] DecodeError),
     /// The caller passed inconsistent arguments.
     #[error("misuse: {0}")]
     ApiMisuse(String),
     /// The client's receive pool cannot hold the values requested.
-    #[error("client receive pool: {0}")]
-    OutOfMemory(String),
+    #[error(
+        "client receive pool: out of memory: {requested} bytes aligned to {align} requested, \
+         {free} bytes free, largest free range {largest_free} bytes"
+    )]
+    OutOfMemory {
+        /// Bytes asked for.
+        requested: u64,
+        /// Their alignment.
+        align: u64,
+        /// Free bytes in the pool.
+        free: u64,
+        /// The largest free range.
+        largest_free: u64,
+    },
+    /// A task the client ran in the background (a blocking setup step) panicked or was
+    /// cancelled.
+    #[error("background task: {0}")]
+    Background(#[from] tokio::task::JoinError),
     /// The unit did not answer within the client's timeout; the outcome is unknown and the
     /// request is not retried.
     #[error("unit {unit}: no answer within {after:?}")]
@@ -164,11 +227,166 @@ pub enum ClientError {
         /// Which unit.
         unit: usize,
         /// The timeout that passed.
-        after: std::time::Duration,
+        after: Duration,
     },
 }
 
+/// The payload plane's local memory: leasing from the registered pool, registering more of
+/// it, describing blocks, registering caller frames in place.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum MemoryError {
+    /// No chunk has room and registering another would pass the limit (resource exhaustion).
+    #[error(
+        "registered memory exhausted: {requested} bytes asked, {registered} of {limit} bytes \
+         registered, largest free range {largest_free}"
+    )]
+    Exhausted {
+        /// Bytes asked for.
+        requested: u64,
+        /// Bytes registered now.
+        registered: u64,
+        /// Bytes registered at most.
+        limit: u64,
+        /// The largest free range of any chunk.
+        largest_free: u64,
+        /// What the last chunk tried answered, if any was.
+        #[source]
+        chunk: Option<Box<MemoryError>>,
+    },
+    /// A lease too large to size a chunk for (caller misuse).
+    #[error("a lease of {size} bytes is too large")]
+    LeaseTooLarge {
+        /// Bytes asked for.
+        size: u64,
+    },
+    /// The registered memory or its chunks were configured with no size (caller misuse).
+    #[error("the registered memory and its chunks need a non-zero size")]
+    ZeroSize,
+    /// The allocator refused: exhaustion (`AllocError::OutOfMemory`) or misuse.
+    #[error(transparent)]
+    Alloc(AllocError),
+    /// The registered pool failed (other than its allocator).
+    #[error(transparent)]
+    Pool(PoolError),
+    /// A frame's memory could not be wrapped as a region.
+    #[error(transparent)]
+    Region(#[from] RegionError),
+    /// Registering memory failed.
+    #[error(transparent)]
+    Register(#[from] RegisterError),
+    /// Describing part of a block or registration failed.
+    #[error(transparent)]
+    Desc(#[from] DescError),
+    /// A frame to describe is empty: it has no byte to anchor a descriptor (caller misuse).
+    #[error("frame {index} is empty: there is nothing to describe")]
+    EmptyFrame {
+        /// The frame's index.
+        index: usize,
+    },
+    /// A receive block is smaller than the frames laid out in it.
+    #[error("receive block of {len} bytes, the frames need {need}")]
+    BlockTooSmall {
+        /// The block's length.
+        len: u64,
+        /// Bytes the frames need.
+        need: u64,
+    },
+    /// A receive block would end beyond the address space.
+    #[error("receive block beyond the address space")]
+    BlockOverflow,
+    /// A block to freeze still has a descriptor or a transfer (a bug of this crate).
+    #[error("the block is still in use by a descriptor or a transfer")]
+    InUse,
+    /// Fewer descriptors than frames were made.
+    #[error("{descs} descriptors for {frames} frames")]
+    Described {
+        /// Frames to describe.
+        frames: usize,
+        /// Descriptors made.
+        descs: usize,
+    },
+}
+
+impl From<PoolError> for MemoryError {
+    /// The allocator's refusal stays itself (its `OutOfMemory` is data a caller matches).
+    fn from(e: PoolError) -> Self {
+        match e {
+            PoolError::Alloc(a) => MemoryError::Alloc(a),
+            other => MemoryError::Pool(other),
+        }
+    }
+}
+
+impl From<AllocError> for MemoryError {
+    fn from(e: AllocError) -> Self {
+        MemoryError::Alloc(e)
+    }
+}
+
+/// A payload transfer (a GET's WRITE, a pulled PUT's READ, a pushed PUT's WRITE) that did not
+/// complete; its outcome is unknown.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PayloadError {
+    /// The transport reported a failure.
+    #[error(transparent)]
+    Transfer(#[from] TransferError),
+    /// The peer's agent could not be added.
+    #[error(transparent)]
+    Connect(#[from] ConnectError),
+    /// The local memory of the transfer could not be described.
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+    /// The session's transfers can no longer run: its executor is gone (the session is
+    /// closing).
+    #[error("session has no executor")]
+    NoExecutor,
+    /// The transfer did not complete in time.
+    #[error("transfer timed out after {after:?}; outcome unknown")]
+    TimedOut {
+        /// The timeout that passed.
+        after: Duration,
+    },
+    /// The code running the transfer panicked (a bug); `message` is the panic's.
+    #[error("the unit failed {what} ({message})")]
+    Panicked {
+        /// What it was doing.
+        what: &'static str,
+        /// The panic's message.
+        message: String,
+    },
+}
+
+/// A name that is no [`Backend`](crate::Backend)'s (`Backend::from_str`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown backend `{name}`; expected one of inproc, shm, tcp, ucx, nixl")]
+pub struct ParseBackendError {
+    /// The name given.
+    pub name: String,
+}
+
 impl ClientError {
+    /// The client's receive pool refused a lease: its allocator's exhaustion becomes
+    /// [`ClientError::OutOfMemory`] with the allocator's numbers, anything else
+    /// [`ClientError::Memory`].
+    pub(crate) fn from_pool(e: PoolError) -> Self {
+        match e {
+            PoolError::Alloc(AllocError::OutOfMemory {
+                requested,
+                align,
+                free,
+                largest_free,
+            }) => ClientError::OutOfMemory {
+                requested,
+                align,
+                free,
+                largest_free,
+            },
+            other => ClientError::Memory(other.into()),
+        }
+    }
+
     /// The unit's error kind, if the unit answered with an error.
     pub fn kind(&self) -> Option<ErrorKind> {
         match self {

@@ -1,6 +1,10 @@
 #![doc = include_str!("../README.md")]
 #![warn(missing_docs)]
+// Unsafe code only where an item allows it: the epoll calls of `busy_poll`, and in `plane`
+// the views of registered memory and the regions over caller frames.
+#![deny(unsafe_code)]
 
+#[allow(unsafe_code)] // epoll through libc: the polled sockets' readiness.
 mod busy_poll;
 mod chunks;
 mod client;
@@ -17,7 +21,9 @@ pub mod testing;
 pub use crate::busy_poll::BusyPoll;
 pub use crate::client::{remote_error, Client, ClientConfig, Modulo, Placement};
 pub use crate::core::{PartitionStats, PoolStats, Stats, UnitConfig};
-pub use crate::error::{ClientError, ErrorKind, RemoteError, WireError};
+pub use crate::error::{
+    ClientError, ErrorKind, MemoryError, ParseBackendError, PayloadError, RemoteError, WireError,
+};
 pub use crate::plane::Backend;
 pub use crate::server::{Server, ServerConfig, ServerError};
 pub use tessera_framecodec::{DType, Tensor, Value};

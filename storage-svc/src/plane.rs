@@ -1,6 +1,9 @@
 //! The payload plane's memory: the registered pool behind [`Memory`], `Bytes` views that own a
-//! pool block, and registering caller frames in place. The only `unsafe` of the crate lives
-//! here, at the boundary with registered memory.
+//! pool block, and registering caller frames in place. With the epoll calls of `busy_poll`,
+//! the only `unsafe` of the crate lives here, at the boundary with registered memory: a PUT's
+//! block viewed before it is written ([`BlockBytes`]) and caller frames wrapped as regions
+//! (`register_group`, `register_in_place`). A block whose writes are complete goes through the
+//! transport's `FrozenBlock` ([`freeze_written`]), with no `unsafe` here.
 
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -11,6 +14,7 @@ use tessera_transport::{Agent, BackendError, LocalDesc, PoolBlock, Region, Remot
 
 use crate::chunks::ChunkPool;
 use crate::core::{Memory, PoolStats};
+use crate::error::{MemoryError, ParseBackendError};
 
 /// Which tessera-transport engine carries payloads. Units and clients must agree; there is
 /// never a fallback to another engine.
@@ -19,7 +23,17 @@ use crate::core::{Memory, PoolStats};
 /// them parses the same everywhere; they are usable only when this crate is built with the
 /// cargo feature of the same name. Without it, starting a unit or a client on them fails with
 /// an error naming the feature ([`Backend::available`] tells beforehand).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+///
+/// Its names ([`Backend::kind`]: `inproc`, `shm`, `tcp`, `ucx`, `nixl`) are those of its
+/// `Display`, its `FromStr` and its serde form alike.
+///
+/// ```
+/// use tessera_storage::Backend;
+/// assert_eq!("tcp".parse::<Backend>(), Ok(Backend::Tcp));
+/// assert_eq!(Backend::Ucx.to_string(), "ucx");
+/// assert!("udp".parse::<Backend>().is_err());
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Backend {
     /// Agents of one process only (tests, embedding a unit in the same process).
@@ -37,6 +51,15 @@ pub enum Backend {
 }
 
 impl Backend {
+    /// Every backend, in declaration order (also those whose feature is off in this build).
+    pub const ALL: [Backend; 5] = [
+        Backend::Inproc,
+        Backend::Shm,
+        Backend::Tcp,
+        Backend::Ucx,
+        Backend::Nixl,
+    ];
+
     /// The transport's kind string.
     pub fn kind(self) -> &'static str {
         match self {
@@ -128,6 +151,24 @@ impl Backend {
     }
 }
 
+impl std::fmt::Display for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.kind())
+    }
+}
+
+impl std::str::FromStr for Backend {
+    type Err = ParseBackendError;
+
+    /// The backend whose [`Backend::kind`] is `s` (exactly, lowercase).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Backend::ALL
+            .into_iter()
+            .find(|b| b.kind() == s)
+            .ok_or_else(|| ParseBackendError { name: s.to_owned() })
+    }
+}
+
 fn unavailable(backend: Backend) -> tessera_transport::AgentError {
     let feature = backend.feature().unwrap_or(backend.kind());
     BackendError::new(
@@ -162,22 +203,36 @@ fn nixl_agent(_: &str) -> Result<Agent, tessera_transport::AgentError> {
     Err(unavailable(Backend::Nixl))
 }
 
-/// A pool block as bytes: `Bytes::from_owner(BlockBytes(block))` keeps the block leased until
-/// the last slice is gone.
+/// A PUT's receive block as bytes before its payload lands: `Bytes::from_owner(BlockBytes(
+/// block))` keeps the block leased until the last slice is gone. The transport's
+/// `FrozenBlock` cannot serve here: it needs the block's last handle, and a pulled PUT's READ
+/// destinations (made before the block is frozen) hold the block until the READ is gone.
 pub(crate) struct BlockBytes(PoolBlock);
 
+#[allow(unsafe_code)] // Reading a registered block that a transfer fills later.
 impl AsRef<[u8]> for BlockBytes {
     fn as_ref(&self) -> &[u8] {
-        // SAFETY: a block is frozen into `BlockBytes` only after the WRITE into it completed
-        // (the PUT's COMMIT, or the GET's completion); from then on no descriptor of it is
-        // handed out again, so no transfer of this protocol writes it while the slice lives.
+        // SAFETY: `as_slice` asks that nothing write the block while a slice of it is used.
+        // The core freezes a PUT's block at PREPARE, before the block is exposed (READY sent,
+        // READ posted), and the client's WRITE or the unit's READ fills it afterwards, so:
+        // - the slice returned here is used by `Bytes::from_owner` only, for the block's
+        //   address and length, at PREPARE, before any transfer of the block exists;
+        // - the views cut from those bytes (`decode_contiguous` reads the meta, never the
+        //   block) are read only once the payload landed (COMMIT, or `Unit::read_done`), and
+        //   no descriptor of the block is handed out again after that;
+        // - a block whose transfer failed, expired or was cancelled after exposure is
+        //   quarantined with its views, which nobody reads again.
         unsafe { self.0.as_slice() }
     }
 }
 
-/// Freezes the first `len` bytes of a block whose writes are complete.
-pub(crate) fn freeze(block: PoolBlock, len: u64) -> Bytes {
-    Bytes::from_owner(BlockBytes(block)).slice(..len as usize)
+/// The first `len` bytes of a block whose writes are complete (a GET's block after GET_DONE,
+/// a compacted copy), as bytes that own it through the transport's `FrozenBlock`: slices keep
+/// it leased and it returns to its pool when the last one drops. Fails while a descriptor or
+/// transfer of the block is still alive.
+pub(crate) fn freeze_written(block: PoolBlock, len: u64) -> Result<Bytes, MemoryError> {
+    let frozen = block.freeze().map_err(|_| MemoryError::InUse)?;
+    Ok(Bytes::from_owner(frozen).slice(..len as usize))
 }
 
 /// The unit's registered memory (chunks of registered pools) as the protocol core's
@@ -190,36 +245,36 @@ impl Memory for PoolMemory {
     type Block = PoolBlock;
     type Dest = LocalDesc;
 
-    fn lease(&mut self, size: u64, align: u64) -> Result<PoolBlock, String> {
+    fn lease(&mut self, size: u64, align: u64) -> Result<PoolBlock, MemoryError> {
         self.pool.lease(size, align)
     }
 
-    fn remote(&self, block: &PoolBlock, offset: u64, len: u64) -> Result<RemoteDesc, String> {
-        block.remote_range(offset, len).map_err(|e| e.to_string())
+    fn remote(&self, block: &PoolBlock, offset: u64, len: u64) -> Result<RemoteDesc, MemoryError> {
+        Ok(block.remote_range(offset, len)?)
     }
 
     /// The descriptor keeps the block leased as long as it and any READ using it live, so a
     /// block dropped by the core while its READ is in flight is not leased again before the
     /// READ is gone.
-    fn dest(&self, block: &PoolBlock, offset: u64, len: u64) -> Result<LocalDesc, String> {
-        block.desc_range(offset, len).map_err(|e| e.to_string())
+    fn dest(&self, block: &PoolBlock, offset: u64, len: u64) -> Result<LocalDesc, MemoryError> {
+        Ok(block.desc_range(offset, len)?)
     }
 
     fn freeze(&self, block: PoolBlock, len: u64) -> Bytes {
-        freeze(block, len)
+        Bytes::from_owner(BlockBytes(block)).slice(..len as usize)
     }
 
     fn block_len(block: &PoolBlock) -> u64 {
         block.len()
     }
 
-    fn copy_in(&mut self, data: &[u8], align: u64) -> Result<Bytes, String> {
+    fn copy_in(&mut self, data: &[u8], align: u64) -> Result<Bytes, MemoryError> {
         if data.is_empty() {
             return Ok(Bytes::new());
         }
         let block = self.lease(data.len() as u64, align)?;
-        block.write_at(0, data).map_err(|e| e.to_string())?;
-        Ok(freeze(block, data.len() as u64))
+        block.write_at(0, data)?;
+        freeze_written(block, data.len() as u64)
     }
 
     fn usage(&self) -> PoolStats {
@@ -246,7 +301,7 @@ impl Memory for PoolMemory {
 pub(crate) fn source_descs<'a>(
     agent: &Agent,
     frames: impl IntoIterator<Item = &'a Bytes>,
-) -> Result<Vec<LocalDesc>, String> {
+) -> Result<Vec<LocalDesc>, MemoryError> {
     let frames = frames.into_iter();
     if agent.local_side_needs_registration() {
         return frames
@@ -263,9 +318,7 @@ pub(crate) fn source_descs<'a>(
     for (index, f) in frames.iter().enumerate() {
         if f.is_empty() {
             // It has no byte to anchor a group's span (its pointer may dangle).
-            return Err(format!(
-                "frame {index} is empty: there is nothing to describe"
-            ));
+            return Err(MemoryError::EmptyFrame { index });
         }
         match agent.find_registered(f.as_ptr(), f.len() as u64) {
             Some(reg) => {
@@ -277,9 +330,7 @@ pub(crate) fn source_descs<'a>(
                 if registered.last() != Some(&range) {
                     registered.push(range);
                 }
-                descs.push(Some(
-                    reg.desc(0, f.len() as u64).map_err(|e| e.to_string())?,
-                ));
+                descs.push(Some(reg.desc(0, f.len() as u64)?));
             }
             None => {
                 loose.push(Span {
@@ -297,10 +348,14 @@ pub(crate) fn source_descs<'a>(
     for group in coalesce(&mut loose, &registered) {
         register_group(agent, &frames, group, &mut descs)?;
     }
-    descs
-        .into_iter()
-        .map(|d| d.ok_or_else(|| "a frame was left without a descriptor".to_owned()))
-        .collect()
+    let made = descs.iter().flatten().count();
+    if made != descs.len() {
+        return Err(MemoryError::Described {
+            frames: descs.len(),
+            descs: made,
+        });
+    }
+    Ok(descs.into_iter().flatten().collect())
 }
 
 /// A frame's bytes in memory, and its position among the frames.
@@ -350,17 +405,18 @@ fn coalesce<'s>(spans: &'s mut [Span], registered: &[(usize, usize)]) -> Vec<&'s
 
 /// Registers one group (sorted by address, non-empty) as one local-only registration
 /// spanning its frames, and fills in each member's descriptor.
+#[allow(unsafe_code)] // A region over caller frames (no owner-taking constructor exists).
 fn register_group(
     agent: &Agent,
     frames: &[&Bytes],
     group: &[Span],
     descs: &mut [Option<LocalDesc>],
-) -> Result<(), String> {
+) -> Result<(), MemoryError> {
     let (Some(head), Some(end)) = (group.first(), group.iter().map(Span::end).max()) else {
         return Ok(());
     };
     let base = head.addr;
-    let ptr = NonNull::new(base as *mut u8).ok_or("null frame")?;
+    let ptr = NonNull::new(base as *mut u8).ok_or(MemoryError::EmptyFrame { index: head.index })?;
     // The region owns every member frame, so their memory lives as long as the region, its
     // registration and every transfer using them.
     let members: Vec<Bytes> = group.iter().map(|s| frames[s.index].clone()).collect();
@@ -383,13 +439,10 @@ fn register_group(
     //   immutable (nobody writes them) and `members` keeps each alive, unmoved, until the
     //   region, its registration and every transfer using them are gone.
     let region =
-        unsafe { Region::from_raw_parts(ptr, (end - base) as u64, Some(Box::new(members))) }
-            .map_err(|e| e.to_string())?;
-    let reg = agent.register_local(&region).map_err(|e| e.to_string())?;
+        unsafe { Region::from_raw_parts(ptr, (end - base) as u64, Some(Box::new(members))) }?;
+    let reg = agent.register_local(&region)?;
     for s in group {
-        let desc = reg
-            .desc((s.addr - base) as u64, s.len as u64)
-            .map_err(|e| e.to_string())?;
+        let desc = reg.desc((s.addr - base) as u64, s.len as u64)?;
         descs[s.index] = Some(desc);
     }
     Ok(())
@@ -403,9 +456,11 @@ fn find_in_registration(agent: &Agent, frame: &Bytes) -> Option<LocalDesc> {
         .and_then(|reg| reg.desc(0, len).ok())
 }
 
-fn register_in_place(agent: &Agent, frame: &Bytes) -> Result<LocalDesc, String> {
+#[allow(unsafe_code)] // A region over a caller frame (no owner-taking constructor exists).
+fn register_in_place(agent: &Agent, frame: &Bytes) -> Result<LocalDesc, MemoryError> {
     let len = frame.len() as u64;
-    let ptr = NonNull::new(frame.as_ptr() as *mut u8).ok_or("null frame")?;
+    let ptr =
+        NonNull::new(frame.as_ptr() as *mut u8).ok_or(MemoryError::EmptyFrame { index: 0 })?;
     // SAFETY: `ptr..ptr + len` is exactly the frame's memory, kept alive, unmoved, by the
     // clone of the `Bytes` that the region owns until the region, its registration and every
     // transfer using it are gone; all of it is valid for reads, so the engine may register
@@ -413,10 +468,9 @@ fn register_in_place(agent: &Agent, frame: &Bytes) -> Result<LocalDesc, String> 
     // pulled PUT, by the unit's READ (the protocol's only use of the id it names). Nothing
     // writes these bytes (a `Bytes` is immutable), so no reference observes a concurrent
     // change.
-    let region = unsafe { Region::from_raw_parts(ptr, len, Some(Box::new(frame.clone()))) }
-        .map_err(|e| e.to_string())?;
-    let reg = agent.register(&region).map_err(|e| e.to_string())?;
-    reg.desc(0, len).map_err(|e| e.to_string())
+    let region = unsafe { Region::from_raw_parts(ptr, len, Some(Box::new(frame.clone()))) }?;
+    let reg = agent.register(&region)?;
+    Ok(reg.desc(0, len)?)
 }
 
 #[cfg(test)]
@@ -486,7 +540,7 @@ mod tests {
         let pool = RegisteredPool::new(&a, 1 << 16).unwrap();
         let block = pool.lease(4096, 64).unwrap();
         block.write_at(0, &[3; 4096]).unwrap();
-        let pooled = freeze(block, 4096);
+        let pooled = freeze_written(block, 4096).unwrap();
         let heap = Bytes::from(vec![4u8; 300]);
         let frames = [
             heap.slice(0..100),

@@ -6,7 +6,7 @@ use serde_bytes::ByteBuf;
 use tessera_framecodec::RecvLayout;
 use tessera_transport::RemoteDesc;
 
-use crate::error::{ErrorKind, WireError};
+use crate::error::{ErrorKind, MemoryError, WireError};
 
 /// Protocol version carried by every envelope. Version 2: a PUT may carry the sources of its
 /// payload for the unit to READ ([`Request::Put::pull`]).
@@ -169,7 +169,7 @@ pub fn encode_frame<T: Serialize>(id: u64, body: &T) -> Result<Vec<u8>, WireErro
         id,
         body,
     };
-    rmp_serde::encode::write(&mut out, &env).map_err(|e| WireError::Encode(e.to_string()))?;
+    rmp_serde::encode::write(&mut out, &env).map_err(WireError::Encode)?;
     let len = u32::try_from(out.len() - LEN_PREFIX).map_err(|_| WireError::TooLarge {
         len: out.len() as u64,
         max: u32::MAX as u64,
@@ -205,12 +205,12 @@ pub fn decode_body<T: for<'de> Deserialize<'de>>(buf: &[u8]) -> Result<(u64, T),
     }
     let head = rmp_serde::from_slice::<Loose>(buf)
         .map(|l| Head { v: l.v, id: l.id })
-        .map_err(|e| (0, WireError::Decode(e.to_string())))?;
+        .map_err(|e| (0, WireError::Decode(e)))?;
     if head.v != PROTOCOL_VERSION {
         return Err((head.id, WireError::Version { got: head.v }));
     }
     let env: Envelope<T> =
-        rmp_serde::from_slice(buf).map_err(|e| (head.id, WireError::Decode(e.to_string())))?;
+        rmp_serde::from_slice(buf).map_err(|e| (head.id, WireError::Decode(e)))?;
     Ok((env.id, env.body))
 }
 
@@ -230,15 +230,18 @@ impl Response {
 /// meta with the unit's alignment (HELLO's `align`). Both ends compute it, so the block
 /// travels as one descriptor however many frames it holds. A block shorter than the layout
 /// is an error.
-pub fn frame_descs(block: &RemoteDesc, layout: &RecvLayout) -> Result<Vec<RemoteDesc>, String> {
+pub fn frame_descs(
+    block: &RemoteDesc,
+    layout: &RecvLayout,
+) -> Result<Vec<RemoteDesc>, MemoryError> {
     if block.len < layout.size {
-        return Err(format!(
-            "receive block of {} bytes, the frames need {}",
-            block.len, layout.size
-        ));
+        return Err(MemoryError::BlockTooSmall {
+            len: block.len,
+            need: layout.size,
+        });
     }
     if block.offset.checked_add(layout.size).is_none() {
-        return Err("receive block beyond the address space".into());
+        return Err(MemoryError::BlockOverflow);
     }
     // Every frame ends within `layout.size`, so no offset below overflows.
     Ok(layout

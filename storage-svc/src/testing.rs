@@ -6,6 +6,7 @@ use bytes::Bytes;
 use tessera_transport::RemoteDesc;
 
 use crate::core::{Memory, PoolStats};
+use crate::error::MemoryError;
 use crate::sync::{Arc, AtomicU64, Ordering};
 
 /// Heap memory that counts the bytes of its live blocks and refuses a lease past its
@@ -52,9 +53,16 @@ impl AsRef<[u8]> for VecBlock {
 
 impl Memory for VecMem {
     type Block = VecBlock;
-    fn lease(&mut self, size: u64, _align: u64) -> Result<VecBlock, String> {
+    fn lease(&mut self, size: u64, align: u64) -> Result<VecBlock, MemoryError> {
         if self.live().saturating_add(size) > self.cap {
-            return Err("pool full".into());
+            let free = self.cap.saturating_sub(self.live());
+            return Err(tessera_alloc::AllocError::OutOfMemory {
+                requested: size,
+                align,
+                free,
+                largest_free: free,
+            }
+            .into());
         }
         self.live.fetch_add(size, Ordering::SeqCst);
         Ok(VecBlock {
@@ -63,10 +71,10 @@ impl Memory for VecMem {
         })
     }
     type Dest = RemoteDesc;
-    fn dest(&self, block: &VecBlock, offset: u64, len: u64) -> Result<RemoteDesc, String> {
+    fn dest(&self, block: &VecBlock, offset: u64, len: u64) -> Result<RemoteDesc, MemoryError> {
         self.remote(block, offset, len)
     }
-    fn remote(&self, _block: &VecBlock, offset: u64, len: u64) -> Result<RemoteDesc, String> {
+    fn remote(&self, _block: &VecBlock, offset: u64, len: u64) -> Result<RemoteDesc, MemoryError> {
         Ok(RemoteDesc::new(1, offset, len))
     }
     fn freeze(&self, block: VecBlock, len: u64) -> Bytes {
@@ -75,7 +83,7 @@ impl Memory for VecMem {
     fn block_len(block: &VecBlock) -> u64 {
         block.buf.len() as u64
     }
-    fn copy_in(&mut self, data: &[u8], align: u64) -> Result<Bytes, String> {
+    fn copy_in(&mut self, data: &[u8], align: u64) -> Result<Bytes, MemoryError> {
         let mut block = self.lease(data.len() as u64, align)?;
         block.buf.copy_from_slice(data);
         Ok(Bytes::from_owner(block))

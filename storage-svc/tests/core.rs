@@ -12,7 +12,7 @@ use tessera_storage::core::{Output, TornDown, Unit, UnitConfig};
 use tessera_storage::proto::{PullSource, Request, Response};
 use tessera_storage::testing::VecMem;
 use tessera_storage::ErrorKind;
-use tessera_transport::RemoteDesc;
+use tessera_transport::{RemoteDesc, TransferError};
 
 struct Harness {
     unit: Unit<VecMem>,
@@ -896,7 +896,11 @@ fn pulled_put_lifecycle() {
 
     // A failed READ: quarantined (it may still land), the session fails.
     let (id, _) = h.pull_put("p", &[2], &v);
-    let r = single(h.unit.read_done(S, id, Err("peer gone".into())));
+    let gone = TransferError::PeerGone {
+        peer: "client".into(),
+        detail: "peer gone".into(),
+    };
+    let r = single(h.unit.read_done(S, id, Err(gone.into())));
     assert_eq!(kind(&r), Some(ErrorKind::Transfer));
     let s = h.unit.stats();
     assert!(

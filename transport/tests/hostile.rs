@@ -1,9 +1,10 @@
 //! Engines survive hostile peers: garbage on their sockets closes that connection only, and
 //! memory that cannot be shared is refused with an error, not a hang.
 
-use std::io::Write;
+use std::io::{Read, Write};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixStream};
+use std::time::Duration;
 
 use tessera_transport::testing::{pattern, HANG_GUARD};
 use tessera_transport::{shm::Shm, tcp::Tcp, Agent, Region, TransferError};
@@ -68,6 +69,29 @@ fn shm_target_survives_garbage() {
         let mut s = UnixStream::connect_addr(&addr).unwrap();
         let _ = s.write_all(&junk);
         drop(s);
+    }
+    still_serves(&target, |n| Agent::new(n, Shm::new()).unwrap());
+}
+
+/// A header announcing a body over the engine's limit (64 MiB) closes the connection at once,
+/// before a byte of the body arrives and without making room for it.
+#[test]
+fn shm_refuses_an_oversized_body_before_it_arrives() {
+    let target = Agent::new("target", Shm::new()).unwrap();
+    let name = address(&target.metadata());
+    let addr = SocketAddr::from_abstract_name(&name).unwrap();
+    let mut s = UnixStream::connect_addr(&addr).unwrap();
+    let mut header = vec![5u8, 0, 0, 0]; // XFER
+    header.extend_from_slice(&((64u32 << 20) + 1).to_le_bytes());
+    s.write_all(&header).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let mut buf = [0u8; 64];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => break,
+            Ok(_) => continue,
+            Err(e) => panic!("the target kept the connection open, waiting for the body: {e}"),
+        }
     }
     still_serves(&target, |n| Agent::new(n, Shm::new()).unwrap());
 }

@@ -119,7 +119,7 @@ const BACKEND_TESTS: &[BackendTests] = &[
     },
     BackendTests {
         engine: "ucx",
-        package: "tessera-storage",
+        package: "tessera-storage-cli",
         features: &["ucx"],
         lib: false,
         targets: &["engines"],
@@ -151,7 +151,7 @@ const BACKEND_TESTS: &[BackendTests] = &[
     },
     BackendTests {
         engine: "nixl",
-        package: "tessera-storage",
+        package: "tessera-storage-cli",
         features: &["nixl"],
         lib: false,
         targets: &["engines"],
@@ -224,10 +224,10 @@ fn test(root: &Path) -> Result<()> {
         for row in &rows {
             clippy.args(["-p", row.package]);
         }
-        let features = qualified_features(&rows);
-        if !features.is_empty() {
-            clippy.args(["--features", &features]);
-        }
+        // The storage library's own targets too: its engines tests run in its cli crate.
+        clippy.args(["-p", "tessera-storage"]);
+        let features = qualified_features(&rows) + &format!(",tessera-storage/{engine}");
+        clippy.args(["--features", &features]);
         clippy.args(["--", "-D", "warnings"]);
         clippy.envs(deps::TEST_ENV.iter().copied());
         step(&format!("cargo clippy of the {engine} engine"), clippy)?;

@@ -9,23 +9,24 @@ use bytes::Bytes;
 use libfuzzer_sys::fuzz_target;
 use tessera_storage::core::{Memory, Output, PoolStats, Unit, UnitConfig};
 use tessera_storage::proto::{decode_body, frame_len, Request};
+use tessera_storage::MemoryError;
 use tessera_transport::RemoteDesc;
 
 struct VecMem;
 
 impl Memory for VecMem {
     type Block = Vec<u8>;
-    fn lease(&mut self, size: u64, _: u64) -> Result<Vec<u8>, String> {
+    fn lease(&mut self, size: u64, _: u64) -> Result<Vec<u8>, MemoryError> {
         if size > 1 << 20 {
-            return Err("too big".into());
+            return Err(MemoryError::LeaseTooLarge { size });
         }
         Ok(vec![0; size as usize])
     }
     type Dest = RemoteDesc;
-    fn remote(&self, _: &Vec<u8>, offset: u64, len: u64) -> Result<RemoteDesc, String> {
+    fn remote(&self, _: &Vec<u8>, offset: u64, len: u64) -> Result<RemoteDesc, MemoryError> {
         Ok(RemoteDesc::new(1, offset, len))
     }
-    fn dest(&self, block: &Vec<u8>, offset: u64, len: u64) -> Result<RemoteDesc, String> {
+    fn dest(&self, block: &Vec<u8>, offset: u64, len: u64) -> Result<RemoteDesc, MemoryError> {
         self.remote(block, offset, len)
     }
     fn freeze(&self, block: Vec<u8>, len: u64) -> Bytes {
@@ -34,7 +35,7 @@ impl Memory for VecMem {
     fn block_len(b: &Vec<u8>) -> u64 {
         b.len() as u64
     }
-    fn copy_in(&mut self, data: &[u8], _: u64) -> Result<Bytes, String> {
+    fn copy_in(&mut self, data: &[u8], _: u64) -> Result<Bytes, MemoryError> {
         Ok(Bytes::copy_from_slice(data))
     }
     fn usage(&self) -> PoolStats {

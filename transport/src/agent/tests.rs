@@ -370,6 +370,48 @@ fn loom_target_grant_races_deregistration() {
     });
 }
 
+/// The target's own check of every span a peer asks for, whatever the initiator checked:
+/// spans past the end, spans whose end overflows u64, empty spans and unknown ids are refused,
+/// and a refused request leaves the grant empty (nothing pinned).
+#[test]
+fn target_grants_check_every_span_themselves() {
+    let engine = Arc::new(Counting::default());
+    let agent = Agent::new("a", engine.clone()).unwrap();
+    let host = engine.host.lock().clone().unwrap();
+    let region = Region::anonymous(8192).unwrap();
+    let reg = agent.register(&region).unwrap();
+    let id = reg.id();
+    let mut grant = Grant::new();
+    host.grant_into(&mut grant, [(id, 0, 8192), (id, 8191, 1)])
+        .unwrap();
+    assert_eq!((grant.len(), grant.bytes()), (2, 8193));
+    for (spans, reason) in [
+        (vec![(id, 8192, 1)], RejectReason::OutOfRange),
+        (vec![(id, 4096, 4097)], RejectReason::OutOfRange),
+        (vec![(id, u64::MAX, 2)], RejectReason::OutOfRange),
+        (vec![(id, 1, u64::MAX)], RejectReason::OutOfRange),
+        (
+            vec![(id, 0, 64), (id, u64::MAX - 7, 16)],
+            RejectReason::OutOfRange,
+        ),
+        (vec![(id, 0, 0)], RejectReason::Malformed),
+        (
+            vec![(id, 0, 64), (id + 1_000, 0, 64)],
+            RejectReason::UnknownRegistration,
+        ),
+    ] {
+        assert_eq!(
+            host.grant_into(&mut grant, spans.clone()),
+            Err(reason),
+            "{spans:?}"
+        );
+        assert!(grant.is_empty(), "{spans:?}: a refused grant pins nothing");
+    }
+    drop(grant);
+    drop(reg);
+    assert_eq!(*engine.live.lock(), 0);
+}
+
 /// Two engine readers serving the same peer (one learns the peer's name late) return on
 /// their own threads while the owner asks: the peer reads open while either runs and
 /// closed once both returned, whatever the interleaving; the count never goes stale.

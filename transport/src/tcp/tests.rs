@@ -97,3 +97,65 @@ fn a_budget_caps_one_call() {
     }
     assert_eq!(sent, 6200);
 }
+
+/// A target that grants a READ and then cuts the link halfway through its payload: the READ
+/// fails as the link's loss, never as done with half its bytes. The target is a raw socket
+/// speaking the wire format, since an honest engine never cuts itself short.
+#[test]
+fn a_read_cut_during_its_payload_fails() {
+    use std::io::{Read, Write};
+
+    use crate::engine::{PeerInfo, RemoteReg};
+    use crate::{Op, Region, RemoteDesc, TransferError};
+
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = listener.local_addr().unwrap().to_string().into_bytes();
+    let target = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let mut head = [0u8; HEADER];
+        s.read_exact(&mut head).unwrap();
+        assert_eq!(head[0], KIND_HELLO);
+        let name = u32::from_le_bytes(head[8..12].try_into().unwrap()) as usize;
+        let addr = u32::from_le_bytes(head[12..16].try_into().unwrap()) as usize;
+        s.read_exact(&mut vec![0u8; name + addr]).unwrap();
+        let mut ack = [0u8; HEADER];
+        ack[0] = KIND_HELLO_ACK;
+        s.write_all(&ack).unwrap();
+        s.read_exact(&mut head).unwrap();
+        assert_eq!((head[0], head[1]), (KIND_XFER, Op::Read.code()));
+        let descs = u32::from_le_bytes(head[4..8].try_into().unwrap()) as usize;
+        let note = u32::from_le_bytes(head[8..12].try_into().unwrap()) as usize;
+        s.read_exact(&mut vec![0u8; descs * 24 + note]).unwrap();
+        let mut granted = [0u8; HEADER];
+        granted[0] = KIND_RESP;
+        s.write_all(&granted).unwrap();
+        s.write_all(&[9u8; 2048]).unwrap(); // half of the 4 KiB asked for, then gone
+    });
+    let a = Agent::new("a", Tcp::new()).unwrap();
+    let meta = crate::metadata::encode(&PeerInfo {
+        name: "raw".into(),
+        kind: KIND.into(),
+        address,
+        regs: vec![RemoteReg {
+            id: 1,
+            len: 4096,
+            key: Vec::new(),
+        }],
+    });
+    let peer = a.add_remote(&meta).unwrap();
+    let region = Region::new(4096).unwrap();
+    let reg = a.register(&region).unwrap();
+    let t = peer
+        .read(
+            &[reg.desc(0, 4096).unwrap()],
+            &[RemoteDesc::new(1, 0, 4096)],
+            None,
+        )
+        .unwrap();
+    target.join().unwrap();
+    let outcome = t.wait_timeout(Duration::from_secs(60));
+    assert!(
+        matches!(outcome, Err(TransferError::PeerGone { ref peer, .. }) if peer == "raw"),
+        "{outcome:?}"
+    );
+}

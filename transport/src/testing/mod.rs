@@ -19,7 +19,9 @@ use crate::{Agent, Op, Peer, Region, Registration, RemoteDesc, TransferError};
 
 mod transfers;
 pub use transfers::*;
+mod faults;
 mod lifecycle;
+pub use faults::{Fault, Faults, Faulty};
 pub use lifecycle::*;
 
 /// Makes a fresh agent of the backend under test.

@@ -1,9 +1,14 @@
-//! `tessera-storage serve | put | get | clear | stats`.
+//! `tessera-storage serve | put | get | clear | stats`: the storage unit's binary. It reads the
+//! TOML configuration, installs the log subscriber and the Prometheus exporter, and parses the
+//! command line; the unit and the client are the `tessera-storage` library's.
+
+#![forbid(unsafe_code)]
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
+use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{Args, Parser, Subcommand};
 use tessera_storage::{Backend, BusyPoll, Client, ClientConfig, Server, ServerConfig, Value};
 
@@ -80,7 +85,7 @@ struct Conn {
     /// Unit control addresses (repeat or comma-separate for several units).
     #[arg(long, value_delimiter = ',', default_value = "127.0.0.1:7470")]
     unit: Vec<String>,
-    #[arg(long, value_enum, default_value = "shm")]
+    #[arg(long, value_parser = backend_parser(), default_value = "shm")]
     backend: Backend,
     #[arg(long)]
     token: Option<String>,
@@ -102,7 +107,7 @@ struct Serve {
     busy_poll_us: u64,
     #[arg(long)]
     bind: Option<String>,
-    #[arg(long, value_enum)]
+    #[arg(long, value_parser = backend_parser())]
     backend: Option<Backend>,
     /// tcp backend: this host's address that clients reach the payload engine on (port 0
     /// picks one; default 127.0.0.1, this host only).
@@ -147,6 +152,13 @@ struct Serve {
     /// Print "listening ADDR" on stdout once serving (for scripts and tests).
     #[arg(long)]
     announce: bool,
+}
+
+/// `--backend`: one of the library's names (`Backend::ALL`, parsed by `Backend::from_str`),
+/// listed in `--help` and in the error for any other value.
+fn backend_parser() -> impl TypedValueParser<Value = Backend> {
+    PossibleValuesParser::new(Backend::ALL.map(Backend::kind))
+        .try_map(|name| name.parse::<Backend>())
 }
 
 fn main() -> Result<()> {

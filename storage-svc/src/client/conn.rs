@@ -1,0 +1,328 @@
+//! One pipelined control connection to a unit: requests are written by one task and
+//! answers matched to their waiters by request id by another.
+
+use std::collections::HashMap;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tessera_transport::{Agent, Peer};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::{mpsc, oneshot};
+
+use super::{lock, ClientConfig};
+use crate::busy_poll::{BusyPoll, Waiting};
+use crate::error::ClientError;
+use crate::proto::{self, Request, Response};
+
+#[derive(Default)]
+struct Pending {
+    /// Set once the connection is gone: later calls fail at once instead of waiting.
+    closed: bool,
+    map: HashMap<u64, oneshot::Sender<Result<Response, ClientError>>>,
+    /// Polled for answers while one is awaited (`ClientConfig::busy_poll`).
+    poll: Option<BusyPoll>,
+}
+
+type Waiters = Arc<Mutex<Pending>>;
+
+pub(super) struct Conn {
+    pub(super) unit: usize,
+    tx: mpsc::UnboundedSender<Outgoing>,
+    waiters: Waiters,
+    next: AtomicU64,
+    pub(super) peer: Peer,
+    pub(super) inline_max: u64,
+    pub(super) align: u64,
+    pub(super) timeout: Duration,
+    /// PUT payloads are READ by the unit (`Backend::pulls_puts`).
+    pub(super) pull: bool,
+}
+
+impl Conn {
+    pub(super) async fn open(
+        unit: usize,
+        addr: &str,
+        cfg: &ClientConfig,
+        agent: &Arc<Agent>,
+    ) -> Result<Conn, ClientError> {
+        let io = |source| ClientError::Io { unit, source };
+        let (r, w): (
+            Box<dyn AsyncRead + Send + Unpin>,
+            Box<dyn AsyncWrite + Send + Unpin>,
+        ) = if let Some(path) = addr.strip_prefix("unix:") {
+            let s = tokio::net::UnixStream::connect(path).await.map_err(io)?;
+            let fd = s.as_raw_fd();
+            let (r, w) = s.into_split();
+            (
+                Box::new(BusyPoll::watched(cfg.busy_poll.as_ref(), fd, r, false)),
+                Box::new(w),
+            )
+        } else {
+            let s = tokio::net::TcpStream::connect(addr).await.map_err(io)?;
+            s.set_nodelay(true).map_err(io)?;
+            let fd = s.as_raw_fd();
+            let (r, w) = s.into_split();
+            (
+                Box::new(BusyPoll::watched(cfg.busy_poll.as_ref(), fd, r, false)),
+                Box::new(w),
+            )
+        };
+        let (tx, rx) = mpsc::unbounded_channel::<Outgoing>();
+        let waiters: Waiters = Arc::new(Mutex::new(Pending {
+            poll: cfg.busy_poll.clone(),
+            ..Pending::default()
+        }));
+        tokio::spawn(write_loop(w, rx));
+        tokio::spawn(read_loop(unit, r, waiters.clone(), cfg.max_message_bytes));
+        let hello = Request::Hello {
+            token: cfg.token.clone(),
+            agent: agent.metadata(),
+        };
+        let (_, resp) = call_raw(unit, &tx, &waiters, 0, hello, cfg.timeout).await?;
+        let Response::Welcome {
+            agent: md,
+            backend,
+            inline_max,
+            align,
+        } = resp
+        else {
+            return Err(ClientError::Unexpected {
+                unit,
+                what: format!("{resp:?}"),
+            });
+        };
+        if backend != cfg.backend.kind() {
+            return Err(ClientError::BackendMismatch {
+                unit,
+                theirs: backend,
+                ours: cfg.backend,
+            });
+        }
+        let a = agent.clone();
+        let peer = tokio::task::spawn_blocking(move || a.add_remote(&md))
+            .await?
+            .map_err(|source| ClientError::Connect { unit, source })?;
+        Ok(Conn {
+            unit,
+            tx,
+            waiters,
+            next: AtomicU64::new(1),
+            peer,
+            inline_max,
+            align,
+            timeout: cfg.timeout,
+            pull: cfg.backend.pulls_puts(),
+        })
+    }
+
+    pub(super) async fn call(&self, req: Request) -> Result<(u64, Response), ClientError> {
+        self.send(req, false)?.wait().await
+    }
+
+    /// Sends `req`; its answer comes through the returned [`Answer`], which with `confirm`
+    /// can also tell when the request is on the socket.
+    pub(super) fn send(&self, req: Request, confirm: bool) -> Result<Answer<'_>, ClientError> {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        send_raw(
+            self.unit,
+            &self.tx,
+            &self.waiters,
+            id,
+            req,
+            self.timeout,
+            confirm,
+        )
+    }
+
+    pub(super) fn unexpected(&self, resp: Response) -> ClientError {
+        ClientError::Unexpected {
+            unit: self.unit,
+            what: format!("{resp:?}").chars().take(200).collect(),
+        }
+    }
+}
+
+async fn call_raw(
+    unit: usize,
+    tx: &mpsc::UnboundedSender<Outgoing>,
+    waiters: &Waiters,
+    id: u64,
+    req: Request,
+    timeout: Duration,
+) -> Result<(u64, Response), ClientError> {
+    send_raw(unit, tx, waiters, id, req, timeout, false)?
+        .wait()
+        .await
+}
+
+/// Sends `req` as request `id` and returns the wait for its answer: the request is on its way
+/// when this returns, so the caller can work while the unit does.
+fn send_raw<'a>(
+    unit: usize,
+    tx: &mpsc::UnboundedSender<Outgoing>,
+    waiters: &'a Waiters,
+    id: u64,
+    req: Request,
+    timeout: Duration,
+    confirm: bool,
+) -> Result<Answer<'a>, ClientError> {
+    let buf = proto::encode_frame(id, &req).map_err(|source| ClientError::Wire { unit, source })?;
+    let (otx, orx) = oneshot::channel();
+    let polled = {
+        let mut w = lock(waiters);
+        if w.closed {
+            return Err(connection_closed(unit));
+        }
+        w.map.insert(id, otx);
+        w.poll.as_ref().map(BusyPoll::waiting)
+    };
+    let (written, sent) = match confirm {
+        true => {
+            let (tx, rx) = oneshot::channel();
+            (Some(tx), Some(rx))
+        }
+        false => (None, None),
+    };
+    if tx.send(Outgoing { buf, written }).is_err() {
+        lock(waiters).map.remove(&id);
+        return Err(connection_closed(unit));
+    }
+    Ok(Answer {
+        unit,
+        id,
+        rx: orx,
+        sent,
+        waiters,
+        timeout,
+        _polled: polled,
+    })
+}
+
+fn connection_closed(unit: usize) -> ClientError {
+    ClientError::Io {
+        unit,
+        source: std::io::Error::new(std::io::ErrorKind::ConnectionAborted, "connection closed"),
+    }
+}
+
+/// A sent request's answer to come.
+pub(super) struct Answer<'a> {
+    unit: usize,
+    id: u64,
+    rx: oneshot::Receiver<Result<Response, ClientError>>,
+    /// Fires once the request is on the socket (when asked for).
+    sent: Option<oneshot::Receiver<()>>,
+    waiters: &'a Waiters,
+    timeout: Duration,
+    /// Parking workers poll for the answer while it is awaited.
+    _polled: Option<Waiting>,
+}
+
+impl Answer<'_> {
+    /// Until the connection's writer put the request on the socket, gave up, or the answer's
+    /// own timeout passed (a unit that stopped reading blocks the writer): the answer then
+    /// reports what happened.
+    pub(super) async fn sent(&mut self) {
+        if let Some(rx) = self.sent.take() {
+            let _ = tokio::time::timeout(self.timeout, rx).await;
+        }
+    }
+
+    pub(super) async fn wait(self) -> Result<(u64, Response), ClientError> {
+        let Self {
+            unit,
+            id,
+            rx,
+            waiters,
+            timeout,
+            _polled: _waiting,
+            ..
+        } = self;
+        // A unit that never answers (stopped, or a session task that died) must not hold the
+        // caller forever.
+        let Ok(answer) = tokio::time::timeout(timeout, rx).await else {
+            lock(waiters).map.remove(&id);
+            return Err(ClientError::Timeout {
+                unit,
+                after: timeout,
+            });
+        };
+        match answer {
+            Ok(Ok(Response::Error(source))) => Err(ClientError::Remote { unit, source }),
+            Ok(Ok(r)) => Ok((id, r)),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(connection_closed(unit)),
+        }
+    }
+}
+
+/// A request for the connection's writer, and whom to tell once it is on the socket.
+struct Outgoing {
+    buf: Vec<u8>,
+    written: Option<oneshot::Sender<()>>,
+}
+
+async fn write_loop(
+    mut w: Box<dyn AsyncWrite + Send + Unpin>,
+    mut rx: mpsc::UnboundedReceiver<Outgoing>,
+) {
+    while let Some(out) = rx.recv().await {
+        if w.write_all(&out.buf).await.is_err() {
+            break;
+        }
+        if let Some(tx) = out.written {
+            let _ = tx.send(());
+        }
+    }
+}
+
+async fn read_loop(
+    unit: usize,
+    mut r: Box<dyn AsyncRead + Send + Unpin>,
+    waiters: Waiters,
+    max: u64,
+) {
+    let fail_all = |waiters: &Waiters, why: &str| {
+        let mut pending = lock(waiters);
+        pending.closed = true;
+        for (_, w) in pending.map.drain() {
+            let _ = w.send(Err(ClientError::Io {
+                unit,
+                source: std::io::Error::new(std::io::ErrorKind::ConnectionAborted, why.to_owned()),
+            }));
+        }
+    };
+    loop {
+        let mut prefix = [0u8; proto::LEN_PREFIX];
+        if r.read_exact(&mut prefix).await.is_err() {
+            fail_all(&waiters, "connection closed");
+            return;
+        }
+        let len = match proto::frame_len(prefix, max) {
+            Ok(l) => l,
+            Err(e) => {
+                fail_all(&waiters, &e.to_string());
+                return;
+            }
+        };
+        let mut buf = vec![0u8; len];
+        if r.read_exact(&mut buf).await.is_err() {
+            fail_all(&waiters, "connection closed");
+            return;
+        }
+        match proto::decode_body::<Response>(&buf) {
+            Ok((id, resp)) => {
+                if let Some(w) = lock(&waiters).map.remove(&id) {
+                    let _ = w.send(Ok(resp));
+                }
+            }
+            Err((id, e)) => {
+                if let Some(w) = lock(&waiters).map.remove(&id) {
+                    let _ = w.send(Err(ClientError::Wire { unit, source: e }));
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,336 @@
+//! The async client: pipelined control connections to one or more units, and the payload
+//! plane (PUT frames from the caller's memory, WRITEn by the client into the unit's block or,
+//! over the one-sided engines, READ by the unit; GETs written by the unit into the client's
+//! own registered pool).
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use tessera_framecodec::{Decoder, Limits, Value};
+use tessera_transport::{Agent, LocalDesc, RegisteredPool};
+
+use crate::busy_poll::BusyPoll;
+use crate::core::Stats;
+use crate::error::{ClientError, ErrorKind, RemoteError};
+use crate::plane::Backend;
+use crate::proto::{Request, Response};
+
+mod conn;
+mod get;
+mod put;
+
+use self::conn::Conn;
+
+/// Which unit holds an index. TransferQueue's placement is [`Modulo`].
+pub trait Placement: Send + Sync {
+    /// The unit (in `0..units`) that holds `index`.
+    fn unit_of(&self, index: u64, units: usize) -> usize;
+}
+
+/// `index % units`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Modulo;
+
+impl Placement for Modulo {
+    fn unit_of(&self, index: u64, units: usize) -> usize {
+        (index % units as u64) as usize
+    }
+}
+
+/// Client configuration.
+#[derive(Debug, Clone)]
+pub struct ClientConfig {
+    /// Control addresses of the units (`HOST:PORT` or `unix:PATH`), in placement order.
+    pub units: Vec<String>,
+    /// Payload backend; must be the units' backend.
+    pub backend: Backend,
+    /// `tcp` backend: the address of this host the client's payload engine listens on and
+    /// advertises to units (port 0 picks one). Unset: 127.0.0.1, for units on this host.
+    /// `ucx` and `nixl` refuse it (UCX takes its interfaces from `UCX_NET_DEVICES`).
+    pub payload_addr: Option<std::net::SocketAddr>,
+    /// Shared secret, if the units require one.
+    pub token: Option<String>,
+    /// Bytes of the client's registered receive pool (GETs land here).
+    pub recv_pool_bytes: u64,
+    /// Largest control message accepted from a unit.
+    pub max_message_bytes: u64,
+    /// How long a unit's answer to any request, a PUT's WRITE or a GET's completion may take
+    /// before the client gives up ([`ClientError::Timeout`]; the outcome is then unknown and
+    /// not retried).
+    pub timeout: Duration,
+    /// Polls the control connections for answers before a worker of the caller's runtime
+    /// parks, when that runtime was built with [`BusyPoll::on_park`] (off by default).
+    pub busy_poll: Option<BusyPoll>,
+}
+
+impl Default for ClientConfig {
+    fn default() -> Self {
+        Self {
+            units: vec!["127.0.0.1:7470".into()],
+            backend: Backend::Shm,
+            payload_addr: None,
+            token: None,
+            recv_pool_bytes: 1 << 30,
+            max_message_bytes: 256 << 20,
+            timeout: Duration::from_secs(60),
+            busy_poll: None,
+        }
+    }
+}
+
+/// A client of one or more units. Cheap to share behind an `Arc`; requests are pipelined.
+pub struct Client {
+    conns: Vec<Conn>,
+    placement: Box<dyn Placement>,
+    agent: Arc<Agent>,
+    pool: RegisteredPool,
+    decoder: Decoder,
+    timeout: Duration,
+    /// Receive blocks a timed-out GET may still be written into; held until the client drops.
+    quarantine: Mutex<Vec<tessera_transport::PoolBlock>>,
+    /// Sources of pulled PUTs whose answer never came (the unit may still read them): their
+    /// frames and registrations are held until the client drops.
+    held_sources: Mutex<Vec<(Vec<LocalDesc>, Vec<Bytes>)>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Client {
+    /// Connects to every unit of `cfg` with [`Modulo`] placement.
+    pub async fn connect(cfg: ClientConfig) -> Result<Client, ClientError> {
+        Self::connect_with(cfg, Box::new(Modulo)).await
+    }
+
+    /// Connects with a custom placement.
+    pub async fn connect_with(
+        cfg: ClientConfig,
+        placement: Box<dyn Placement>,
+    ) -> Result<Client, ClientError> {
+        if cfg.units.is_empty() {
+            return Err(ClientError::ApiMisuse("no units".into()));
+        }
+        let backend = cfg.backend;
+        let payload_addr = cfg.payload_addr;
+        let bytes = cfg.recv_pool_bytes;
+        let (agent, pool) = tokio::task::spawn_blocking(move || {
+            let agent = backend.agent_at("client", payload_addr)?;
+            let pool = RegisteredPool::new(&agent, bytes).map_err(ClientError::from_pool)?;
+            Ok::<_, ClientError>((Arc::new(agent), pool))
+        })
+        .await??;
+        let mut conns = Vec::with_capacity(cfg.units.len());
+        for (unit, addr) in cfg.units.iter().enumerate() {
+            conns.push(Conn::open(unit, addr, &cfg, &agent).await?);
+        }
+        Ok(Client {
+            conns,
+            placement,
+            agent,
+            pool,
+            decoder: Decoder::with_limits({
+                let mut l = Limits::default();
+                l.max_total_bytes = u64::MAX / 2;
+                l
+            }),
+            timeout: cfg.timeout,
+            quarantine: Mutex::new(Vec::new()),
+            held_sources: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// Number of units.
+    pub fn units(&self) -> usize {
+        self.conns.len()
+    }
+
+    /// The client's transport agent (its registrations are reused as PUT sources).
+    pub fn agent(&self) -> &Agent {
+        &self.agent
+    }
+
+    /// Usage of the client's receive pool.
+    pub fn recv_pool_used(&self) -> u64 {
+        self.pool.report().used
+    }
+
+    fn split(&self, indexes: &[u64]) -> Vec<Vec<usize>> {
+        let mut per = vec![Vec::new(); self.conns.len()];
+        for (pos, i) in indexes.iter().enumerate() {
+            per[self.placement.unit_of(*i, self.conns.len())].push(pos);
+        }
+        per
+    }
+
+    /// Stores `columns` (one `(field, values)` per field, one value per index) at `indexes`.
+    /// The units are asked concurrently; each unit replaces its keys atomically (a PUT that
+    /// fails on one unit may have been stored on another). Tensors travel from the caller's
+    /// memory.
+    pub async fn put(
+        &self,
+        partition: &str,
+        indexes: &[u64],
+        columns: &[(String, Vec<Value>)],
+    ) -> Result<(), ClientError> {
+        if columns.iter().any(|(_, v)| v.len() != indexes.len()) {
+            return Err(ClientError::ApiMisuse(
+                "every field needs one value per index".into(),
+            ));
+        }
+        let fields: Vec<String> = columns.iter().map(|(f, _)| f.clone()).collect();
+        let mut work = Vec::new();
+        for (unit, positions) in self.split(indexes).into_iter().enumerate() {
+            if positions.is_empty() {
+                continue;
+            }
+            let idx: Vec<u64> = positions.iter().map(|p| indexes[*p]).collect();
+            let value = Value::List(
+                columns
+                    .iter()
+                    .map(|(_, vals)| {
+                        Value::List(positions.iter().map(|p| vals[*p].clone()).collect())
+                    })
+                    .collect(),
+            );
+            let fields = fields.clone();
+            work.push(async move { self.put_unit(unit, partition, idx, fields, &value).await });
+        }
+        join_all(work).await.into_iter().collect()
+    }
+
+    /// Reads `fields` at `indexes`: one `Vec<Value>` per field, in the requested order.
+    /// Tensors of large GETs are views into the client's receive pool, owning their block.
+    pub async fn get(
+        &self,
+        partition: &str,
+        indexes: &[u64],
+        fields: &[&str],
+    ) -> Result<Vec<Vec<Value>>, ClientError> {
+        let fields: Vec<String> = fields.iter().map(|f| (*f).to_owned()).collect();
+        let mut out: Vec<Vec<Option<Value>>> = vec![vec![None; indexes.len()]; fields.len()];
+        let mut work = Vec::new();
+        for (unit, positions) in self.split(indexes).into_iter().enumerate() {
+            if positions.is_empty() {
+                continue;
+            }
+            let idx: Vec<u64> = positions.iter().map(|p| indexes[*p]).collect();
+            let fields = fields.clone();
+            work.push(async move {
+                let cols = self.get_unit(unit, partition, idx, fields).await?;
+                Ok::<_, ClientError>((positions, cols))
+            });
+        }
+        for r in join_all(work).await {
+            let (positions, cols) = r?;
+            for (f, col) in cols.into_iter().enumerate() {
+                for (p, v) in positions.iter().zip(col) {
+                    out[f][*p] = Some(v);
+                }
+            }
+        }
+        Ok(out
+            .into_iter()
+            .map(|c| c.into_iter().map(|v| v.unwrap_or(Value::Null)).collect())
+            .collect())
+    }
+
+    /// Removes `indexes` (all fields). Idempotent.
+    pub async fn clear(&self, partition: &str, indexes: &[u64]) -> Result<(), ClientError> {
+        self.clear_fields(partition, indexes, None).await
+    }
+
+    /// Removes `fields` (all when `None`) at `indexes`. Idempotent.
+    pub async fn clear_fields(
+        &self,
+        partition: &str,
+        indexes: &[u64],
+        fields: Option<&[&str]>,
+    ) -> Result<(), ClientError> {
+        for (unit, positions) in self.split(indexes).into_iter().enumerate() {
+            if positions.is_empty() {
+                continue;
+            }
+            let conn = &self.conns[unit];
+            let req = Request::Clear {
+                partition: partition.to_owned(),
+                indexes: positions.iter().map(|p| indexes[*p]).collect(),
+                fields: fields.map(|fs| fs.iter().map(|f| (*f).to_owned()).collect()),
+            };
+            match conn.call(req).await?.1 {
+                Response::Done => {}
+                other => return Err(conn.unexpected(other)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes a partition from every unit. Idempotent.
+    pub async fn drop_partition(&self, partition: &str) -> Result<(), ClientError> {
+        for conn in &self.conns {
+            let req = Request::DropPartition {
+                partition: partition.to_owned(),
+            };
+            match conn.call(req).await?.1 {
+                Response::Done => {}
+                other => return Err(conn.unexpected(other)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Statistics of every unit, in unit order.
+    pub async fn stats(&self) -> Result<Vec<Stats>, ClientError> {
+        let mut out = Vec::with_capacity(self.conns.len());
+        for conn in &self.conns {
+            match conn.call(Request::Stats).await?.1 {
+                Response::Stats(s) => out.push(s),
+                other => return Err(conn.unexpected(other)),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Sends one raw request to a unit and returns its response (for tools and tests).
+    pub async fn raw(&self, unit: usize, req: Request) -> Result<Response, ClientError> {
+        let conn = self
+            .conns
+            .get(unit)
+            .ok_or_else(|| ClientError::ApiMisuse(format!("no unit {unit}")))?;
+        Ok(conn.call(req).await?.1)
+    }
+}
+
+/// Runs `futs` concurrently on the current task and returns their outputs in order.
+async fn join_all<F: std::future::Future>(futs: Vec<F>) -> Vec<F::Output> {
+    let mut futs: Vec<std::pin::Pin<Box<F>>> = futs.into_iter().map(Box::pin).collect();
+    let mut out: Vec<Option<F::Output>> = futs.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (f, slot) in futs.iter_mut().zip(out.iter_mut()) {
+            if slot.is_none() {
+                match f.as_mut().poll(cx) {
+                    std::task::Poll::Ready(v) => *slot = Some(v),
+                    std::task::Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(())
+        }
+    })
+    .await;
+    out.into_iter().flatten().collect()
+}
+
+/// Builds a [`RemoteError`] for tests and tools.
+pub fn remote_error(kind: ErrorKind, message: &str) -> RemoteError {
+    RemoteError {
+        kind,
+        message: message.to_owned(),
+        missing: Vec::new(),
+    }
+}

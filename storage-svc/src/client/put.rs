@@ -1,0 +1,184 @@
+//! Drives the client's side of a PUT ([`PutOp`]): sends what it asks, registers and WRITEs
+//! the frames, and feeds it the answers.
+
+use serde_bytes::ByteBuf;
+use tessera_framecodec::{encode, Frames, Value};
+use tessera_transport::{LocalDesc, RemoteDesc};
+
+use super::conn::Conn;
+use super::{lock, Client};
+use crate::core::client::{PutOp, PutStep};
+use crate::error::{ClientError, MemoryError, PayloadError};
+use crate::plane::source_descs;
+use crate::proto::PullSource;
+
+impl Client {
+    pub(super) async fn put_unit(
+        &self,
+        unit: usize,
+        partition: &str,
+        indexes: Vec<u64>,
+        fields: Vec<String>,
+        value: &Value,
+    ) -> Result<(), ClientError> {
+        let conn = &self.conns[unit];
+        let frames = encode(value)?;
+        let inline = PutOp::is_inline(&frames, conn.inline_max);
+        if !inline && conn.pull {
+            return self
+                .put_pulled(conn, partition, indexes, fields, &frames)
+                .await;
+        }
+        let (mut op, first) = PutOp::new(
+            unit,
+            partition,
+            indexes,
+            fields,
+            &frames,
+            conn.inline_max,
+            conn.align,
+            None,
+        );
+        let PutStep::Send(req) = first else {
+            return done(first);
+        };
+        let mut answer = conn.send(req, !inline)?;
+        // The frames are registered while the unit prepares its block: once the request is
+        // on its way (the writer may share this thread's core).
+        answer.sent().await;
+        let mut locals = (!inline).then(|| {
+            source_descs(
+                &self.agent,
+                frames.payloads.iter().filter(|f| !f.is_empty()),
+            )
+        });
+        let mut step = op.on_answer(answer.wait().await);
+        loop {
+            step = match step {
+                PutStep::Done(r) => return r,
+                PutStep::Send(req) => op.on_answer(conn.call(req).await),
+                PutStep::Write { descs, agent } => {
+                    let ready = match (agent, locals.take()) {
+                        (_, None) => Err(ClientError::ApiMisuse(
+                            "a WRITE for a PUT without registered frames".into(),
+                        )),
+                        (_, Some(Err(e))) => Err(ClientError::Memory(e)),
+                        // The unit registered more memory: its peer handle learns the new
+                        // registrations before any WRITE names them.
+                        (Some(md), Some(Ok(l))) => self
+                            .agent
+                            .add_remote(&md)
+                            .map(|_| l)
+                            .map_err(|source| ClientError::Connect { unit, source }),
+                        (None, Some(Ok(l))) => Ok(l),
+                    };
+                    match ready {
+                        // Nothing was written: the unit frees the block.
+                        Err(e) => op.on_written(Err(e), false),
+                        // The block may hold part of the payload if this fails: the unit
+                        // quarantines it. No retry.
+                        Ok(locals) => {
+                            op.on_written(self.write_frames(conn, &descs, locals).await, true)
+                        }
+                    }
+                }
+            };
+        }
+    }
+
+    /// A PUT whose payload the unit READs: the frames are registered in place (or found in a
+    /// registration) and named in the request; they stay registered until the unit answered,
+    /// or, when no answer comes, until the client drops.
+    async fn put_pulled(
+        &self,
+        conn: &Conn,
+        partition: &str,
+        indexes: Vec<u64>,
+        fields: Vec<String>,
+        frames: &Frames,
+    ) -> Result<(), ClientError> {
+        let sources = source_descs(
+            &self.agent,
+            frames.payloads.iter().filter(|f| !f.is_empty()),
+        )?;
+        let mut it = sources.iter();
+        let descs = frames
+            .payloads
+            .iter()
+            .map(|f| match f.is_empty() {
+                true => Some(RemoteDesc::new(0, 0, 0)),
+                false => it.next().map(LocalDesc::to_remote),
+            })
+            .collect::<Option<Vec<_>>>()
+            .ok_or(MemoryError::Described {
+                frames: frames.payloads.iter().filter(|f| !f.is_empty()).count(),
+                descs: sources.len(),
+            })?;
+        let pull = PullSource {
+            descs,
+            agent: ByteBuf::from(self.agent.metadata()),
+        };
+        let (mut op, first) = PutOp::new(
+            conn.unit,
+            partition,
+            indexes,
+            fields,
+            frames,
+            conn.inline_max,
+            conn.align,
+            Some(pull),
+        );
+        let PutStep::Send(req) = first else {
+            return done(first);
+        };
+        let answer = conn.call(req).await;
+        if matches!(answer, Err(ClientError::Timeout { .. })) {
+            // No answer: the unit may still be reading these frames.
+            lock(&self.held_sources).push((sources, frames.payloads.iter().cloned().collect()));
+        } else {
+            drop(sources);
+        }
+        done(op.on_answer(answer))
+    }
+
+    /// WRITEs the non-empty frames, registered as `locals` in order, to `descs` in the unit's
+    /// receive block.
+    async fn write_frames(
+        &self,
+        conn: &Conn,
+        descs: &[RemoteDesc],
+        locals: Vec<LocalDesc>,
+    ) -> Result<(), ClientError> {
+        let terr = |source: PayloadError| ClientError::Transfer {
+            unit: conn.unit,
+            source,
+        };
+        if descs.len() != locals.len() {
+            return Err(MemoryError::Described {
+                frames: locals.len(),
+                descs: descs.len(),
+            }
+            .into());
+        }
+        let t = conn
+            .peer
+            .write(&locals, descs, None)
+            .map_err(|e| terr(e.into()))?;
+        drop(locals);
+        let after = self.timeout;
+        match tokio::time::timeout(after, t).await {
+            Ok(r) => r.map_err(|e| terr(e.into())),
+            Err(_) => Err(terr(PayloadError::TimedOut { after })),
+        }
+    }
+}
+
+/// The result of a PUT whose machine asks for nothing more (a pulled PUT's only answer).
+fn done(step: PutStep) -> Result<(), ClientError> {
+    match step {
+        PutStep::Done(r) => r,
+        other => Err(ClientError::ApiMisuse(format!(
+            "a PUT machine asked for {other:?} where it had nothing left to do"
+        ))),
+    }
+}

@@ -1,0 +1,429 @@
+//! The client's side of the protocol as plain code, beside the unit's [`Unit`](super::Unit):
+//! one machine per operation on one unit ([`PutOp`], [`GetOp`]), fed the unit's answers and
+//! the outcome of the client's own steps, answering with the next step ([`PutStep`],
+//! [`GetStep`]): a request to send, the frames to WRITE, a receive block to lease, the landed
+//! block to decode, or the result. No I/O, no clock: the driver (`Client`) sends, writes,
+//! leases and times out, and the tests drive a machine against the unit's core with no
+//! sockets (`tests/client_core.rs`).
+//!
+//! - PUT, pushed: `PUT` → `PUT_READY` → the frames WRITEn into the block → `COMMIT` → `DONE`;
+//!   a failure before the WRITE cancels (`maybe_written: false`), after it starts cancels with
+//!   `maybe_written: true`. Inline (payload up to `inline_max`): `PUT` → `DONE`.
+//! - PUT, pulled (the one-sided engines): `PUT` naming the frames → `DONE` once the unit has
+//!   READ them.
+//! - GET: `GET` → `VALUES` (inline), or `GET_READY` → a block leased from the client's pool →
+//!   `GET_INTO` → the unit's WRITE → `GET_DONE` → the block decoded; a failure to lease
+//!   cancels the GET.
+
+use bytes::Bytes;
+use serde_bytes::ByteBuf;
+use tessera_framecodec::{decode_contiguous, Decoder, Frames, LayoutError, RecvLayout, Value};
+use tessera_transport::RemoteDesc;
+
+use super::decode_inline;
+use crate::error::{ClientError, ErrorKind, MemoryError, PayloadError};
+use crate::proto::{frame_descs, PullSource, Request, Response};
+
+/// What the driver does next for a PUT.
+#[derive(Debug)]
+#[must_use]
+pub enum PutStep {
+    /// Send this request and feed its answer (or the failure to get one) to
+    /// [`PutOp::on_answer`].
+    Send(Request),
+    /// WRITE the PUT's non-empty payload frames, in order, to `descs` on the unit's agent
+    /// (adding the unit's agent metadata `agent` first, when given), then report the outcome
+    /// to [`PutOp::on_written`].
+    Write {
+        /// One descriptor per non-empty frame, in the unit's block.
+        descs: Vec<RemoteDesc>,
+        /// The unit's new agent metadata (it registered more memory), if any.
+        agent: Option<Vec<u8>>,
+    },
+    /// The PUT is over.
+    Done(Result<(), ClientError>),
+}
+
+/// What the driver does next for a GET.
+#[derive(Debug)]
+#[must_use]
+pub enum GetStep {
+    /// Send this request and feed its answer (or the failure to get one) to
+    /// [`GetOp::on_answer`]; an answer to `GetInto` is awaited at most the client's timeout
+    /// ([`GetOp::on_timeout`]).
+    Send(Request),
+    /// Lease a receive block laid out as `layout` (at least one byte) and report its
+    /// descriptor to [`GetOp::on_block`].
+    Lease {
+        /// Where each frame goes in the block.
+        layout: RecvLayout,
+    },
+    /// The unit wrote the block: freeze its first `layout.size` bytes and hand them to
+    /// [`GetOp::on_landed`].
+    Land,
+    /// The GET is over: one list per field, one value per index.
+    Done(Result<Columns, ClientError>),
+}
+
+/// An answer the protocol does not allow here: the unit's error, or an unexpected response.
+pub fn unexpected(unit: usize, resp: Response) -> ClientError {
+    match resp {
+        Response::Error(source) => ClientError::Remote { unit, source },
+        other => ClientError::Unexpected {
+            unit,
+            what: format!("{other:?}").chars().take(200).collect(),
+        },
+    }
+}
+
+/// How a PUT's payload travels.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// In the PUT itself.
+    Inline,
+    /// WRITEn by the client into a block the unit exposes.
+    Pushed,
+    /// READ by the unit from the frames the PUT names.
+    Pulled,
+}
+
+enum PutState {
+    /// The PUT is on its way.
+    Sent(Mode),
+    /// The unit answered READY for `put`; the frames are being written.
+    Writing {
+        put: u64,
+    },
+    /// The frames are written; COMMIT is on its way.
+    Committing,
+    /// A CANCEL is on its way; the PUT fails with `error` whatever it is answered.
+    Cancelling {
+        error: ClientError,
+    },
+    Done,
+}
+
+/// The client's side of one PUT on one unit.
+pub struct PutOp {
+    unit: usize,
+    /// Where the frames go in the unit's block (the unit's alignment), taken once READY came.
+    layout: Option<Result<RecvLayout, LayoutError>>,
+    /// Non-empty payload frames: one descriptor each.
+    nonempty: usize,
+    state: PutState,
+}
+
+impl PutOp {
+    /// A PUT of `frames` (encoded values) at `indexes` x `fields` of `partition` on `unit`,
+    /// whose HELLO said `inline_max` and `align`. With `pull` (the unit's backend pulls PUT
+    /// payloads), a payload above `inline_max` is named by these sources instead of pushed.
+    /// Returns the machine and its first step (the PUT to send).
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        unit: usize,
+        partition: &str,
+        indexes: Vec<u64>,
+        fields: Vec<String>,
+        frames: &Frames,
+        inline_max: u64,
+        align: u64,
+        pull: Option<PullSource>,
+    ) -> (Self, PutStep) {
+        let inline = Self::is_inline(frames, inline_max);
+        let pull = if inline { None } else { pull };
+        let mode = match (inline, &pull) {
+            (true, _) => Mode::Inline,
+            (false, None) => Mode::Pushed,
+            (false, Some(_)) => Mode::Pulled,
+        };
+        let req = Request::Put {
+            partition: partition.to_owned(),
+            indexes,
+            fields,
+            meta: ByteBuf::from(frames.meta.to_vec()),
+            inline: inline.then(|| {
+                frames
+                    .payloads
+                    .iter()
+                    .map(|f| ByteBuf::from(f.to_vec()))
+                    .collect()
+            }),
+            pull,
+        };
+        let op = Self {
+            unit,
+            layout: Some(frames.layout(align)),
+            nonempty: frames.payloads.iter().filter(|f| !f.is_empty()).count(),
+            state: PutState::Sent(mode),
+        };
+        (op, PutStep::Send(req))
+    }
+
+    /// Whether the PUT goes inline for a unit that said `inline_max` (then it needs neither
+    /// registered frames nor sources).
+    pub fn is_inline(frames: &Frames, inline_max: u64) -> bool {
+        frames.payload_bytes() <= inline_max
+    }
+
+    /// The answer to the last request sent: `(request id, response)`, or why none came.
+    pub fn on_answer(&mut self, answer: Result<(u64, Response), ClientError>) -> PutStep {
+        let state = std::mem::replace(&mut self.state, PutState::Done);
+        match (state, answer) {
+            (PutState::Cancelling { error }, _) => PutStep::Done(Err(error)),
+            (_, Err(e)) => PutStep::Done(Err(e)),
+            (PutState::Sent(_), Ok((_, Response::Done))) => PutStep::Done(Ok(())),
+            (PutState::Sent(Mode::Pushed), Ok((put, Response::PutReady { block, agent }))) => {
+                match self.descs(&block) {
+                    Ok(descs) => {
+                        self.state = PutState::Writing { put };
+                        PutStep::Write {
+                            descs,
+                            agent: agent.map(ByteBuf::into_vec),
+                        }
+                    }
+                    Err(error) => self.cancel(put, false, error),
+                }
+            }
+            (PutState::Sent(Mode::Inline), Ok((put, r @ Response::PutReady { .. }))) => {
+                // Nothing is written into a block this PUT never asked for: the unit frees it.
+                let error = ClientError::Unexpected {
+                    unit: self.unit,
+                    what: format!("{r:?}").chars().take(200).collect(),
+                };
+                self.cancel(put, false, error)
+            }
+            (PutState::Committing, Ok((_, Response::Done))) => PutStep::Done(Ok(())),
+            (_, Ok((_, other))) => PutStep::Done(Err(unexpected(self.unit, other))),
+        }
+    }
+
+    /// The WRITE asked for by [`PutStep::Write`] ended: `Ok` once every frame landed; otherwise
+    /// the error, and whether any byte may have been written (`false` when the WRITE never
+    /// started: the unit's agent or the frames' registration failed).
+    pub fn on_written(&mut self, result: Result<(), ClientError>, maybe_written: bool) -> PutStep {
+        let PutState::Writing { put } = std::mem::replace(&mut self.state, PutState::Done) else {
+            return PutStep::Done(Err(ClientError::ApiMisuse(
+                "on_written without a WRITE asked for".into(),
+            )));
+        };
+        match result {
+            Ok(()) => {
+                self.state = PutState::Committing;
+                PutStep::Send(Request::Commit { put })
+            }
+            Err(error) => self.cancel(put, maybe_written, error),
+        }
+    }
+
+    /// Where the frames go in the unit's block: one descriptor per non-empty frame.
+    fn descs(&mut self, block: &RemoteDesc) -> Result<Vec<RemoteDesc>, ClientError> {
+        let layout = self
+            .layout
+            .take()
+            .ok_or_else(|| ClientError::ApiMisuse("a second READY for one PUT".into()))??;
+        let descs = frame_descs(block, &layout)?;
+        let frames = self.nonempty;
+        if descs.len() != frames {
+            return Err(MemoryError::Described {
+                frames,
+                descs: descs.len(),
+            }
+            .into());
+        }
+        Ok(descs)
+    }
+
+    fn cancel(&mut self, put: u64, maybe_written: bool, error: ClientError) -> PutStep {
+        self.state = PutState::Cancelling { error };
+        PutStep::Send(Request::Cancel {
+            of: put,
+            maybe_written,
+        })
+    }
+}
+
+enum GetState {
+    Sent,
+    /// The unit prepared GET `get`; a block is being leased.
+    Leasing {
+        get: u64,
+        meta: ByteBuf,
+        layout: RecvLayout,
+    },
+    /// GET_INTO is on its way; the unit WRITEs into the block.
+    Writing {
+        meta: ByteBuf,
+        layout: RecvLayout,
+    },
+    /// GET_DONE came; the block is being frozen.
+    Landing {
+        meta: ByteBuf,
+        layout: RecvLayout,
+    },
+    Cancelling {
+        error: ClientError,
+    },
+    Done,
+}
+
+/// The values of one GET on one unit: one list per field, one value per index.
+pub type Columns = Vec<Vec<Value>>;
+
+/// The client's side of one GET on one unit.
+pub struct GetOp {
+    unit: usize,
+    indexes: usize,
+    fields: usize,
+    align: u64,
+    decoder: Decoder,
+    state: GetState,
+    /// The block may hold part of a WRITE: keep it out of the pool.
+    quarantine: bool,
+}
+
+impl GetOp {
+    /// A GET of `indexes` x `fields` of `partition` on `unit`, whose HELLO said `align`;
+    /// `decoder` checks the answer's meta frame. Returns the machine and the GET to send.
+    pub fn new(
+        unit: usize,
+        partition: &str,
+        indexes: Vec<u64>,
+        fields: Vec<String>,
+        align: u64,
+        decoder: Decoder,
+    ) -> (Self, GetStep) {
+        let op = Self {
+            unit,
+            indexes: indexes.len(),
+            fields: fields.len(),
+            align,
+            decoder,
+            state: GetState::Sent,
+            quarantine: false,
+        };
+        let req = Request::Get {
+            partition: partition.to_owned(),
+            indexes,
+            fields,
+        };
+        (op, GetStep::Send(req))
+    }
+
+    /// The answer to the last request sent: `(request id, response)`, or why none came.
+    pub fn on_answer(&mut self, answer: Result<(u64, Response), ClientError>) -> GetStep {
+        let state = std::mem::replace(&mut self.state, GetState::Done);
+        match (state, answer) {
+            (GetState::Cancelling { error }, _) => GetStep::Done(Err(error)),
+            (GetState::Writing { .. }, Err(e)) => {
+                // A failed WRITE may have reached the block: outcome unknown.
+                if matches!(&e, ClientError::Remote { source, .. } if source.kind == ErrorKind::Transfer)
+                {
+                    self.quarantine = true;
+                }
+                GetStep::Done(Err(e))
+            }
+            (GetState::Writing { meta, layout }, Ok((_, Response::GetDone))) => {
+                self.state = GetState::Landing { meta, layout };
+                GetStep::Land
+            }
+            (_, Err(e)) => GetStep::Done(Err(e)),
+            (GetState::Sent, Ok((_, Response::Values { meta, frames }))) => GetStep::Done(
+                decode_inline(&meta, frames)
+                    .map_err(Into::into)
+                    .and_then(|v| self.columns(v)),
+            ),
+            (GetState::Sent, Ok((get, Response::GetReady { meta }))) => {
+                let layout = match self
+                    .decoder
+                    .frame_table(&meta)
+                    .map_err(ClientError::from)
+                    .and_then(|t| Ok(t.layout(self.align)?))
+                {
+                    Ok(l) => l,
+                    Err(e) => return GetStep::Done(Err(e)),
+                };
+                self.state = GetState::Leasing {
+                    get,
+                    meta,
+                    layout: layout.clone(),
+                };
+                GetStep::Lease { layout }
+            }
+            (_, Ok((_, other))) => GetStep::Done(Err(unexpected(self.unit, other))),
+        }
+    }
+
+    /// The block asked for by [`GetStep::Lease`]: its descriptor, or why there is none (the
+    /// GET is then cancelled and fails with that error).
+    pub fn on_block(&mut self, block: Result<RemoteDesc, ClientError>) -> GetStep {
+        let GetState::Leasing { get, meta, layout } =
+            std::mem::replace(&mut self.state, GetState::Done)
+        else {
+            return GetStep::Done(Err(ClientError::ApiMisuse(
+                "on_block without a block asked for".into(),
+            )));
+        };
+        match block {
+            Ok(block) => {
+                self.state = GetState::Writing { meta, layout };
+                GetStep::Send(Request::GetInto { get, block })
+            }
+            Err(error) => {
+                self.state = GetState::Cancelling { error };
+                GetStep::Send(Request::Cancel {
+                    of: get,
+                    maybe_written: false,
+                })
+            }
+        }
+    }
+
+    /// No answer to GET_INTO came in time: the unit may still write into the block.
+    pub fn on_timeout(&mut self, after: std::time::Duration) -> GetStep {
+        self.state = GetState::Done;
+        self.quarantine = true;
+        GetStep::Done(Err(ClientError::Transfer {
+            unit: self.unit,
+            source: PayloadError::TimedOut { after },
+        }))
+    }
+
+    /// The landed block's bytes (the first `layout.size` of it), frozen: the values are
+    /// views of it.
+    pub fn on_landed(&mut self, buf: Bytes) -> GetStep {
+        let GetState::Landing { meta, layout } = std::mem::replace(&mut self.state, GetState::Done)
+        else {
+            return GetStep::Done(Err(ClientError::ApiMisuse(
+                "on_landed without a block landed".into(),
+            )));
+        };
+        GetStep::Done(
+            decode_contiguous(&meta, &buf, layout.align)
+                .map_err(Into::into)
+                .and_then(|v| self.columns(v)),
+        )
+    }
+
+    /// Whether the receive block must be kept out of the pool (a WRITE into it may still
+    /// land): the driver holds it until the client drops.
+    pub fn quarantine_block(&self) -> bool {
+        self.quarantine
+    }
+
+    /// The answer's value as one list per field, each with one value per index.
+    fn columns(&self, value: Value) -> Result<Columns, ClientError> {
+        let bad = || unexpected(self.unit, Response::GetDone);
+        let Value::List(cols) = value else {
+            return Err(bad());
+        };
+        if cols.len() != self.fields {
+            return Err(bad());
+        }
+        cols.into_iter()
+            .map(|c| match c {
+                Value::List(items) if items.len() == self.indexes => Ok(items),
+                _ => Err(bad()),
+            })
+            .collect()
+    }
+}

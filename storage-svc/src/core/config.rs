@@ -1,0 +1,70 @@
+//! The unit's configuration.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// Configuration of the protocol core.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct UnitConfig {
+    /// Logical bytes the unit stores at most (payloads, strings and 8 bytes per scalar).
+    pub capacity_bytes: u64,
+    /// Payloads up to this many bytes travel inline in control messages.
+    pub inline_max: u64,
+    /// Alignment of frames in receive blocks.
+    pub align: u64,
+    /// Indexes times fields in one request, at most.
+    pub max_keys: u64,
+    /// Payload bytes of one PUT or GET, at most.
+    pub max_payload_bytes: u64,
+    /// Bytes of one meta frame, at most.
+    pub max_meta_bytes: u64,
+    /// Bytes of registered memory leased to prepared PUTs, at most.
+    pub leased_limit: u64,
+    /// Bytes of quarantined registered memory, at most; PUTs are refused beyond it.
+    pub quarantine_limit: u64,
+    /// A prepared PUT or GET that sees no COMMIT within this time expires.
+    #[serde(with = "millis")]
+    pub prepare_ttl: Duration,
+    /// How long the exposed blocks of a closed session stay quarantined when the payload
+    /// engine cannot tell when the client's link is torn down (`ucx`, `nixl`, `inproc`: a
+    /// one-sided WRITE leaves no trace at the target). Engines that can tell (`tcp`, `shm`)
+    /// hold them until the link is gone instead, however long that takes.
+    #[serde(with = "millis")]
+    pub late_write_grace: Duration,
+    /// Compact a receive block when this fraction of it is dead (0 disables compaction).
+    pub compact_dead_fraction: f64,
+    /// Shared secret a Hello must carry.
+    pub token: Option<String>,
+}
+
+mod millis {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use std::time::Duration;
+    pub(super) fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(d.as_millis() as u64)
+    }
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        Ok(Duration::from_millis(u64::deserialize(d)?))
+    }
+}
+
+impl Default for UnitConfig {
+    fn default() -> Self {
+        Self {
+            capacity_bytes: 1 << 30,
+            inline_max: 64 << 10,
+            align: 64,
+            max_keys: 1 << 20,
+            max_payload_bytes: 16 << 30,
+            max_meta_bytes: 64 << 20,
+            leased_limit: 16 << 30,
+            quarantine_limit: 1 << 30,
+            prepare_ttl: Duration::from_secs(30),
+            late_write_grace: Duration::from_secs(30),
+            compact_dead_fraction: 0.75,
+            token: None,
+        }
+    }
+}

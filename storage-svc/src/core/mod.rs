@@ -1,0 +1,414 @@
+//! The unit's protocol core: a deterministic state machine with no I/O (quinn-proto style).
+//!
+//! The driver feeds it requests ([`Unit::handle`]), transfer completions
+//! ([`Unit::transfer_done`], [`Unit::read_done`]) and the clock ([`Unit::handle_timeout`]); it
+//! answers with [`Output`]s that the driver carries out: replies to send, WRITEs and READs to
+//! post, sessions to accept or close.
+//!
+//! A PUT's payload arrives in one of two ways, chosen by the payload backend
+//! ([`Unit::set_pull_puts`]): pushed, the client WRITEs into a block the unit leased and
+//! exposed (`PutReady`), then COMMITs; pulled (the one-sided engines), the PUT names the
+//! client's frames and the unit READs them into the block it leased, so the unit is always
+//! the initiator of the transfer and a client that dies mid-transfer only fails the READ.
+//! Memory comes from a [`Memory`] the driver supplies, so tests run it over plain vectors.
+//!
+//! The state is split by concern, each part owning its invariants: the stored values and
+//! their blocks (`store`), sessions and quarantine (`session`), pending PUTs and what they
+//! lease (`put`), pending GETs (`get`).
+//!
+//! The client's side of the same protocol is plain code too ([`client`]): `Client` only
+//! drives its machines.
+
+pub mod client;
+mod config;
+mod get;
+mod put;
+mod session;
+mod stats;
+mod store;
+#[cfg(test)]
+mod tests;
+
+use std::collections::{BTreeMap, HashSet};
+use std::time::Instant;
+
+use bytes::Bytes;
+use serde_bytes::ByteBuf;
+use tessera_framecodec::{decode, DecodeError, Decoder, Limits, Value};
+use tessera_transport::RemoteDesc;
+
+pub use self::config::UnitConfig;
+pub use self::stats::{PartitionStats, PoolStats, Stats};
+
+use self::get::Gets;
+use self::put::{PutNext, PutRequest, Puts};
+use self::session::Sessions;
+use self::store::{Compaction, Store};
+use crate::error::{ErrorKind, MemoryError, PayloadError, RemoteError};
+use crate::proto::{Request, Response};
+
+/// Identifies a control connection (a session). A client that reconnects is a new session.
+pub type SessionId = u64;
+
+/// Where receive blocks come from: a registered pool in the server, vectors in tests.
+pub trait Memory {
+    /// A leased block; dropping it returns its range.
+    type Block: Send + Sync + 'static;
+    /// Leases `size` bytes aligned to `align`.
+    fn lease(&mut self, size: u64, align: u64) -> Result<Self::Block, MemoryError>;
+    /// Where a READ into a block lands (a local descriptor in the server).
+    type Dest: Send + 'static;
+    /// A descriptor a peer can WRITE to: `len` bytes at `offset` of `block`.
+    fn remote(&self, block: &Self::Block, offset: u64, len: u64)
+        -> Result<RemoteDesc, MemoryError>;
+    /// A destination for a READ of `len` bytes into `block` at `offset`. It may keep the
+    /// block's memory alive while the READ is in flight.
+    fn dest(&self, block: &Self::Block, offset: u64, len: u64) -> Result<Self::Dest, MemoryError>;
+    /// The block's first `len` bytes as `Bytes` that own the block (no copy).
+    fn freeze(&self, block: Self::Block, len: u64) -> Bytes;
+    /// Length of a block.
+    fn block_len(block: &Self::Block) -> u64;
+    /// Copies `data` into a fresh block and returns it frozen (used by compaction only).
+    fn copy_in(&mut self, data: &[u8], align: u64) -> Result<Bytes, MemoryError>;
+    /// Pool usage.
+    fn usage(&self) -> PoolStats;
+    /// Gives back registered memory that is idle beyond the configured limit; returns the
+    /// bytes given back. Memory that never shrinks keeps the default.
+    fn trim(&mut self) -> u64 {
+        0
+    }
+}
+
+/// What the driver must do. `D` is the memory's READ destination ([`Memory::Dest`]).
+#[derive(Debug)]
+pub enum Output<D = RemoteDesc> {
+    /// Send `response` to `session` for request `id`.
+    Reply {
+        /// Session.
+        session: SessionId,
+        /// Request id.
+        id: u64,
+        /// The response.
+        response: Response,
+    },
+    /// The session said a valid Hello: connect to its agent, then answer `Welcome`.
+    Accept {
+        /// Session.
+        session: SessionId,
+        /// Request id of the Hello.
+        id: u64,
+        /// The client's agent metadata.
+        agent: Vec<u8>,
+    },
+    /// WRITE `frames[i]` to `descs[i]` on the session's peer, then call `transfer_done`.
+    Write {
+        /// Session.
+        session: SessionId,
+        /// Request id of the `GetInto` to answer.
+        id: u64,
+        /// Request id of the GET.
+        get: u64,
+        /// The stored frames.
+        frames: Vec<Bytes>,
+        /// The client's descriptors.
+        descs: Vec<RemoteDesc>,
+    },
+    /// READ `srcs[i]` from the session's peer into `dests[i]` (a pulled PUT), then call
+    /// [`Unit::read_done`] (or [`Unit::read_refused`] when it cannot be queued).
+    Read {
+        /// Session.
+        session: SessionId,
+        /// Request id of the PUT, to answer.
+        put: u64,
+        /// Destinations in the block leased for the PUT.
+        dests: Vec<D>,
+        /// The client's descriptors, pairwise the same lengths.
+        srcs: Vec<RemoteDesc>,
+        /// The client's agent metadata, to add before reading.
+        agent: Vec<u8>,
+    },
+    /// Close the session's connection (after sending any reply before it).
+    Close {
+        /// Session.
+        session: SessionId,
+    },
+}
+
+/// How the driver learns that the client of a closed session can no longer write into the
+/// blocks it was shown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TornDown {
+    /// The payload engine tells: the driver calls [`Unit::release_closed`] once it does.
+    Signalled,
+    /// The engine cannot tell: the blocks are released `late_write_grace` after the close.
+    Grace,
+}
+
+/// The unit's state machine.
+pub struct Unit<M: Memory> {
+    cfg: UnitConfig,
+    mem: M,
+    decoder: Decoder,
+    /// Stored values and the blocks they pin.
+    store: Store,
+    /// Sessions, and the blocks quarantined for them.
+    sessions: Sessions,
+    /// PUTs waiting for their payload, and what they lease and reserve.
+    puts: Puts,
+    /// GETs waiting for the client's block or their WRITE.
+    gets: Gets,
+    /// PUT payloads are pulled (READ by the unit) instead of pushed.
+    pull_puts: bool,
+}
+
+fn err(kind: ErrorKind, message: impl Into<String>) -> RemoteError {
+    RemoteError {
+        kind,
+        message: message.into(),
+        missing: Vec::new(),
+    }
+}
+
+/// Logical size of a value: payload bytes, string bytes and 8 bytes per scalar.
+pub fn logical_bytes(v: &Value) -> u64 {
+    match v {
+        Value::Null | Value::Bool(_) | Value::I64(_) | Value::U64(_) | Value::F64(_) => 8,
+        Value::Str(s) => s.len() as u64,
+        Value::Bytes(b) => b.len() as u64,
+        Value::Tensor(t) => t.data().len() as u64,
+        Value::List(items) => items.iter().map(logical_bytes).sum(),
+        Value::Map(items) => items
+            .iter()
+            .map(|(k, v)| k.len() as u64 + logical_bytes(v))
+            .sum(),
+    }
+}
+
+impl<M: Memory> Unit<M> {
+    /// A unit with `cfg`, leasing from `mem`.
+    pub fn new(cfg: UnitConfig, mem: M) -> Self {
+        let mut limits = Limits::default();
+        limits.max_total_bytes = cfg.max_payload_bytes;
+        limits.max_meta_bytes = cfg.max_meta_bytes;
+        Self {
+            decoder: Decoder::with_limits(limits),
+            cfg,
+            mem,
+            store: Store::default(),
+            sessions: Sessions::default(),
+            puts: Puts::default(),
+            gets: Gets::default(),
+            pull_puts: false,
+        }
+    }
+
+    /// Whether PUT payloads that do not travel inline are pulled (the client names its frames
+    /// and the unit READs them) or pushed (the unit exposes a block, the client WRITEs and
+    /// COMMITs). The driver sets it from its backend; a PUT asking for the other mode is
+    /// refused.
+    pub fn set_pull_puts(&mut self, pull: bool) {
+        self.pull_puts = pull;
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &UnitConfig {
+        &self.cfg
+    }
+
+    /// Gives back idle registered memory beyond its limit ([`Memory::trim`]); the driver
+    /// calls it after requests and on its timer. Returns the bytes given back.
+    pub fn trim_memory(&mut self) -> u64 {
+        self.mem.trim()
+    }
+
+    /// The earliest deadline of a prepared transfer.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        [
+            self.puts.next_deadline(),
+            self.gets.next_deadline(),
+            self.sessions.next_deadline(),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
+    }
+
+    /// Expires prepared transfers whose deadline passed. A PUT whose block was exposed is
+    /// quarantined and its session failed (a WRITE may still land); an expired GET that was
+    /// never written just drops its frames. A pulled PUT whose READ is queued or in flight
+    /// does not expire here: the driver's transfer timeout ends it through `read_done`.
+    pub fn handle_timeout(&mut self, now: Instant) -> Vec<Output<M::Dest>> {
+        let mut out = Vec::new();
+        for (session, id) in self.puts.expired(now) {
+            if let Some(p) = self.puts.remove(session, id) {
+                tracing::warn!(session, id, "prepared PUT expired; quarantined");
+                self.quarantine_put(session, p);
+                self.fail_session(session);
+                out.push(Output::Reply {
+                    session,
+                    id,
+                    response: Response::error(ErrorKind::PeerFailed, "prepared PUT expired"),
+                });
+            }
+        }
+        self.gets.expire(now);
+        self.sessions.expire(now);
+        out
+    }
+
+    /// Handles one request of `session`.
+    pub fn handle(
+        &mut self,
+        now: Instant,
+        session: SessionId,
+        id: u64,
+        req: Request,
+    ) -> Vec<Output<M::Dest>> {
+        let reply = |response| Output::Reply {
+            session,
+            id,
+            response,
+        };
+        let hello = matches!(req, Request::Hello { .. });
+        if let Some((kind, why)) = self.refused_by_state(session, hello) {
+            return vec![reply(Response::error(kind, why))];
+        }
+        let result = match req {
+            Request::Hello { token, agent } => {
+                if self.cfg.token.is_some() && token != self.cfg.token {
+                    return vec![
+                        reply(Response::error(ErrorKind::Unauthorized, "bad token")),
+                        Output::Close { session },
+                    ];
+                }
+                return vec![Output::Accept { session, id, agent }];
+            }
+            Request::Put {
+                partition,
+                indexes,
+                fields,
+                meta,
+                inline,
+                pull,
+            } => {
+                let put = PutRequest {
+                    partition,
+                    indexes,
+                    fields,
+                    meta,
+                    inline,
+                    pull,
+                };
+                match self.put(now, session, id, put) {
+                    Ok(PutNext::Reply(r)) => Ok(r),
+                    Ok(PutNext::Read(o)) => return vec![o],
+                    Err(e) => Err(e),
+                }
+            }
+            Request::Commit { put } => self.commit(session, put),
+            Request::Cancel { of, maybe_written } => self.cancel(session, of, maybe_written),
+            Request::Get {
+                partition,
+                indexes,
+                fields,
+            } => self.get(now, session, id, &partition, &indexes, &fields),
+            Request::GetInto { get, block } => return self.get_into(session, id, get, block),
+            Request::Clear {
+                partition,
+                indexes,
+                fields,
+            } => self.clear(&partition, &indexes, fields.as_deref()),
+            Request::DropPartition { partition } => {
+                let c = Compaction::new(&mut self.mem, &self.cfg);
+                self.store.drop_partition(&partition, c);
+                Ok(Response::Done)
+            }
+            Request::Stats => Ok(Response::Stats(self.stats())),
+        };
+        vec![reply(result.unwrap_or_else(Response::Error))]
+    }
+
+    fn check_keys(&self, indexes: &[u64], fields: &[String]) -> Result<(), RemoteError> {
+        if fields.is_empty() {
+            return Err(err(ErrorKind::BadRequest, "no fields"));
+        }
+        let keys = (indexes.len() as u64).saturating_mul(fields.len() as u64);
+        if keys > self.cfg.max_keys {
+            return Err(err(
+                ErrorKind::TooLarge,
+                format!("{keys} keys exceed the maximum of {}", self.cfg.max_keys),
+            ));
+        }
+        let mut seen = HashSet::with_capacity(indexes.len());
+        if indexes.iter().any(|i| !seen.insert(*i)) {
+            return Err(err(ErrorKind::BadRequest, "duplicate index"));
+        }
+        let mut seen = HashSet::with_capacity(fields.len());
+        if fields.iter().any(|f| !seen.insert(f.as_str())) {
+            return Err(err(ErrorKind::BadRequest, "duplicate field"));
+        }
+        Ok(())
+    }
+
+    fn clear(
+        &mut self,
+        partition: &str,
+        indexes: &[u64],
+        fields: Option<&[String]>,
+    ) -> Result<Response, RemoteError> {
+        if (indexes.len() as u64) > self.cfg.max_keys {
+            return Err(err(ErrorKind::TooLarge, "too many indexes"));
+        }
+        let c = Compaction::new(&mut self.mem, &self.cfg);
+        self.store.clear(partition, indexes, fields, c);
+        Ok(Response::Done)
+    }
+
+    /// Current statistics.
+    pub fn stats(&self) -> Stats {
+        let mut per: BTreeMap<&str, PartitionStats> = BTreeMap::new();
+        self.store.partition_stats(&mut per);
+        self.puts.partition_stats(&mut per);
+        self.sessions.partition_stats(&mut per);
+        let partitions = per
+            .into_iter()
+            .map(|(name, mut s)| {
+                s.name = name.to_owned();
+                s
+            })
+            .collect::<Vec<_>>();
+        Stats {
+            keys: partitions.iter().map(|p| p.keys).sum(),
+            bytes: self.store.used(),
+            partitions,
+            capacity_bytes: self.cfg.capacity_bytes,
+            pool: self.mem.usage(),
+            leased_bytes: self.puts.leased(),
+            quarantined_bytes: self.sessions.quarantined(),
+            pending_puts: self.puts.len() as u64,
+            pending_gets: self.gets.len() as u64,
+            compacted_bytes: self.store.compacted(),
+            bytes_in: self.puts.bytes_in(),
+            bytes_out: self.gets.bytes_out(),
+            sessions: self.sessions.len() as u64,
+        }
+    }
+
+    /// Drops every stored value, prepared transfer and quarantine (ordered teardown: the
+    /// driver calls this after its transfers and agent connections are gone).
+    pub fn teardown(&mut self) {
+        self.puts.clear();
+        self.gets.clear();
+        self.sessions.clear();
+        self.store.clear_all();
+    }
+}
+
+/// Decodes an inline GET answer.
+pub fn decode_inline(meta: &[u8], frames: Vec<ByteBuf>) -> Result<Value, DecodeError> {
+    let frames: Vec<Bytes> = frames
+        .into_iter()
+        .map(|f| Bytes::from(f.into_vec()))
+        .collect();
+    decode(meta, &frames)
+}

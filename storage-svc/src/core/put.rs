@@ -1,0 +1,478 @@
+//! PUT: inline, prepared and pushed (READY, the client's WRITE, COMMIT or CANCEL), or pulled
+//! (the unit READs the client's frames), and the PUTs waiting for their payload.
+//!
+//! Invariants kept here: `leased` is the sum of the pending PUTs' block lengths and `reserved`
+//! that of the capacity they reserve; a PUT leaves `Puts` only through `remove` or
+//! `take_session`, which give both back.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::Instant;
+
+use bytes::Bytes;
+use serde_bytes::ByteBuf;
+use tessera_framecodec::{DecodeError, Value};
+
+use super::session::Quarantined;
+use super::store::Compaction;
+use super::{err, Memory, Output, PartitionStats, PayloadError, SessionId, Unit};
+use crate::error::{ErrorKind, RemoteError};
+use crate::proto::{PullSource, Response};
+
+pub(super) struct PendingPut {
+    partition: String,
+    indexes: Vec<u64>,
+    fields: Vec<String>,
+    /// The receive block, frozen at PREPARE before it was exposed: `value`'s views are
+    /// slices of it, and the block goes back to the pool once both are gone.
+    buf: Bytes,
+    /// The PUT's value, decoded at PREPARE (the meta needs no payload byte), so a COMMIT only
+    /// stores it. Its views are not read before the payload landed (COMMIT, or the READ done).
+    value: Value,
+    /// Bytes of the leased block (`M::block_len`).
+    block_len: u64,
+    /// Bytes of the block the frames occupy.
+    size: u64,
+    reserved: u64,
+    deadline: Instant,
+    /// A pulled PUT whose READ is queued or in flight: it waits for `read_done`, not for a
+    /// COMMIT, and its deadline is the driver's transfer timeout.
+    pub(super) reading: bool,
+}
+
+impl PendingPut {
+    /// The block, kept so that it is not reused while a late WRITE could reach it.
+    pub(super) fn into_quarantined(self) -> Quarantined {
+        (
+            Box::new((self.buf, self.value)),
+            self.block_len,
+            self.partition,
+        )
+    }
+}
+
+/// The fields of a PUT request.
+pub(super) struct PutRequest {
+    pub(super) partition: String,
+    pub(super) indexes: Vec<u64>,
+    pub(super) fields: Vec<String>,
+    pub(super) meta: ByteBuf,
+    pub(super) inline: Option<Vec<ByteBuf>>,
+    pub(super) pull: Option<PullSource>,
+}
+
+/// What a PUT leads to: an answer, or a READ of its payload first.
+pub(super) enum PutNext<D> {
+    Reply(Response),
+    Read(Output<D>),
+}
+
+/// PUTs that leased a block and wait for their payload, by session and request id.
+#[derive(Default)]
+pub(super) struct Puts {
+    pending: HashMap<(SessionId, u64), PendingPut>,
+    /// Bytes of the blocks leased to them.
+    leased: u64,
+    /// Logical bytes of capacity they reserve.
+    reserved: u64,
+    /// Payload bytes received through the payload plane (stored PUTs).
+    bytes_in: u64,
+}
+
+impl Puts {
+    pub(super) fn leased(&self) -> u64 {
+        self.leased
+    }
+
+    pub(super) fn reserved(&self) -> u64 {
+        self.reserved
+    }
+
+    pub(super) fn bytes_in(&self) -> u64 {
+        self.bytes_in
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// Whether PUT `put` of `session` is pulled and its READ queued or in flight.
+    pub(super) fn reading(&self, session: SessionId, put: u64) -> bool {
+        self.pending.get(&(session, put)).is_some_and(|p| p.reading)
+    }
+
+    fn insert(&mut self, key: (SessionId, u64), p: PendingPut) {
+        self.leased += p.block_len;
+        self.reserved += p.reserved;
+        self.pending.insert(key, p);
+    }
+
+    /// Takes PUT `put` of `session` out, giving back its lease and reservation (the block
+    /// returns to the pool once the caller drops it, or is quarantined).
+    pub(super) fn remove(&mut self, session: SessionId, put: u64) -> Option<PendingPut> {
+        let p = self.pending.remove(&(session, put))?;
+        self.leased -= p.block_len;
+        self.reserved -= p.reserved;
+        Some(p)
+    }
+
+    /// Takes every PUT of `session` out, as `remove` does.
+    pub(super) fn take_session(&mut self, session: SessionId) -> Vec<PendingPut> {
+        let ids: Vec<u64> = self
+            .pending
+            .keys()
+            .filter(|(s, _)| *s == session)
+            .map(|(_, id)| *id)
+            .collect();
+        ids.into_iter()
+            .filter_map(|id| self.remove(session, id))
+            .collect()
+    }
+
+    /// The earliest deadline of a prepared PUT (not those being read).
+    pub(super) fn next_deadline(&self) -> Option<Instant> {
+        self.pending
+            .values()
+            .filter(|p| !p.reading)
+            .map(|p| p.deadline)
+            .min()
+    }
+
+    /// The prepared PUTs (not those being read) whose deadline passed at `now`.
+    pub(super) fn expired(&self, now: Instant) -> Vec<(SessionId, u64)> {
+        self.pending
+            .iter()
+            .filter(|(_, p)| !p.reading && p.deadline <= now)
+            .map(|(k, _)| *k)
+            .collect()
+    }
+
+    /// Leased bytes per partition, into `per`.
+    pub(super) fn partition_stats<'a>(&'a self, per: &mut BTreeMap<&'a str, PartitionStats>) {
+        for p in self.pending.values() {
+            per.entry(&p.partition).or_default().leased_bytes += p.block_len;
+        }
+    }
+
+    /// Drops every pending PUT (teardown); the bytes received stay counted.
+    pub(super) fn clear(&mut self) {
+        self.pending.clear();
+        self.leased = 0;
+        self.reserved = 0;
+    }
+}
+
+impl<M: Memory> Unit<M> {
+    /// Quarantines a PUT whose block may still be written, with its session.
+    pub(super) fn quarantine_put(&mut self, session: SessionId, p: PendingPut) {
+        let (block, len, partition) = p.into_quarantined();
+        self.sessions.quarantine(session, block, len, partition);
+    }
+
+    pub(super) fn put(
+        &mut self,
+        now: Instant,
+        session: SessionId,
+        id: u64,
+        put: PutRequest,
+    ) -> Result<PutNext<M::Dest>, RemoteError> {
+        let PutRequest {
+            partition,
+            indexes,
+            fields,
+            meta,
+            inline,
+            pull,
+        } = put;
+        self.check_keys(&indexes, &fields)?;
+        if inline.is_some() && pull.is_some() {
+            return Err(err(
+                ErrorKind::BadRequest,
+                "a PUT is either inline or pulled, not both",
+            ));
+        }
+        let table = self.decoder.frame_table(&meta).map_err(|e| {
+            let kind = if matches!(
+                e,
+                DecodeError::MetaTooLarge { .. }
+                    | DecodeError::TooManyFrames { .. }
+                    | DecodeError::TooLarge { .. }
+                    | DecodeError::TooDeep { .. }
+                    | DecodeError::TooManyElements { .. }
+                    | DecodeError::RankTooHigh { .. }
+            ) {
+                ErrorKind::TooLarge
+            } else {
+                ErrorKind::Protocol
+            };
+            err(kind, format!("meta frame: {e}"))
+        })?;
+        let layout = table
+            .layout(self.cfg.align)
+            .map_err(|e| err(ErrorKind::Protocol, format!("layout: {e}")))?;
+        // Reserve the whole block: the stored values are never larger than it, plus scalars.
+        let incoming = layout.size + meta.len() as u64;
+        let credit = self.store.replaced_bytes(&partition, &indexes, &fields);
+        let used = self.store.used();
+        let reserved = self.puts.reserved();
+        let need = (used + reserved + incoming).saturating_sub(credit);
+        if need > self.cfg.capacity_bytes {
+            return Err(err(
+                ErrorKind::Capacity,
+                format!(
+                    "PUT of {incoming} bytes exceeds capacity: {used} of {} bytes stored, \
+                     {reserved} reserved",
+                    self.cfg.capacity_bytes
+                ),
+            ));
+        }
+        let meta = Bytes::from(meta.into_vec());
+        if let Some(frames) = inline {
+            if table.total_bytes() > self.cfg.inline_max {
+                return Err(err(ErrorKind::TooLarge, "inline payload above inline_max"));
+            }
+            let frames: Vec<Bytes> = frames
+                .into_iter()
+                .map(|f| Bytes::from(f.into_vec()))
+                .collect();
+            let value = self
+                .decoder
+                .decode(&meta, &frames)
+                .map_err(|e| err(ErrorKind::Protocol, format!("decode: {e}")))?;
+            self.store_value(&partition, &indexes, &fields, value, None)?;
+            return Ok(PutNext::Reply(Response::Done));
+        }
+        if layout.size == 0 {
+            let value = self
+                .decoder
+                .decode(&meta, &[])
+                .map_err(|e| err(ErrorKind::Protocol, format!("decode: {e}")))?;
+            self.store_value(&partition, &indexes, &fields, value, None)?;
+            return Ok(PutNext::Reply(Response::Done));
+        }
+        match (&pull, self.pull_puts) {
+            (None, true) => {
+                return Err(err(
+                    ErrorKind::BadRequest,
+                    "this unit's backend pulls PUT payloads: the PUT must name its frames",
+                ))
+            }
+            (Some(_), false) => {
+                return Err(err(
+                    ErrorKind::BadRequest,
+                    "this unit's backend does not pull PUT payloads: ask for a receive block",
+                ))
+            }
+            _ => {}
+        }
+        if let Some(src) = &pull {
+            let matches = src.descs.len() == layout.lens.len()
+                && src.descs.iter().zip(&layout.lens).all(|(d, l)| d.len == *l);
+            if !matches {
+                return Err(err(
+                    ErrorKind::BadRequest,
+                    "source descriptors do not match the frames",
+                ));
+            }
+        }
+        if self.puts.pending.contains_key(&(session, id)) {
+            return Err(err(ErrorKind::BadRequest, "request id already prepared"));
+        }
+        if self.sessions.quarantined() > self.cfg.quarantine_limit {
+            return Err(err(ErrorKind::OutOfMemory, "quarantine limit reached"));
+        }
+        if self.puts.leased() + layout.size > self.cfg.leased_limit {
+            return Err(err(
+                ErrorKind::OutOfMemory,
+                format!(
+                    "leased limit: {} of {} bytes leased, {} asked",
+                    self.puts.leased(),
+                    self.cfg.leased_limit,
+                    layout.size
+                ),
+            ));
+        }
+        let block = self
+            .mem
+            .lease(layout.size, layout.align)
+            .map_err(|e| err(ErrorKind::OutOfMemory, e.to_string()))?;
+        let mut dests = Vec::new();
+        let mut srcs = Vec::new();
+        if let Some(src) = &pull {
+            for (k, (off, len)) in layout.offsets.iter().zip(&layout.lens).enumerate() {
+                if *len > 0 {
+                    dests.push(
+                        self.mem
+                            .dest(&block, *off, *len)
+                            .map_err(|e| err(ErrorKind::OutOfMemory, e.to_string()))?,
+                    );
+                    srcs.push(src.descs[k]);
+                }
+            }
+        }
+        let reading = pull.is_some();
+        let next = match pull {
+            Some(src) => PutNext::Read(Output::Read {
+                session,
+                put: id,
+                dests,
+                srcs,
+                agent: src.agent.into_vec(),
+            }),
+            // Pushed: the client lays the frames out in the block as this unit did.
+            None => PutNext::Reply(Response::PutReady {
+                block: self
+                    .mem
+                    .remote(&block, 0, layout.size)
+                    .map_err(|e| err(ErrorKind::OutOfMemory, e.to_string()))?,
+                agent: None,
+            }),
+        };
+        // Described for the transfer, then frozen and decoded: all before the block is
+        // exposed (READY sent, READ posted). A meta that does not decode is refused here,
+        // before anything moves, and the block (with the READ's descriptors) goes straight
+        // back.
+        let block_len = M::block_len(&block);
+        let buf = self.mem.freeze(block, layout.size);
+        let value = self
+            .decoder
+            .decode_contiguous(&meta, &buf, layout.align)
+            .map_err(|e| err(ErrorKind::Protocol, format!("decode: {e}")))?;
+        self.puts.insert(
+            (session, id),
+            PendingPut {
+                partition,
+                indexes,
+                fields,
+                buf,
+                value,
+                block_len,
+                size: layout.size,
+                reserved: incoming,
+                deadline: now + self.cfg.prepare_ttl,
+                reading,
+            },
+        );
+        Ok(next)
+    }
+
+    pub(super) fn commit(&mut self, session: SessionId, put: u64) -> Result<Response, RemoteError> {
+        if self.puts.reading(session, put) {
+            return Err(err(
+                ErrorKind::BadRequest,
+                format!("PUT {put} is pulled by the unit; there is nothing to commit"),
+            ));
+        }
+        let p = self
+            .puts
+            .remove(session, put)
+            .ok_or_else(|| err(ErrorKind::UnknownTransfer, format!("no prepared PUT {put}")))?;
+        self.store_put(p)
+    }
+
+    /// CANCEL of `of`: a prepared PUT is released, or quarantined when its block may have been
+    /// written; a GET not yet written is dropped.
+    pub(super) fn cancel(
+        &mut self,
+        session: SessionId,
+        of: u64,
+        maybe_written: bool,
+    ) -> Result<Response, RemoteError> {
+        if self.puts.reading(session, of) {
+            return Err(err(
+                ErrorKind::BadRequest,
+                format!("PUT {of} is being read by the unit; it cannot be cancelled"),
+            ));
+        }
+        if let Some(p) = self.puts.remove(session, of) {
+            if maybe_written {
+                self.quarantine_put(session, p);
+            }
+            Ok(Response::Done)
+        } else if self.gets.cancel(session, of) {
+            Ok(Response::Done)
+        } else {
+            Err(err(
+                ErrorKind::UnknownTransfer,
+                format!("nothing prepared as {of}"),
+            ))
+        }
+    }
+
+    /// Stores the values of a PUT whose payload is in its block (committed or read). It was
+    /// taken out of `Puts` already.
+    fn store_put(&mut self, p: PendingPut) -> Result<Response, RemoteError> {
+        self.puts.bytes_in += p.size;
+        let block_id = self.store.new_block(p.block_len, &p.partition);
+        let r = self.store_value(&p.partition, &p.indexes, &p.fields, p.value, Some(block_id));
+        self.store.drop_if_unused(block_id);
+        r.map(|()| Response::Done)
+    }
+
+    /// Stores a PUT's value (see `Store::store`), compacting into this unit's memory.
+    fn store_value(
+        &mut self,
+        partition: &str,
+        indexes: &[u64],
+        fields: &[String],
+        value: Value,
+        block: Option<u64>,
+    ) -> Result<(), RemoteError> {
+        let c = Compaction::new(&mut self.mem, &self.cfg);
+        self.store
+            .store(partition, indexes, fields, value, block, c)
+    }
+
+    /// The READ posted for `Output::Read` of PUT `put` finished. On success the values are
+    /// stored as a COMMIT stores them and the PUT answered; on failure (or the driver's
+    /// timeout) the block may still be written by the READ, so it stays quarantined until the
+    /// session is torn down, and the session fails. A PUT the session no longer holds (it was
+    /// closed meanwhile) is ignored.
+    pub fn read_done(
+        &mut self,
+        session: SessionId,
+        put: u64,
+        result: Result<(), PayloadError>,
+    ) -> Vec<Output<M::Dest>> {
+        if !self.puts.reading(session, put) {
+            return Vec::new();
+        }
+        let Some(p) = self.puts.remove(session, put) else {
+            return Vec::new();
+        };
+        let response = match result {
+            Ok(()) => self.store_put(p).unwrap_or_else(Response::Error),
+            Err(e) => {
+                tracing::warn!(session, put, error = %e, "PUT READ failed; block quarantined");
+                self.quarantine_put(session, p);
+                self.fail_session(session);
+                Response::error(ErrorKind::Transfer, e.to_string())
+            }
+        };
+        vec![Output::Reply {
+            session,
+            id: put,
+            response,
+        }]
+    }
+
+    /// The driver could not queue the READ of an `Output::Read` (the session's transfer queue
+    /// is full, or it has no executor): nothing was read, so the block is freed and the PUT
+    /// answered with `kind` ([`ErrorKind::Busy`] when the client may retry).
+    pub fn read_refused(
+        &mut self,
+        session: SessionId,
+        put: u64,
+        kind: ErrorKind,
+        reason: &str,
+    ) -> Vec<Output<M::Dest>> {
+        if !self.puts.reading(session, put) {
+            return Vec::new();
+        }
+        self.puts.remove(session, put);
+        vec![Output::Reply {
+            session,
+            id: put,
+            response: Response::error(kind, reason),
+        }]
+    }
+}

@@ -1,0 +1,245 @@
+//! Sessions and quarantine: a session's state (Hello said, failed), the blocks a late WRITE
+//! of its client could still reach, and what closed sessions exposed until their clients'
+//! transfers are torn down.
+//!
+//! Invariant kept here: `quarantined` is the sum of the lengths of every quarantined block,
+//! of open and of closed sessions.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::Instant;
+
+use super::{Memory, PartitionStats, SessionId, TornDown, Unit};
+use crate::error::ErrorKind;
+
+#[derive(PartialEq, Eq)]
+pub(super) enum SessionState {
+    New,
+    Open,
+    Failed,
+}
+
+/// A quarantined block: the block (kept only so that it is not reused), its length and its
+/// partition.
+pub(super) type Quarantined = (Box<dyn Send + Sync>, u64, String);
+
+struct Session {
+    state: SessionState,
+    /// Blocks that a late WRITE could still reach, until the session is torn down.
+    quarantine: Vec<Quarantined>,
+}
+
+/// What a closed session exposed, quarantined until its client's transfers are torn down.
+struct Closed {
+    quarantine: Vec<Quarantined>,
+    deadline: Option<Instant>,
+}
+
+/// Open sessions, closed ones whose blocks are still quarantined, and the bytes quarantined.
+#[derive(Default)]
+pub(super) struct Sessions {
+    open: HashMap<SessionId, Session>,
+    closed: HashMap<SessionId, Closed>,
+    quarantined: u64,
+}
+
+impl Sessions {
+    /// The state of open session `session`.
+    pub(super) fn state(&self, session: SessionId) -> Option<&SessionState> {
+        self.open.get(&session).map(|s| &s.state)
+    }
+
+    /// Open sessions.
+    pub(super) fn len(&self) -> usize {
+        self.open.len()
+    }
+
+    /// Bytes quarantined, of open and closed sessions.
+    pub(super) fn quarantined(&self) -> u64 {
+        self.quarantined
+    }
+
+    fn fail(&mut self, session: SessionId) {
+        if let Some(s) = self.open.get_mut(&session) {
+            s.state = SessionState::Failed;
+        }
+    }
+
+    /// Quarantines `block` (`len` bytes of `partition`) with open session `session`, until it
+    /// is torn down. Without such a session the block just drops.
+    pub(super) fn quarantine(
+        &mut self,
+        session: SessionId,
+        block: Box<dyn Send + Sync>,
+        len: u64,
+        partition: String,
+    ) {
+        if let Some(s) = self.open.get_mut(&session) {
+            self.quarantined += len;
+            s.quarantine.push((block, len, partition));
+        }
+    }
+
+    /// Ends open session `session`: its quarantine and `exposed` (the blocks its prepared
+    /// PUTs exposed) stay quarantined until `deadline`, or until `release_closed` when there is
+    /// none.
+    fn close(
+        &mut self,
+        session: SessionId,
+        exposed: Vec<Quarantined>,
+        how: TornDown,
+        deadline: Option<Instant>,
+    ) {
+        let mut quarantine = self
+            .open
+            .remove(&session)
+            .map(|s| s.quarantine)
+            .unwrap_or_default();
+        self.quarantined += exposed.iter().map(|q| q.1).sum::<u64>();
+        quarantine.extend(exposed);
+        if quarantine.is_empty() {
+            return;
+        }
+        tracing::debug!(
+            session,
+            blocks = quarantine.len(),
+            ?how,
+            "closed session's exposed blocks stay quarantined"
+        );
+        self.closed.insert(
+            session,
+            Closed {
+                quarantine,
+                deadline,
+            },
+        );
+    }
+
+    fn release_closed(&mut self, session: SessionId) -> u64 {
+        let Some(c) = self.closed.remove(&session) else {
+            return 0;
+        };
+        let bytes: u64 = c.quarantine.iter().map(|q| q.1).sum();
+        self.quarantined -= bytes;
+        bytes
+    }
+
+    /// The earliest late-write grace of a closed session.
+    pub(super) fn next_deadline(&self) -> Option<Instant> {
+        self.closed.values().filter_map(|c| c.deadline).min()
+    }
+
+    /// Releases the closed sessions whose late-write grace is over at `now`.
+    pub(super) fn expire(&mut self, now: Instant) {
+        let graced: Vec<_> = self
+            .closed
+            .iter()
+            .filter(|(_, c)| c.deadline.is_some_and(|d| d <= now))
+            .map(|(s, _)| *s)
+            .collect();
+        for session in graced {
+            let bytes = self.release_closed(session);
+            tracing::debug!(session, bytes, "late-write grace over; quarantine released");
+        }
+    }
+
+    /// Quarantined bytes per partition, into `per`.
+    pub(super) fn partition_stats<'a>(&'a self, per: &mut BTreeMap<&'a str, PartitionStats>) {
+        let open = self.open.values().map(|s| &s.quarantine);
+        for q in open.chain(self.closed.values().map(|c| &c.quarantine)) {
+            for (_, len, part) in q {
+                per.entry(part).or_default().quarantined_bytes += len;
+            }
+        }
+    }
+
+    /// Drops every session and quarantine (teardown).
+    pub(super) fn clear(&mut self) {
+        self.open.clear();
+        self.closed.clear();
+        self.quarantined = 0;
+    }
+}
+
+impl<M: Memory> Unit<M> {
+    /// A new connection arrived as `session`; it must say Hello first.
+    pub fn open_session(&mut self, session: SessionId) {
+        self.sessions.open.insert(
+            session,
+            Session {
+                state: SessionState::New,
+                quarantine: Vec::new(),
+            },
+        );
+    }
+
+    /// The driver connected to the session's agent; it may now use the payload plane.
+    pub fn session_ready(&mut self, session: SessionId) {
+        if let Some(s) = self.sessions.open.get_mut(&session) {
+            if s.state == SessionState::New {
+                s.state = SessionState::Open;
+            }
+        }
+    }
+
+    /// Marks a session failed: every later request is refused until it reconnects.
+    pub fn fail_session(&mut self, session: SessionId) {
+        self.sessions.fail(session);
+    }
+
+    /// The session's control connection is gone. Its pending GETs are dropped, and its pulled
+    /// PUTs still being read released (their blocks were never exposed). Its prepared pushed
+    /// PUTs (each answered READY: their blocks were exposed) and its quarantine stay
+    /// quarantined, since the client's WRITEs travel on the payload plane and may still land:
+    /// until [`Unit::release_closed`] when `how` is [`TornDown::Signalled`], or until
+    /// `late_write_grace` from `now` ([`Unit::handle_timeout`]) when it is [`TornDown::Grace`].
+    pub fn close_session(&mut self, session: SessionId, now: Instant, how: TornDown) {
+        self.gets.close_session(session);
+        // Every pushed PUT was answered READY in the step that prepared it: all exposed. A
+        // pulled PUT's block was never shown to the client; its READ (if in flight) keeps the
+        // block's memory itself, so the core releases it (dropping it).
+        let exposed = self
+            .puts
+            .take_session(session)
+            .into_iter()
+            .filter(|p| !p.reading)
+            .map(|p| p.into_quarantined())
+            .collect();
+        let deadline = match how {
+            TornDown::Signalled => None,
+            TornDown::Grace => Some(now + self.cfg.late_write_grace),
+        };
+        self.sessions.close(session, exposed, how, deadline);
+    }
+
+    /// Closed sessions whose exposed blocks are still quarantined.
+    pub fn closed_sessions(&self) -> Vec<SessionId> {
+        self.sessions.closed.keys().copied().collect()
+    }
+
+    /// The client of closed session `session` can no longer write (its link is torn down):
+    /// its quarantined blocks go back to the pool. Returns the bytes released.
+    pub fn release_closed(&mut self, session: SessionId) -> u64 {
+        self.sessions.release_closed(session)
+    }
+
+    /// Why a request of `session` (a Hello or not) is refused in the session's state, if it
+    /// is: Hello first and once, nothing after the session failed.
+    pub(super) fn refused_by_state(
+        &self,
+        session: SessionId,
+        hello: bool,
+    ) -> Option<(ErrorKind, &'static str)> {
+        let Some(state) = self.sessions.state(session) else {
+            return Some((ErrorKind::NoSession, "unknown session"));
+        };
+        match (hello, state) {
+            (true, SessionState::New) => None,
+            (true, _) => Some((ErrorKind::BadRequest, "second Hello")),
+            (false, SessionState::New) => Some((ErrorKind::NoSession, "say Hello first")),
+            (false, SessionState::Failed) => {
+                Some((ErrorKind::PeerFailed, "session failed; reconnect"))
+            }
+            (false, SessionState::Open) => None,
+        }
+    }
+}

@@ -1,0 +1,416 @@
+//! The stored values and the receive blocks they pin: replacement, CLEAR, and compaction of
+//! blocks that are mostly dead.
+//!
+//! Invariants kept here: `used` is the sum of every entry's logical bytes, each partition's
+//! `keys` and `bytes` those of its entries, and each block's `live` the bytes of the entries
+//! that pin it (a block with none left is forgotten).
+
+use std::collections::{BTreeMap, HashMap};
+
+use tessera_framecodec::{TensorError, Value, ViewError};
+
+use super::{err, logical_bytes, Memory, PartitionStats, UnitConfig};
+use crate::error::{ErrorKind, MemoryError, RemoteError};
+
+pub(super) struct Entry {
+    pub(super) value: Value,
+    pub(super) bytes: u64,
+    /// The receive block this value pins, if any.
+    pub(super) block: Option<u64>,
+}
+
+#[derive(Default)]
+struct Partition {
+    fields: HashMap<String, HashMap<u64, Entry>>,
+    keys: u64,
+    bytes: u64,
+}
+
+struct BlockInfo {
+    size: u64,
+    live: u64,
+    partition: String,
+}
+
+/// Partitions of stored values and the receive blocks they pin.
+#[derive(Default)]
+pub(super) struct Store {
+    partitions: BTreeMap<String, Partition>,
+    blocks: HashMap<u64, BlockInfo>,
+    next_block: u64,
+    /// Stored logical bytes.
+    used: u64,
+    /// Bytes copied by compaction since start.
+    compacted: u64,
+}
+
+/// How compaction copies survivors out: the memory to copy into, its alignment, and the dead
+/// fraction of a block past which it is compacted (0 disables compaction).
+pub(super) struct Compaction<'a, M> {
+    pub(super) mem: &'a mut M,
+    pub(super) align: u64,
+    pub(super) dead_fraction: f64,
+}
+
+impl<'a, M> Compaction<'a, M> {
+    /// Into `mem`, as `cfg` says (`align`, `compact_dead_fraction`).
+    pub(super) fn new(mem: &'a mut M, cfg: &UnitConfig) -> Self {
+        Self {
+            mem,
+            align: cfg.align,
+            dead_fraction: cfg.compact_dead_fraction,
+        }
+    }
+
+    /// The same, reborrowed for one more step.
+    fn again(&mut self) -> Compaction<'_, M> {
+        Compaction {
+            mem: &mut *self.mem,
+            align: self.align,
+            dead_fraction: self.dead_fraction,
+        }
+    }
+}
+
+impl Store {
+    /// Stored logical bytes.
+    pub(super) fn used(&self) -> u64 {
+        self.used
+    }
+
+    /// Bytes copied by compaction since start.
+    pub(super) fn compacted(&self) -> u64 {
+        self.compacted
+    }
+
+    /// Logical bytes of the stored keys that a PUT of these would replace.
+    pub(super) fn replaced_bytes(
+        &self,
+        partition: &str,
+        indexes: &[u64],
+        fields: &[String],
+    ) -> u64 {
+        let Some(p) = self.partitions.get(partition) else {
+            return 0;
+        };
+        fields
+            .iter()
+            .filter_map(|f| p.fields.get(f))
+            .flat_map(|m| indexes.iter().filter_map(|i| m.get(i)))
+            .map(|e| e.bytes)
+            .sum()
+    }
+
+    /// A fresh receive block of `size` bytes of `partition`, for the values of one PUT.
+    pub(super) fn new_block(&mut self, size: u64, partition: &str) -> u64 {
+        let id = self.next_block;
+        self.next_block += 1;
+        self.blocks.insert(
+            id,
+            BlockInfo {
+                size,
+                live: 0,
+                partition: partition.to_owned(),
+            },
+        );
+        id
+    }
+
+    /// Forgets block `id` if no value pins it (a PUT that stored nothing in it).
+    pub(super) fn drop_if_unused(&mut self, id: u64) {
+        if self.blocks.get(&id).is_some_and(|b| b.live == 0) {
+            self.blocks.remove(&id);
+        }
+    }
+
+    /// Checks the value's shape, then replaces every key at once.
+    pub(super) fn store<M: Memory>(
+        &mut self,
+        partition: &str,
+        indexes: &[u64],
+        fields: &[String],
+        value: Value,
+        block: Option<u64>,
+        mut c: Compaction<'_, M>,
+    ) -> Result<(), RemoteError> {
+        let Value::List(columns) = value else {
+            return Err(err(
+                ErrorKind::BadRequest,
+                "PUT value is not a list of fields",
+            ));
+        };
+        if columns.len() != fields.len() {
+            return Err(err(ErrorKind::BadRequest, "one list per field expected"));
+        }
+        let mut rows = Vec::with_capacity(columns.len());
+        for c in columns {
+            match c {
+                Value::List(items) if items.len() == indexes.len() => rows.push(items),
+                _ => {
+                    return Err(err(
+                        ErrorKind::BadRequest,
+                        "each field needs one value per index",
+                    ))
+                }
+            }
+        }
+        let mut added = 0u64;
+        let mut new_keys = 0u64;
+        // What the replaced entries accounted for, per block they came from (the values of one
+        // earlier PUT share its block, so runs are merged as they come); their values drop as
+        // they are replaced.
+        let mut old: Vec<(Option<u64>, u64)> = Vec::new();
+        let part = self.partitions.entry(partition.to_owned()).or_default();
+        for (field, items) in fields.iter().zip(rows) {
+            let map = part.fields.entry(field.clone()).or_default();
+            for (index, value) in indexes.iter().zip(items) {
+                let bytes = logical_bytes(&value);
+                added += bytes;
+                let entry = Entry {
+                    value,
+                    bytes,
+                    block,
+                };
+                match map.insert(*index, entry) {
+                    Some(prev) => match old.last_mut() {
+                        Some((b, sum)) if *b == prev.block => *sum += prev.bytes,
+                        _ => old.push((prev.block, prev.bytes)),
+                    },
+                    None => new_keys += 1,
+                }
+            }
+        }
+        part.keys += new_keys;
+        part.bytes += added;
+        self.used += added;
+        if let Some(b) = block.and_then(|b| self.blocks.get_mut(&b)) {
+            b.live += added;
+        }
+        if let Some(p) = self.partitions.get_mut(partition) {
+            p.bytes -= old.iter().map(|(_, bytes)| bytes).sum::<u64>();
+        }
+        // Each block is released by what left it at once, so a block whose dead fraction
+        // passes the threshold only because of this PUT is not compacted halfway through.
+        for (block, bytes) in old {
+            self.release(bytes, block, c.again());
+        }
+        Ok(())
+    }
+
+    /// The stored values of `fields` x `indexes`, one list per field; or the keys missing
+    /// (at most 1,000 named).
+    pub(super) fn lookup(
+        &self,
+        partition: &str,
+        indexes: &[u64],
+        fields: &[String],
+    ) -> Result<Vec<Value>, RemoteError> {
+        let part = self.partitions.get(partition);
+        let mut missing = Vec::new();
+        let mut columns = Vec::with_capacity(fields.len());
+        for f in fields {
+            let map = part.and_then(|p| p.fields.get(f));
+            let mut items = Vec::with_capacity(indexes.len());
+            for i in indexes {
+                match map.and_then(|m| m.get(i)) {
+                    Some(e) => items.push(e.value.clone()),
+                    None => {
+                        if missing.len() < 1000 {
+                            missing.push((f.clone(), *i));
+                        }
+                    }
+                }
+            }
+            columns.push(Value::List(items));
+        }
+        if !missing.is_empty() {
+            let mut e = err(
+                ErrorKind::Missing,
+                format!(
+                    "{} key(s) not stored in partition {partition:?}",
+                    missing.len()
+                ),
+            );
+            e.missing = missing;
+            return Err(e);
+        }
+        Ok(columns)
+    }
+
+    /// Removes `indexes` of `fields` (every field when `None`) from `partition`.
+    pub(super) fn clear<M: Memory>(
+        &mut self,
+        partition: &str,
+        indexes: &[u64],
+        fields: Option<&[String]>,
+        c: Compaction<'_, M>,
+    ) {
+        let Some(part) = self.partitions.get_mut(partition) else {
+            return;
+        };
+        let mut gone = Vec::new();
+        for (name, map) in part.fields.iter_mut() {
+            if fields.is_some_and(|fs| !fs.iter().any(|f| f == name)) {
+                continue;
+            }
+            for i in indexes {
+                if let Some(e) = map.remove(i) {
+                    gone.push(e);
+                }
+            }
+        }
+        part.fields.retain(|_, m| !m.is_empty());
+        for e in &gone {
+            part.keys -= 1;
+            part.bytes -= e.bytes;
+        }
+        if part.fields.is_empty() {
+            self.partitions.remove(partition);
+        }
+        self.forget_all(gone, c);
+    }
+
+    /// Removes every value of `partition`.
+    pub(super) fn drop_partition<M: Memory>(&mut self, partition: &str, c: Compaction<'_, M>) {
+        if let Some(p) = self.partitions.remove(partition) {
+            let gone: Vec<Entry> = p
+                .fields
+                .into_values()
+                .flat_map(|m| m.into_values())
+                .collect();
+            self.forget_all(gone, c);
+        }
+    }
+
+    /// Accounts for entries leaving the store (their `Value`s drop with them).
+    fn forget_all<M: Memory>(&mut self, gone: Vec<Entry>, mut c: Compaction<'_, M>) {
+        for e in gone {
+            self.release(e.bytes, e.block, c.again());
+        }
+    }
+
+    /// Accounts for `bytes` of stored values leaving the store, from `block` if any.
+    fn release<M: Memory>(&mut self, bytes: u64, block: Option<u64>, c: Compaction<'_, M>) {
+        self.used -= bytes;
+        if let Some(id) = block {
+            let compact = match self.blocks.get_mut(&id) {
+                Some(b) => {
+                    b.live -= bytes;
+                    if b.live == 0 {
+                        self.blocks.remove(&id);
+                        false
+                    } else {
+                        // `live` counts the logical bytes of the values attributed to the
+                        // block (scalars and packed small values of the same PUT included), so
+                        // it can exceed the block's size: then nothing in it is dead.
+                        let f = c.dead_fraction;
+                        let dead = b.size.saturating_sub(b.live);
+                        f > 0.0 && dead as f64 > f * b.size as f64
+                    }
+                }
+                None => false,
+            };
+            if compact {
+                self.compact(id, c);
+            }
+        }
+    }
+
+    /// Copies the survivors of block `id` out, so the block can return to the pool.
+    fn compact<M: Memory>(&mut self, id: u64, c: Compaction<'_, M>) {
+        let Some(info) = self.blocks.remove(&id) else {
+            return;
+        };
+        let Some(part) = self.partitions.get_mut(&info.partition) else {
+            return;
+        };
+        for map in part.fields.values_mut() {
+            for e in map.values_mut() {
+                if e.block != Some(id) {
+                    continue;
+                }
+                match detach_into(&e.value, c.mem, c.align) {
+                    Ok((v, copied)) => {
+                        e.value = v;
+                        e.block = None;
+                        self.compacted += copied;
+                    }
+                    Err(error) => {
+                        tracing::debug!(block = id, %error, "compaction skipped: no memory");
+                        e.block = None;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Keys and bytes per partition, into `per`.
+    pub(super) fn partition_stats<'a>(&'a self, per: &mut BTreeMap<&'a str, PartitionStats>) {
+        for (name, p) in &self.partitions {
+            let s = per.entry(name).or_default();
+            s.keys = p.keys;
+            s.bytes = p.bytes;
+        }
+    }
+
+    /// Drops every value and block (teardown); the compaction count stays.
+    pub(super) fn clear_all(&mut self) {
+        self.partitions.clear();
+        self.blocks.clear();
+        self.used = 0;
+    }
+}
+
+/// Why a value could not be copied out of its block (it then stays where it is).
+#[derive(Debug, thiserror::Error)]
+enum CompactionError {
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+    #[error(transparent)]
+    View(#[from] ViewError),
+    #[error(transparent)]
+    Tensor(#[from] TensorError),
+}
+
+/// Copies a value's payloads into fresh blocks of `mem` (compaction). Small payloads are
+/// copied to the heap by `detach_small`; returns the bytes copied.
+fn detach_into<M: Memory>(
+    v: &Value,
+    mem: &mut M,
+    align: u64,
+) -> Result<(Value, u64), CompactionError> {
+    Ok(match v {
+        Value::Bytes(b) => {
+            let n = b.len() as u64;
+            (Value::Bytes(mem.copy_in(b, align)?), n)
+        }
+        Value::Tensor(t) => {
+            let t = t.contiguous()?;
+            let n = t.data().len() as u64;
+            let data = mem.copy_in(t.data(), align)?;
+            let t = tessera_framecodec::Tensor::new(t.dtype(), t.shape(), data)?;
+            (Value::Tensor(t), n)
+        }
+        Value::List(items) => {
+            let mut out = Vec::with_capacity(items.len());
+            let mut n = 0;
+            for i in items {
+                let (v, c) = detach_into(i, mem, align)?;
+                out.push(v);
+                n += c;
+            }
+            (Value::List(out), n)
+        }
+        Value::Map(items) => {
+            let mut out = Vec::with_capacity(items.len());
+            let mut n = 0;
+            for (k, i) in items {
+                let (v, c) = detach_into(i, mem, align)?;
+                out.push((k.clone(), v));
+                n += c;
+            }
+            (Value::Map(out), n)
+        }
+        other => (other.clone(), 0),
+    })
+}

@@ -1,0 +1,208 @@
+//! Loom models of the core shared by a session executor and the timer.
+
+use super::*;
+use crate::sync::{model, thread, Arc, Mutex};
+use crate::testing::VecMem;
+
+fn prepare(unit: &mut Unit<VecMem>, now: Instant, id: u64) -> Response {
+    let t = tessera_framecodec::Tensor::from_slice(&[256], &[0u8; 256]).unwrap();
+    let v = Value::List(vec![Value::List(vec![Value::Tensor(t)])]);
+    let frames = tessera_framecodec::encode(&v).unwrap();
+    let out = unit.handle(
+        now,
+        1,
+        id,
+        Request::Put {
+            partition: "p".into(),
+            indexes: vec![id],
+            fields: vec!["x".into()],
+            meta: ByteBuf::from(frames.meta.to_vec()),
+            inline: None,
+            pull: None,
+        },
+    );
+    match out.into_iter().next() {
+        Some(Output::Reply { response, .. }) => response,
+        other => panic!("{other:?}"),
+    }
+}
+
+/// A session's teardown, its executor finishing a GET and the timer expiring its prepared
+/// PUT, in any order on three threads: the leased and quarantined accounting ends at zero
+/// and every block is back.
+#[test]
+fn loom_session_executor_and_timer_release_everything() {
+    model(|| {
+        let leased = VecMem::new(u64::MAX);
+        let cfg = UnitConfig {
+            inline_max: 16,
+            ..UnitConfig::default()
+        };
+        let mut unit = Unit::new(cfg.clone(), leased.clone());
+        let now = Instant::now();
+        unit.open_session(1);
+        unit.session_ready(1);
+        // A prepared PUT that expires, one cancelled after exposure (quarantined), a
+        // stored value and a GET of it being written.
+        assert!(matches!(
+            prepare(&mut unit, now, 1),
+            Response::PutReady { .. }
+        ));
+        assert!(matches!(
+            prepare(&mut unit, now, 2),
+            Response::PutReady { .. }
+        ));
+        let cancel = Request::Cancel {
+            of: 2,
+            maybe_written: true,
+        };
+        assert_eq!(unit.handle(now, 1, 3, cancel).len(), 1);
+        assert!(matches!(
+            prepare(&mut unit, now, 4),
+            Response::PutReady { .. }
+        ));
+        assert_eq!(unit.handle(now, 1, 40, Request::Commit { put: 4 }).len(), 1);
+        let get = Request::Get {
+            partition: "p".into(),
+            indexes: vec![4],
+            fields: vec!["x".into()],
+        };
+        assert!(matches!(
+            unit.handle(now, 1, 5, get).into_iter().next(),
+            Some(Output::Reply {
+                response: Response::GetReady { .. },
+                ..
+            })
+        ));
+        let into = Request::GetInto {
+            get: 5,
+            block: RemoteDesc::new(7, 0, 256),
+        };
+        assert!(matches!(
+            unit.handle(now, 1, 6, into).into_iter().next(),
+            Some(Output::Write { .. })
+        ));
+        let s = unit.stats();
+        assert!(s.leased_bytes > 0 && s.quarantined_bytes > 0 && s.pending_gets == 1);
+        let exposed = s.leased_bytes + s.quarantined_bytes;
+
+        let unit = Arc::new(Mutex::new(unit));
+        let executor = {
+            let unit = unit.clone();
+            thread::spawn(move || {
+                unit.lock().unwrap().transfer_done(1, 5, 6, Ok(()));
+            })
+        };
+        let timer = {
+            let unit = unit.clone();
+            thread::spawn(move || {
+                unit.lock().unwrap().handle_timeout(now + cfg.prepare_ttl);
+            })
+        };
+        unit.lock()
+            .unwrap()
+            .close_session(1, now, TornDown::Signalled);
+        executor.join().unwrap();
+        timer.join().unwrap();
+        let mut unit = unit.lock().unwrap();
+        // Both exposed blocks (the expired or still prepared PUT and the cancelled one)
+        // stay quarantined until the client's link is known gone.
+        let s = unit.stats();
+        assert_eq!((s.quarantined_bytes, s.leased_bytes), (exposed, 0), "{s:?}");
+        assert_eq!(unit.closed_sessions(), vec![1]);
+        assert!(unit.release_closed(1) > 0);
+        let s = unit.stats();
+        assert_eq!(
+            (
+                s.leased_bytes,
+                s.quarantined_bytes,
+                s.pending_puts,
+                s.pending_gets
+            ),
+            (0, 0, 0, 0)
+        );
+        assert_eq!(s.sessions, 0);
+        assert_eq!(s.keys, 1, "the stored value stays");
+        unit.teardown();
+        drop(unit);
+        assert_eq!(leased.live(), 0, "every block is back");
+    });
+}
+
+/// A pulled PUT's READ completing on the executor, the session's teardown and the timer,
+/// in any order on three threads: the READ's block is stored or released exactly once and
+/// the accounting ends at zero.
+#[test]
+fn loom_pulled_put_read_teardown_and_timer() {
+    model(|| {
+        let leased = VecMem::new(u64::MAX);
+        let cfg = UnitConfig {
+            inline_max: 16,
+            ..UnitConfig::default()
+        };
+        let mut unit = Unit::new(cfg.clone(), leased.clone());
+        unit.set_pull_puts(true);
+        let now = Instant::now();
+        unit.open_session(1);
+        unit.session_ready(1);
+        let t = tessera_framecodec::Tensor::from_slice(&[256], &[0u8; 256]).unwrap();
+        let v = Value::List(vec![Value::List(vec![Value::Tensor(t)])]);
+        let frames = tessera_framecodec::encode(&v).unwrap();
+        let descs = frames
+            .payloads
+            .iter()
+            .map(|f| RemoteDesc::new(3, 0, f.len() as u64))
+            .collect();
+        let put = Request::Put {
+            partition: "p".into(),
+            indexes: vec![1],
+            fields: vec!["x".into()],
+            meta: ByteBuf::from(frames.meta.to_vec()),
+            inline: None,
+            pull: Some(crate::proto::PullSource {
+                descs,
+                agent: ByteBuf::new(),
+            }),
+        };
+        assert!(matches!(
+            unit.handle(now, 1, 1, put).into_iter().next(),
+            Some(Output::Read { put: 1, .. })
+        ));
+        assert!(unit.stats().leased_bytes > 0);
+
+        let unit = Arc::new(Mutex::new(unit));
+        let executor = {
+            let unit = unit.clone();
+            thread::spawn(move || {
+                unit.lock().unwrap().read_done(1, 1, Ok(()));
+            })
+        };
+        let timer = {
+            let unit = unit.clone();
+            thread::spawn(move || {
+                unit.lock().unwrap().handle_timeout(now + cfg.prepare_ttl);
+            })
+        };
+        unit.lock()
+            .unwrap()
+            .close_session(1, now, TornDown::Signalled);
+        executor.join().unwrap();
+        timer.join().unwrap();
+        let mut unit = unit.lock().unwrap();
+        let s = unit.stats();
+        assert_eq!(
+            (
+                s.leased_bytes,
+                s.quarantined_bytes,
+                s.pending_puts,
+                s.sessions
+            ),
+            (0, 0, 0, 0)
+        );
+        assert!(s.keys <= 1);
+        assert_eq!(unit.release_closed(1), 0, "nothing held for late WRITEs");
+        unit.teardown();
+        drop(unit);
+        assert_eq!(leased.live(), 0, "every block is back");
+    });
+}

@@ -1,0 +1,332 @@
+//! The tokio driver of a unit: accepts control connections, moves bytes between sockets and
+//! the protocol core, and runs each peer's transfers (GET WRITEs, pulled-PUT READs) on that
+//! peer's own executor.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use tessera_transport::{Agent, AgentError, LocalDesc, RemoteDesc};
+use tokio::net::{TcpListener, UnixListener};
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinSet;
+
+use crate::busy_poll::BusyPoll;
+use crate::chunks::{ChunkLimits, ChunkPool};
+use crate::core::{SessionId, Stats, Unit, UnitConfig};
+use crate::error::MemoryError;
+use crate::plane::{Backend, PoolMemory};
+use crate::sync::AtomicU64;
+#[cfg(test)]
+use crate::sync::Ordering;
+
+mod connection;
+#[cfg(test)]
+pub(crate) mod fault;
+#[cfg(test)]
+mod tests;
+mod timer;
+mod transfers;
+
+use self::connection::accept_loop;
+#[cfg(test)]
+use self::connection::guarded_session;
+use self::timer::timer_loop;
+
+/// Configuration of a unit's server.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ServerConfig {
+    /// Control-plane address: `HOST:PORT` (TCP) or `unix:PATH`. 127.0.0.1 by default.
+    pub bind: String,
+    /// Payload backend.
+    pub backend: Backend,
+    /// `tcp` backend: the address of this host the payload engine listens on and advertises
+    /// to clients (port 0 picks one). Unset: 127.0.0.1, reachable from this host only.
+    /// `ucx` and `nixl` refuse it (UCX takes its interfaces from `UCX_NET_DEVICES`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub payload_addr: Option<std::net::SocketAddr>,
+    /// Bytes of registered memory at most (the receive pool). It is registered in chunks of
+    /// `pool_chunk_bytes` as PUTs need it, never per request.
+    pub pool_bytes: u64,
+    /// Bytes of one chunk of registered memory (a PUT that needs more gets a chunk of its
+    /// own size). The first chunk is registered at start.
+    pub pool_chunk_bytes: u64,
+    /// Idle registered memory (registered, not leased) kept at most: chunks that are entirely
+    /// free are deregistered, newest first, while the idle bytes exceed it.
+    pub idle_pool_bytes: u64,
+    /// Largest control message accepted, in bytes (checked before allocating).
+    pub max_message_bytes: u64,
+    /// A WRITE that has not completed after this long fails its session.
+    #[serde(with = "secs")]
+    pub transfer_timeout: Duration,
+    /// Answers queued for one session's connection, at most. A session reads its next
+    /// request only when that request's answers (and those of the GETs queued on its
+    /// executor) fit, so a client that does not read its answers stops being read instead of
+    /// growing the unit's memory. Must exceed `transfer_queue` by 3 or more.
+    pub reply_queue: usize,
+    /// Transfers (GET WRITEs, pulled-PUT READs) queued on one client's executor, at most. A
+    /// session reads its next request only when one more fits; a transfer that still finds
+    /// the queue full is answered with `ErrorKind::Busy`.
+    pub transfer_queue: usize,
+    /// The protocol core's settings.
+    pub unit: UnitConfig,
+    /// Polls the sessions' sockets before a worker of the server's runtime parks, when that
+    /// runtime was built with [`BusyPoll::on_park`] (off by default; the binary's
+    /// `busy_poll_us`).
+    #[serde(skip)]
+    pub busy_poll: Option<BusyPoll>,
+}
+
+mod secs {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use std::time::Duration;
+    pub(super) fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_f64(d.as_secs_f64())
+    }
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        let v = f64::deserialize(d)?;
+        if !(v.is_finite() && v >= 0.0) {
+            return Err(serde::de::Error::custom(
+                "seconds must be a finite, non-negative number",
+            ));
+        }
+        Ok(Duration::from_secs_f64(v))
+    }
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            bind: "127.0.0.1:7470".into(),
+            backend: Backend::Shm,
+            payload_addr: None,
+            pool_bytes: 2 << 30,
+            pool_chunk_bytes: 256 << 20,
+            idle_pool_bytes: 512 << 20,
+            max_message_bytes: 256 << 20,
+            transfer_timeout: Duration::from_secs(60),
+            reply_queue: 1024,
+            transfer_queue: 64,
+            unit: UnitConfig::default(),
+            busy_poll: None,
+        }
+    }
+}
+
+/// Errors starting a server.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ServerError {
+    /// Binding the control socket failed.
+    #[error("binding {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: String,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The transport agent could not be created.
+    #[error("transport: {0}")]
+    Agent(#[from] AgentError),
+    /// The registered pool could not be created.
+    #[error("transport: {0}")]
+    Memory(#[from] MemoryError),
+    /// The blocking setup task panicked or was cancelled.
+    #[error("transport: {0}")]
+    Background(#[from] tokio::task::JoinError),
+    /// The configuration is inconsistent.
+    #[error("configuration: {0}")]
+    Config(String),
+}
+
+/// A transfer on a session's executor.
+enum Job {
+    /// A GET's WRITE into the client's block: request id, GET id, frames, descriptors.
+    Write(u64, u64, Vec<Bytes>, Vec<RemoteDesc>),
+    /// A pulled PUT's READ of the client's frames into the unit's block.
+    Read {
+        put: u64,
+        dests: Vec<LocalDesc>,
+        srcs: Vec<RemoteDesc>,
+        agent: Vec<u8>,
+    },
+}
+
+struct SessionHandle {
+    replies: mpsc::Sender<Vec<u8>>,
+    jobs: Option<mpsc::Sender<Job>>,
+    close: watch::Sender<bool>,
+    /// The registration generation of the unit's metadata this session last got.
+    seen: u64,
+    /// GET WRITEs queued on the executor (not counting the one in flight).
+    queue_depth: Arc<AtomicU64>,
+    /// The client's agent name, the metrics label of its queue (empty before Hello).
+    peer: String,
+}
+
+struct Shared {
+    unit: Mutex<Unit<PoolMemory>>,
+    agent: Arc<Agent>,
+    /// Bumped when the unit registers or deregisters a chunk of memory.
+    generation: Arc<AtomicU64>,
+    cfg: ServerConfig,
+    sessions: Mutex<HashMap<SessionId, SessionHandle>>,
+    /// Closed sessions whose exposed blocks wait for their client's link to be torn down, with
+    /// the client's agent name.
+    lingering: Mutex<HashMap<SessionId, String>>,
+    next_session: AtomicU64,
+    tasks: Mutex<JoinSet<()>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A running unit. Dropping it does not stop it; call [`Server::shutdown`].
+pub struct Server {
+    shared: Arc<Shared>,
+    addr: String,
+    stop: watch::Sender<bool>,
+    accept: tokio::task::JoinHandle<()>,
+    timer: tokio::task::JoinHandle<()>,
+}
+
+enum Listener {
+    Tcp(TcpListener),
+    Unix(UnixListener, PathBuf),
+}
+
+impl Server {
+    /// Creates the agent and its registered pool, binds the control socket and starts serving.
+    pub async fn start(cfg: ServerConfig) -> Result<Server, ServerError> {
+        if cfg.transfer_queue == 0 || cfg.reply_queue < cfg.transfer_queue.saturating_add(3) {
+            return Err(ServerError::Config(format!(
+                "transfer_queue ({}) must be at least 1 and reply_queue ({}) at least \
+                 transfer_queue + 3",
+                cfg.transfer_queue, cfg.reply_queue
+            )));
+        }
+        let backend = cfg.backend;
+        let payload_addr = cfg.payload_addr;
+        let limits = ChunkLimits {
+            capacity: cfg.pool_bytes,
+            chunk: cfg.pool_chunk_bytes,
+            idle: cfg.idle_pool_bytes,
+        };
+        let (agent, pool) = tokio::task::spawn_blocking(move || {
+            let agent = Arc::new(backend.agent_at("unit", payload_addr)?);
+            let pool = ChunkPool::new(agent.clone(), limits)?;
+            Ok::<_, ServerError>((agent, pool))
+        })
+        .await??;
+        let (listener, addr) = if let Some(path) = cfg.bind.strip_prefix("unix:") {
+            let _ = std::fs::remove_file(path);
+            let l = UnixListener::bind(path).map_err(|source| ServerError::Bind {
+                addr: cfg.bind.clone(),
+                source,
+            })?;
+            (Listener::Unix(l, path.into()), cfg.bind.clone())
+        } else {
+            let l = TcpListener::bind(&cfg.bind)
+                .await
+                .map_err(|source| ServerError::Bind {
+                    addr: cfg.bind.clone(),
+                    source,
+                })?;
+            let a = l.local_addr().map_err(|source| ServerError::Bind {
+                addr: cfg.bind.clone(),
+                source,
+            })?;
+            (Listener::Tcp(l), a.to_string())
+        };
+        let generation = pool.generation();
+        let mut unit = Unit::new(cfg.unit.clone(), PoolMemory { pool });
+        unit.set_pull_puts(backend.pulls_puts());
+        let shared = Arc::new(Shared {
+            unit: Mutex::new(unit),
+            agent,
+            generation,
+            cfg,
+            sessions: Mutex::new(HashMap::new()),
+            lingering: Mutex::new(HashMap::new()),
+            next_session: AtomicU64::new(1),
+            tasks: Mutex::new(JoinSet::new()),
+        });
+        let (stop, stop_rx) = watch::channel(false);
+        let accept = tokio::spawn(accept_loop(shared.clone(), listener, stop_rx.clone()));
+        let timer = tokio::spawn(timer_loop(shared.clone(), stop_rx));
+        tracing::info!(%addr, backend = shared.agent.kind(), "unit serving");
+        Ok(Server {
+            shared,
+            addr,
+            stop,
+            accept,
+            timer,
+        })
+    }
+
+    /// The control address clients connect to (`HOST:PORT` or `unix:PATH`).
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// Current statistics.
+    pub fn stats(&self) -> Stats {
+        lock(&self.shared.unit).stats()
+    }
+
+    /// The unit's transport agent (its [`report`](Agent::report) counts the payload bytes
+    /// its engine copied).
+    pub fn agent(&self) -> &Agent {
+        &self.shared.agent
+    }
+
+    /// Serves one more session over `stream` (tests drive a session through an in-memory
+    /// pipe whose buffer they choose).
+    #[cfg(test)]
+    fn attach(&self, stream: tokio::io::DuplexStream) {
+        let (r, w) = tokio::io::split(stream);
+        let sid = self.shared.next_session.fetch_add(1, Ordering::Relaxed);
+        let s = self.shared.clone();
+        lock(&self.shared.tasks).spawn(guarded_session(s, sid, Box::new(r), Box::new(w)));
+    }
+
+    /// Registered memory the unit holds now, in bytes.
+    pub fn registered_bytes(&self) -> u64 {
+        self.stats().pool.capacity
+    }
+
+    /// Ordered teardown: stop accepting, cancel queued work, let transfers in flight finish
+    /// and release their handles, drop peers and stored values, then the agent, then the pool.
+    pub async fn shutdown(self) {
+        let _ = self.stop.send(true);
+        let _ = self.accept.await;
+        let _ = self.timer.await;
+        let handles: Vec<SessionHandle> = lock(&self.shared.sessions)
+            .drain()
+            .map(|(_, h)| h)
+            .collect();
+        for mut h in handles {
+            h.jobs = None; // cancels queued WRITEs once the executor sees the channel close
+            let _ = h.close.send(true);
+        }
+        let mut tasks = std::mem::take(&mut *lock(&self.shared.tasks));
+        while tasks.join_next().await.is_some() {}
+        lock(&self.shared.unit).teardown();
+        // The agent goes first (the unit's memory holds it too, ahead of its chunks), then
+        // the chunks of registered memory.
+        let Server { shared, .. } = self;
+        match Arc::try_unwrap(shared) {
+            Ok(shared) => {
+                drop(shared.agent);
+                drop(shared.unit);
+            }
+            Err(_) => tracing::warn!("unit state still referenced at shutdown"),
+        }
+    }
+}

@@ -1,0 +1,538 @@
+//! The driver with real sockets: faults injected into requests, sessions and transfers,
+//! quarantine and late writes, backpressure, and registered memory growing and shrinking.
+
+use super::fault::{arm, Fault};
+use super::*;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+
+use crate::error::ErrorKind;
+use crate::plane::source_descs;
+use crate::proto::{self, Request, Response};
+use crate::{Client, ClientConfig, ClientError, Tensor, Value};
+use tokio::net::TcpStream;
+
+async fn unit() -> Server {
+    Server::start(ServerConfig {
+        bind: "127.0.0.1:0".into(),
+        backend: Backend::Inproc,
+        pool_bytes: 32 << 20,
+        ..ServerConfig::default()
+    })
+    .await
+    .unwrap()
+}
+
+async fn client(server: &Server) -> Client {
+    Client::connect(ClientConfig {
+        units: vec![server.addr().to_owned()],
+        backend: Backend::Inproc,
+        recv_pool_bytes: 32 << 20,
+        // Only a guard against a hang: every answer below comes at once.
+        timeout: Duration::from_secs(60),
+        ..ClientConfig::default()
+    })
+    .await
+    .unwrap()
+}
+
+/// One field of one value: a tensor of `n` i32 (above `inline_max` for large `n`).
+fn column(n: usize, fill: i32) -> Vec<(String, Vec<Value>)> {
+    let t = Tensor::from_slice(&[n as u64], &vec![fill; n]).unwrap();
+    vec![("x".to_owned(), vec![Value::Tensor(t)])]
+}
+
+fn kind(e: &ClientError) -> Option<ErrorKind> {
+    e.kind()
+}
+
+/// Waits until the unit has closed every session (clients close theirs when dropped).
+async fn settled(server: &Server) -> Stats {
+    for _ in 0..6000 {
+        let s = server.stats();
+        if s.sessions == 0 {
+            return s;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("sessions never closed: {:?}", server.stats());
+}
+
+/// Another client stores, reads back and clears as if nothing happened.
+async fn others_carry_on(server: &Server, partition: &str) {
+    let c = client(server).await;
+    c.put(partition, &[1], &column(100_000, 5)).await.unwrap();
+    let got = c.get(partition, &[1], &["x"]).await.unwrap();
+    assert_eq!(
+        got[0][0].as_tensor().unwrap().as_slice::<i32>().unwrap()[99_999],
+        5
+    );
+    drop(got);
+    c.clear(partition, &[1]).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_that_panics_is_answered_and_closes_only_its_session() {
+    arm("panic-in-handle", Fault::Handle);
+    let server = unit().await;
+    let a = client(&server).await;
+    a.put("kept", &[0], &column(100_000, 1)).await.unwrap();
+    let e = a
+        .put("panic-in-handle", &[0], &column(10, 1))
+        .await
+        .unwrap_err();
+    assert_eq!(kind(&e), Some(ErrorKind::Internal), "{e}");
+    assert!(e.to_string().contains("session is closed"), "{e}");
+    // The session is gone: its next request fails at once, without a timeout.
+    let e = a.stats().await.unwrap_err();
+    assert!(!matches!(e, ClientError::Timeout { .. }), "{e}");
+    others_carry_on(&server, "other").await;
+    drop(a);
+    let s = settled(&server).await;
+    assert_eq!(s.keys, 1, "what the session stored stays stored");
+    assert_eq!((s.leased_bytes, s.quarantined_bytes), (0, 0));
+    server.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_task_that_panics_is_closed_and_released() {
+    arm("panic-in-session", Fault::Session);
+    let server = unit().await;
+    let a = client(&server).await;
+    let e = a
+        .put("panic-in-session", &[0], &column(10, 1))
+        .await
+        .unwrap_err();
+    assert!(!matches!(e, ClientError::Timeout { .. }), "{e}");
+    others_carry_on(&server, "other").await;
+    drop(a);
+    let s = settled(&server).await;
+    assert_eq!((s.leased_bytes, s.quarantined_bytes), (0, 0));
+    server.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_get_write_that_panics_fails_that_get_and_its_session() {
+    let server = unit().await;
+    let a = client(&server).await;
+    a.put("panic-in-write", &[0], &column(100_000, 3))
+        .await
+        .unwrap();
+    arm("panic-in-write", Fault::Write);
+    let e = a.get("panic-in-write", &[0], &["x"]).await.unwrap_err();
+    assert_eq!(kind(&e), Some(ErrorKind::Transfer), "{e}");
+    assert!(e.to_string().contains("injected fault"), "{e}");
+    let e = a.stats().await.unwrap_err();
+    assert_eq!(kind(&e), Some(ErrorKind::PeerFailed), "{e}");
+    others_carry_on(&server, "other").await;
+    drop(a);
+    let s = settled(&server).await;
+    assert_eq!((s.pending_gets, s.leased_bytes), (0, 0));
+    server.shutdown().await;
+}
+
+async fn call(stream: &mut TcpStream, id: u64, req: &Request) -> Response {
+    stream
+        .write_all(&proto::encode_frame(id, req).unwrap())
+        .await
+        .unwrap();
+    read_response(stream).await.expect("an answer").1
+}
+
+async fn read_response(stream: &mut (impl AsyncRead + Unpin)) -> Option<(u64, Response)> {
+    let mut prefix = [0u8; proto::LEN_PREFIX];
+    stream.read_exact(&mut prefix).await.ok()?;
+    let mut buf = vec![0u8; proto::frame_len(prefix, 1 << 30).unwrap()];
+    stream.read_exact(&mut buf).await.unwrap();
+    Some(proto::decode_body::<Response>(&buf).unwrap())
+}
+
+fn prepare(partition: &str) -> Request {
+    let value = Value::List(vec![Value::List(vec![column(100_000, 7)
+        .remove(0)
+        .1
+        .remove(0)])]);
+    let frames = tessera_framecodec::encode(&value).unwrap();
+    Request::Put {
+        partition: partition.into(),
+        indexes: vec![0],
+        fields: vec!["x".into()],
+        meta: serde_bytes::ByteBuf::from(frames.meta.to_vec()),
+        inline: None,
+        pull: None,
+    }
+}
+
+/// A unit on `backend` whose closed sessions wait `grace` for late WRITEs.
+async fn unit_with_grace(backend: Backend, grace: Duration) -> Server {
+    Server::start(ServerConfig {
+        bind: "127.0.0.1:0".into(),
+        backend,
+        pool_bytes: 32 << 20,
+        unit: UnitConfig {
+            late_write_grace: grace,
+            ..UnitConfig::default()
+        },
+        ..ServerConfig::default()
+    })
+    .await
+    .unwrap()
+}
+
+/// A raw control connection that said HELLO (request id 1) as `agent`, and the unit's
+/// agent metadata from its welcome.
+async fn hello(server: &Server, agent: &Agent) -> (TcpStream, Vec<u8>) {
+    let mut s = TcpStream::connect(server.addr()).await.unwrap();
+    let hello = Request::Hello {
+        token: None,
+        agent: agent.metadata(),
+    };
+    let Response::Welcome { agent: md, .. } = call(&mut s, 1, &hello).await else {
+        panic!("no welcome")
+    };
+    (s, md)
+}
+
+/// Polls the unit's STATS until `f` holds (a hang guard, not a timing assertion).
+async fn until(server: &Server, what: &str, f: impl Fn(&Stats) -> bool) -> Stats {
+    for _ in 0..6000 {
+        let s = server.stats();
+        if f(&s) {
+            return s;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("{what} never happened: {:?}", server.stats());
+}
+
+/// A session holding a leased block (a prepared PUT) and a quarantined one (cancelled
+/// after exposure) panics: it is answered and closed; both blocks were exposed, so they
+/// stay quarantined (the inproc engine cannot tell when its peer stops writing) until the
+/// late-write grace is over, then go back to the pool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_session_releases_its_leases_and_quarantine() {
+    arm("panic-holding-leases", Fault::Handle);
+    let server = unit_with_grace(Backend::Inproc, Duration::from_millis(100)).await;
+    let agent = Backend::Inproc.agent("raw").unwrap();
+    let (mut s, _) = hello(&server, &agent).await;
+    assert!(matches!(
+        call(&mut s, 2, &prepare("p")).await,
+        Response::PutReady { .. }
+    ));
+    let cancel = Request::Cancel {
+        of: 2,
+        maybe_written: true,
+    };
+    assert_eq!(call(&mut s, 3, &cancel).await, Response::Done);
+    assert!(matches!(
+        call(&mut s, 4, &prepare("p")).await,
+        Response::PutReady { .. }
+    ));
+    let before = server.stats();
+    assert!(before.leased_bytes > 0 && before.quarantined_bytes > 0);
+    assert_eq!(before.pool.live_blocks, 2);
+    match call(&mut s, 5, &prepare("panic-holding-leases")).await {
+        Response::Error(e) => assert_eq!(e.kind, ErrorKind::Internal),
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        read_response(&mut s).await.is_none(),
+        "the connection is closed"
+    );
+    let after = until(&server, "the grace running out", |s| {
+        s.quarantined_bytes == 0
+    })
+    .await;
+    assert_eq!((after.sessions, after.leased_bytes), (0, 0));
+    assert_eq!((after.pool.used, after.pool.live_blocks), (0, 0));
+    others_carry_on(&server, "other").await;
+    server.shutdown().await;
+}
+
+/// A session that closes after READY, on an engine that cannot tell when its client stops
+/// writing: the exposed block stays quarantined (in STATS, per partition) while the grace
+/// lasts, and the unit's teardown still frees everything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_sessions_exposed_block_waits_for_the_grace() {
+    let server = unit_with_grace(Backend::Inproc, Duration::from_secs(3600)).await;
+    let agent = Backend::Inproc.agent("raw").unwrap();
+    let (mut s, _) = hello(&server, &agent).await;
+    assert!(matches!(
+        call(&mut s, 2, &prepare("p")).await,
+        Response::PutReady { .. }
+    ));
+    let exposed = server.stats().leased_bytes;
+    drop(s);
+    let after = until(&server, "the session closing", |s| s.sessions == 0).await;
+    assert_eq!((after.leased_bytes, after.quarantined_bytes), (0, exposed));
+    assert_eq!(after.partitions[0].quarantined_bytes, exposed);
+    assert_eq!(after.pool.live_blocks, 1);
+    server.shutdown().await;
+}
+
+/// Over tcp, a client shows READY, drops its control connection, and WRITEs late into the
+/// block it was given. Meanwhile another client's PUT of the same size must not have been
+/// given that block: its value reads back intact after the late WRITE landed. Once the
+/// late writer's agent is gone (its link closed), the quarantine is released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_write_over_tcp_never_lands_in_a_reused_block() {
+    // Over tcp the link decides, never the clock.
+    let server = unit_with_grace(Backend::Tcp, Duration::ZERO).await;
+    let agent = Backend::Tcp.agent("late").unwrap();
+    let (mut s, md) = hello(&server, &agent).await;
+    let peer = agent.add_remote(&md).unwrap();
+    let Response::PutReady { block, agent: md } = call(&mut s, 2, &prepare("p")).await else {
+        panic!("no READY")
+    };
+    if let Some(md) = md {
+        agent.add_remote(&md).unwrap();
+    }
+    let exposed = server.stats().leased_bytes;
+    drop(s);
+    let after = until(&server, "the session closing", |s| s.sessions == 0).await;
+    assert_eq!(
+        (after.leased_bytes, after.quarantined_bytes),
+        (0, exposed),
+        "the exposed block stays quarantined while the client's link is up"
+    );
+    // Another client stores a value of the same size (the freed block's offset would be
+    // the first fit).
+    let c = Client::connect(ClientConfig {
+        units: vec![server.addr().to_owned()],
+        backend: Backend::Tcp,
+        recv_pool_bytes: 32 << 20,
+        timeout: Duration::from_secs(60),
+        ..ClientConfig::default()
+    })
+    .await
+    .unwrap();
+    c.put("other", &[1], &column(100_000, 5)).await.unwrap();
+    // The late WRITE lands.
+    let garbage = [Bytes::from(vec![0xAB; block.len as usize])];
+    let locals = source_descs(&agent, &garbage).unwrap();
+    peer.write(&locals, &[block], None).unwrap().await.unwrap();
+    let got = c.get("other", &[1], &["x"]).await.unwrap();
+    let vals = got[0][0].as_tensor().unwrap().as_slice::<i32>().unwrap();
+    assert!(
+        vals.iter().all(|&v| v == 5),
+        "another PUT's value was overwritten"
+    );
+    drop(got);
+    assert_eq!(server.stats().quarantined_bytes, exposed);
+    // The late writer goes away: its link closes and the block comes back.
+    drop((locals, peer, agent));
+    let s = until(&server, "the quarantine's release", |s| {
+        s.quarantined_bytes == 0
+    })
+    .await;
+    assert_eq!(s.pool.live_blocks, 1, "only the stored value holds a block");
+    drop(c);
+    server.shutdown().await;
+}
+
+/// A client that pipelines many requests and reads none of the answers: the unit stops
+/// reading from it once its reply queue and the pipe are full, instead of handling every
+/// request and queueing every answer; when the client reads, every answer arrives, in
+/// order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_does_not_read_is_not_read_either() {
+    const QUEUE: usize = 8;
+    const PIPE: usize = 4096;
+    const N: u64 = 2000;
+    let server = Server::start(ServerConfig {
+        bind: "127.0.0.1:0".into(),
+        backend: Backend::Inproc,
+        pool_bytes: 1 << 20,
+        reply_queue: QUEUE,
+        transfer_queue: 1,
+        ..ServerConfig::default()
+    })
+    .await
+    .unwrap();
+    let (mut ours, theirs) = tokio::io::duplex(PIPE);
+    server.attach(theirs);
+    let agent = Backend::Inproc.agent("raw").unwrap();
+    let hello = Request::Hello {
+        token: None,
+        agent: agent.metadata(),
+    };
+    ours.write_all(&proto::encode_frame(0, &hello).unwrap())
+        .await
+        .unwrap();
+    assert!(matches!(
+        read_response(&mut ours).await,
+        Some((0, Response::Welcome { .. }))
+    ));
+    // Inline PUTs of one small value each: one stored key per request handled.
+    let value = Value::List(vec![Value::List(vec![Value::U64(1)])]);
+    let meta = tessera_framecodec::encode(&value).unwrap().meta.to_vec();
+    let (mut rd, mut wr) = tokio::io::split(ours);
+    let writer = tokio::spawn(async move {
+        for i in 1..=N {
+            let put = Request::Put {
+                partition: "p".into(),
+                indexes: vec![i],
+                fields: vec!["x".into()],
+                meta: serde_bytes::ByteBuf::from(meta.clone()),
+                inline: Some(Vec::new()),
+                pull: None,
+            };
+            wr.write_all(&proto::encode_frame(i, &put).unwrap())
+                .await
+                .unwrap();
+        }
+        wr
+    });
+    // The pipe holds PIPE / (shortest answer) answers, the queue QUEUE, the reply writer
+    // one in hand, and one request can be in the session's hand. Without the bound,
+    // every request would be handled.
+    let shortest = proto::encode_frame(1, &Response::Done).unwrap().len();
+    let bound = (PIPE / shortest + QUEUE + 2) as u64;
+    let mut handled = 0;
+    for _ in 0..50 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        handled = server.stats().keys;
+        assert!(handled <= bound, "{handled} requests handled, unread");
+    }
+    assert!(handled > 0);
+    assert!(
+        !writer.is_finished(),
+        "the unit stopped reading the requests"
+    );
+    for i in 1..=N {
+        let mut prefix = [0u8; proto::LEN_PREFIX];
+        rd.read_exact(&mut prefix).await.unwrap();
+        let mut buf = vec![0u8; proto::frame_len(prefix, 1 << 20).unwrap()];
+        rd.read_exact(&mut buf).await.unwrap();
+        let (id, resp) = proto::decode_body::<Response>(&buf).unwrap();
+        assert_eq!((id, resp), (i, Response::Done));
+    }
+    drop(writer.await.unwrap());
+    assert_eq!(server.stats().keys, N);
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn queue_bounds_are_checked() {
+    let bad = Server::start(ServerConfig {
+        bind: "127.0.0.1:0".into(),
+        backend: Backend::Inproc,
+        pool_bytes: 1 << 20,
+        reply_queue: 10,
+        transfer_queue: 8,
+        ..ServerConfig::default()
+    })
+    .await;
+    assert!(matches!(bad, Err(ServerError::Config(_))));
+}
+
+/// PUTs beyond the first chunk register more chunks (the client learns them from the
+/// READY answer and writes into them), up to the limit; CLEAR gives the memory back down
+/// to the idle limit; the agent's registrations always match what STATS reports.
+async fn registered_memory_grows_and_shrinks(backend: Backend) {
+    const MIB: u64 = 1 << 20;
+    let server = Server::start(ServerConfig {
+        bind: "127.0.0.1:0".into(),
+        backend,
+        pool_bytes: 24 * MIB,
+        pool_chunk_bytes: 4 * MIB,
+        idle_pool_bytes: 6 * MIB,
+        ..ServerConfig::default()
+    })
+    .await
+    .unwrap();
+    let c = Client::connect(ClientConfig {
+        units: vec![server.addr().to_owned()],
+        backend,
+        recv_pool_bytes: 8 * MIB,
+        ..ClientConfig::default()
+    })
+    .await
+    .unwrap();
+    let check = |server: &Server| {
+        let s = server.stats();
+        let r = server.agent().report();
+        assert_eq!(r.registered_bytes, s.pool.capacity, "{s:?}");
+        assert_eq!(r.registrations as u64, s.pool.chunks, "{s:?}");
+        s
+    };
+    assert_eq!(check(&server).pool.capacity, 4 * MIB);
+    // Ten values of 1.5 MiB: two fit a chunk, so five chunks.
+    for i in 0..10u64 {
+        let cols = column(384 << 10, i as i32);
+        c.put("p", &[i], &cols).await.unwrap();
+    }
+    let s = check(&server);
+    assert_eq!((s.pool.capacity, s.pool.chunks), (20 * MIB, 5));
+    assert_eq!((s.pool.limit, s.pool.idle_limit), (24 * MIB, 6 * MIB));
+    for i in 0..10u64 {
+        let got = c.get("p", &[i], &["x"]).await.unwrap();
+        let t = got[0][0].as_tensor().unwrap();
+        assert_eq!(t.as_slice::<i32>().unwrap()[1000], i as i32);
+    }
+    // Beyond the limit: refused with a clear error, nothing stored.
+    let e = c.put("p", &[99], &column(3 << 20, 1)).await.unwrap_err();
+    assert_eq!(e.kind(), Some(ErrorKind::OutOfMemory), "{e}");
+    assert!(e.to_string().contains("registered memory exhausted"), "{e}");
+    c.clear("p", &(0..10).collect::<Vec<_>>()).await.unwrap();
+    let s = check(&server);
+    assert_eq!(s.pool.used, 0);
+    assert!(s.pool.capacity <= 6 * MIB, "{s:?}");
+    assert_eq!(
+        s.pool.capacity,
+        4 * MIB,
+        "one chunk is within the idle limit"
+    );
+    // And grows again.
+    for i in 0..4u64 {
+        c.put("q", &[i], &column(384 << 10, 1)).await.unwrap();
+    }
+    assert_eq!(check(&server).pool.capacity, 8 * MIB);
+    drop(c);
+    server.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registered_memory_grows_and_shrinks_inproc() {
+    registered_memory_grows_and_shrinks(Backend::Inproc).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registered_memory_grows_and_shrinks_shm() {
+    registered_memory_grows_and_shrinks(Backend::Shm).await;
+}
+
+/// A GET larger than the client's receive pool fails with the pool's numbers as data (its
+/// allocator's `OutOfMemory`, not a message to parse); the unit and the client carry on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_get_beyond_the_receive_pool_reports_its_numbers() {
+    let server = unit().await;
+    let small = Client::connect(ClientConfig {
+        units: vec![server.addr().to_owned()],
+        backend: Backend::Inproc,
+        recv_pool_bytes: 1 << 20,
+        timeout: Duration::from_secs(60),
+        ..ClientConfig::default()
+    })
+    .await
+    .unwrap();
+    small.put("p", &[1], &column(1 << 20, 3)).await.unwrap();
+    let e = small.get("p", &[1], &["x"]).await.unwrap_err();
+    let ClientError::OutOfMemory {
+        requested,
+        free,
+        largest_free,
+        ..
+    } = e
+    else {
+        panic!("expected OutOfMemory, got {e:?}");
+    };
+    assert!(requested >= 4 << 20, "{requested}");
+    assert!(
+        free <= 1 << 20 && largest_free <= free,
+        "{free} {largest_free}"
+    );
+    assert!(requested > largest_free);
+    let got = small.get("p", &[1], &["missing"]).await.unwrap_err();
+    assert_eq!(kind(&got), Some(ErrorKind::Missing));
+    others_carry_on(&server, "q").await;
+}
