@@ -12,6 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
+use tessera_engines::EngineKind;
 use tessera_storage::{
     Backend, BusyPoll, Client, ClientConfig, Server, ServerConfig, Tensor, UnitConfig, Value,
 };
@@ -440,11 +441,11 @@ fn unit_main(kind: &str) -> Result<()> {
         .and_then(|c| c.parse().ok())
         .unwrap_or(UNIT_CPU);
     pin(cpu)?;
-    let backend = match kind {
-        "shm" => Backend::Shm,
-        "tcp" => Backend::Tcp,
-        "ucx" => Backend::Ucx,
-        other => bail!("unknown backend {other}"),
+    let backend = match kind.parse::<EngineKind>()? {
+        EngineKind::Shm => Backend::Shm,
+        EngineKind::Tcp => Backend::Tcp,
+        EngineKind::Ucx => Backend::Ucx,
+        other => bail!("the storage suite's unit runs shm, tcp or ucx, not {other}"),
     };
     let poll = match std::env::var(UNIT_POLL_ENV) {
         Ok(us) => Some(BusyPoll::new(Duration::from_micros(

@@ -12,9 +12,9 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
+use tessera_engines::EngineKind;
 use tessera_transport::{
-    coalesce, shm::Shm, tcp::Tcp, Agent, Loc, LocalDesc, Op, Pair, Peer, Region, Registration,
-    RemoteDesc,
+    coalesce, Agent, Loc, LocalDesc, Op, Pair, Peer, Region, Registration, RemoteDesc,
 };
 
 use crate::cpu::{affinity, pin, restore_affinity};
@@ -592,21 +592,6 @@ struct Session {
     raw_addr: Option<String>,
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Result<Vec<u8>> {
-    (0..s.len())
-        .step_by(2)
-        .map(|i| {
-            s.get(i..i + 2)
-                .and_then(|h| u8::from_str_radix(h, 16).ok())
-                .ok_or_else(|| anyhow!("bad hex"))
-        })
-        .collect()
-}
-
 impl Session {
     fn start(kind: &str) -> Result<Self> {
         let exe = std::env::current_exe()?;
@@ -625,16 +610,13 @@ impl Session {
                 .ok_or_else(|| anyhow!("peer exited"))?
                 .map_err(Into::into)
         };
-        let meta = unhex(next()?.strip_prefix("META ").context("META")?)?;
+        let meta = hex::decode(next()?.strip_prefix("META ").context("META")?)?;
         let peer_reg: u64 = next()?.strip_prefix("REG ").context("REG")?.parse()?;
         let raw_addr = next()?
             .strip_prefix("RAW ")
             .map(str::to_owned)
             .filter(|a| a != "-");
-        let agent = match kind {
-            "shm" => Agent::new("bench", Shm::new())?,
-            _ => Agent::new("bench", Tcp::new())?,
-        };
+        let agent = kind.parse::<EngineKind>()?.agent("bench")?;
         let region = Region::new(BIG + 16 * MIB)?;
         region.fill(0, region.len(), 0x5A)?;
         let reg = agent.register(&region)?;
@@ -650,7 +632,7 @@ impl Session {
             peer_reg,
             raw_addr,
         };
-        let meta = hex(&s.agent.metadata());
+        let meta = hex::encode(s.agent.metadata());
         s.cmd(&format!("ADD {meta}"))?;
         Ok(s)
     }
@@ -816,10 +798,9 @@ impl Drop for Session {
 
 fn peer_main(kind: &str) -> Result<()> {
     pin(PEER_CPU)?;
-    let agent = match kind {
-        "shm" => Agent::new("bench-peer", Shm::new())?,
-        "tcp" => Agent::new("bench-peer", Tcp::new())?,
-        other => bail!("unknown backend {other}"),
+    let agent = match kind.parse::<EngineKind>()? {
+        k @ (EngineKind::Shm | EngineKind::Tcp) => k.agent("bench-peer")?,
+        other => bail!("the transport suite's peer runs shm or tcp, not {other}"),
     };
     let region = Region::new(PEER_REGION)?;
     region.fill(0, PEER_REGION, 0xA5)?;
@@ -833,7 +814,7 @@ fn peer_main(kind: &str) -> Result<()> {
         "-".to_owned()
     };
     let mut out = std::io::stdout().lock();
-    writeln!(out, "META {}", hex(&agent.metadata()))?;
+    writeln!(out, "META {}", hex::encode(agent.metadata()))?;
     writeln!(out, "REG {}", reg.id())?;
     writeln!(out, "RAW {raw}")?;
     out.flush()?;
@@ -842,7 +823,7 @@ fn peer_main(kind: &str) -> Result<()> {
         let line = line?;
         let answer = match line.split_once(' ') {
             Some(("ADD", h)) => {
-                peer = Some(agent.add_remote(&unhex(h)?)?);
+                peer = Some(agent.add_remote(&hex::decode(h)?)?);
                 "ADDED".to_owned()
             }
             _ if line == "EXIT" => break,

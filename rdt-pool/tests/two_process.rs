@@ -18,17 +18,6 @@ use tessera_rdt_pool::{DType, FetchError, ObjectDescriptor, ReceiverPool, Sender
 use tessera_transport::testing::HANG_GUARD;
 use tessera_transport::{shm::Shm, tcp::Tcp, Agent};
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
-        .collect()
-}
-
 fn agent(kind: &str, name: &str) -> Arc<Agent> {
     Arc::new(match kind {
         "shm" => Agent::new(name, Shm::new()).unwrap(),
@@ -141,13 +130,13 @@ fn child_sender() {
         .collect();
     let desc = pool.put("mixed", &refs).unwrap();
     let mut out = std::io::stdout().lock();
-    writeln!(out, "META {}", hex(&agent.metadata())).unwrap();
-    writeln!(out, "DESC {}", hex(&desc.to_bytes().unwrap())).unwrap();
+    writeln!(out, "META {}", hex::encode(agent.metadata())).unwrap();
+    writeln!(out, "DESC {}", hex::encode(desc.to_bytes().unwrap())).unwrap();
     out.flush().unwrap();
     for line in std::io::stdin().lock().lines() {
         let Ok(line) = line else { break };
         if let Some(h) = line.strip_prefix("ADD ") {
-            agent.add_remote(&unhex(h)).unwrap();
+            agent.add_remote(&hex::decode(h).expect("hex")).unwrap();
             writeln!(out, "ADDED").unwrap();
             out.flush().unwrap();
         } else if line == "EXIT" {
@@ -229,12 +218,13 @@ impl Drop for Child {
 
 fn round_trip(kind: &str) {
     let mut child = Child::spawn(kind);
-    let meta = unhex(&child.expect("META "));
-    let desc = ObjectDescriptor::from_bytes(&unhex(&child.expect("DESC "))).unwrap();
+    let meta = hex::decode(child.expect("META ")).expect("hex");
+    let desc =
+        ObjectDescriptor::from_bytes(&hex::decode(child.expect("DESC ")).expect("hex")).unwrap();
     let me = agent(kind, "parent");
     let pool = ReceiverPool::new(me.clone(), 1 << 20).unwrap();
     let peer = me.add_remote(&meta).unwrap();
-    child.send(&format!("ADD {}", hex(&me.metadata())));
+    child.send(&format!("ADD {}", hex::encode(me.metadata())));
     child.expect("ADDED");
 
     let specs = specs();

@@ -183,7 +183,7 @@ fn unavailable(backend: Backend) -> tessera_transport::AgentError {
 
 #[cfg(feature = "ucx")]
 fn ucx_agent(name: &str) -> Result<Agent, tessera_transport::AgentError> {
-    use tessera_transport::ucx::{Ucx, UcxConfig};
+    use tessera_ucx::{Ucx, UcxConfig};
     Agent::new(name, Ucx::new(UcxConfig::new(name)))
 }
 
@@ -194,7 +194,7 @@ fn ucx_agent(_: &str) -> Result<Agent, tessera_transport::AgentError> {
 
 #[cfg(feature = "nixl")]
 fn nixl_agent(name: &str) -> Result<Agent, tessera_transport::AgentError> {
-    use tessera_transport::nixl::{Nixl, NixlConfig};
+    use tessera_nixl::{Nixl, NixlConfig};
     Agent::new(name, Nixl::new(NixlConfig::new(name)))
 }
 

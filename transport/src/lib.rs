@@ -8,11 +8,7 @@ mod error;
 pub mod inproc;
 mod interval;
 mod metadata;
-#[cfg(feature = "nixl")]
-pub mod nixl;
 mod notify;
-#[cfg(any(feature = "ucx", feature = "nixl"))]
-mod onesided;
 mod pool;
 mod region;
 mod registry;
@@ -21,8 +17,6 @@ pub mod tcp;
 #[cfg(feature = "testing")]
 pub mod testing;
 mod transfer;
-#[cfg(feature = "ucx")]
-pub mod ucx;
 
 pub use agent::Prepared;
 pub use agent::{Agent, AgentReport, LinkState, Peer, Registration};

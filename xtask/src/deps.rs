@@ -7,7 +7,8 @@
 //! - each wheel extracted into `.deps/ucx` and `.deps/nixl`, only when the marker file naming
 //!   that wheel is missing.
 //!
-//! The default build needs none of this; only `--features ucx` / `--features nixl` do.
+//! The default build needs none of this; only tessera-ucx and tessera-nixl do (built with `-p`,
+//! `--workspace`, or the `ucx` / `nixl` features of the crates that pull them in).
 
 use std::fs;
 use std::path::{Path, PathBuf};

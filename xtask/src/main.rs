@@ -78,38 +78,112 @@ fn workspace_root() -> PathBuf {
         .to_path_buf()
 }
 
-/// The feature-gated engines and their test targets, each feature run in its own cargo
+/// One row of [`BACKEND_TESTS`]: a package's tests of one feature-gated engine.
+struct BackendTests {
+    /// The engine; each engine's rows run in their own cargo invocations.
+    engine: &'static str,
+    /// The package tested.
+    package: &'static str,
+    /// The package's features that build the engine in.
+    features: &'static [&'static str],
+    /// Whether the library's unit tests run too (the engine's own crate: its docs and
+    /// doctests are checked as well).
+    lib: bool,
+    /// The integration test targets.
+    targets: &'static [&'static str],
+    /// A test name filter (empty: all).
+    filter: &'static str,
+}
+
+/// The feature-gated engines and their test targets, each engine run in its own cargo
 /// invocations so that our UCX and NIXL's bundled UCX never load into one process. The
-/// default targets already ran in `cargo test --workspace`. Each backend runs the conformance
-/// suite in one process and, through the peer binary, across two. Each entry: the feature, the
-/// package built with that feature, its test targets, and a name filter (empty: all).
-const BACKEND_TESTS: &[(&str, &str, &[&str], &str)] = &[
-    (
-        "ucx",
-        "tessera-transport",
-        &["ucx_engine", "ucx_two_process", "conformance_ucx"],
-        "",
-    ),
-    ("ucx", "tessera-storage-cli", &["engines"], ""),
-    ("ucx", "tessera-demo", &["demo"], "over_ucx"),
-    (
-        "nixl",
-        "tessera-transport",
-        &["nixl_engine", "nixl_two_process", "conformance_nixl"],
-        "",
-    ),
-    ("nixl", "tessera-storage-cli", &["engines"], ""),
-    ("nixl", "tessera-demo", &["demo"], "over_nixl"),
+/// default targets already ran in `cargo test` (the default members: all but tessera-ucx and
+/// tessera-nixl). Each engine runs the conformance suite in one process and, through the peer
+/// binary, across two.
+const BACKEND_TESTS: &[BackendTests] = &[
+    BackendTests {
+        engine: "ucx",
+        package: "tessera-ucx",
+        features: &["testing"],
+        lib: true,
+        targets: &["engine", "conformance"],
+        filter: "",
+    },
+    BackendTests {
+        engine: "ucx",
+        package: "tessera-engines",
+        features: &["ucx"],
+        lib: false,
+        targets: &["ucx_two_process"],
+        filter: "",
+    },
+    BackendTests {
+        engine: "ucx",
+        package: "tessera-storage-cli",
+        features: &["ucx"],
+        lib: false,
+        targets: &["engines"],
+        filter: "",
+    },
+    BackendTests {
+        engine: "ucx",
+        package: "tessera-demo",
+        features: &["ucx"],
+        lib: false,
+        targets: &["demo"],
+        filter: "over_ucx",
+    },
+    BackendTests {
+        engine: "nixl",
+        package: "tessera-nixl",
+        features: &["testing"],
+        lib: true,
+        targets: &["engine", "conformance"],
+        filter: "",
+    },
+    BackendTests {
+        engine: "nixl",
+        package: "tessera-engines",
+        features: &["nixl"],
+        lib: false,
+        targets: &["nixl_two_process"],
+        filter: "",
+    },
+    BackendTests {
+        engine: "nixl",
+        package: "tessera-storage-cli",
+        features: &["nixl"],
+        lib: false,
+        targets: &["engines"],
+        filter: "",
+    },
+    BackendTests {
+        engine: "nixl",
+        package: "tessera-demo",
+        features: &["nixl"],
+        lib: false,
+        targets: &["demo"],
+        filter: "over_nixl",
+    },
 ];
+
+/// The `--features` argument naming `features` of each of `rows`' packages.
+fn qualified_features(rows: &[&BackendTests]) -> String {
+    rows.iter()
+        .flat_map(|r| r.features.iter().map(|f| format!("{}/{f}", r.package)))
+        .collect::<Vec<_>>()
+        .join(",")
+}
 
 fn test(root: &Path) -> Result<()> {
     // The offline checks first: a formatting slip fails in seconds, before anything installs.
+    // Clippy, docs and tests of the default members (all but tessera-ucx and tessera-nixl,
+    // which need the installed libraries and are checked with their engine below).
     step("cargo fmt", cargo(&["fmt", "--all", "--check"]))?;
     step(
         "cargo clippy",
         cargo(&[
             "clippy",
-            "--workspace",
             "--all-targets",
             "--locked",
             "--",
@@ -117,11 +191,11 @@ fn test(root: &Path) -> Result<()> {
             "warnings",
         ]),
     )?;
-    let mut doc = cargo(&["doc", "--workspace", "--no-deps", "--locked"]);
+    let mut doc = cargo(&["doc", "--no-deps", "--locked"]);
     doc.env("RUSTDOCFLAGS", "-D warnings");
     step("cargo doc", doc)?;
     deps::install(root).context("installing the backends' dependencies (cargo xtask deps)")?;
-    step("cargo test", cargo(&["test", "--workspace", "--locked"]))?;
+    step("cargo test", cargo(&["test", "--locked"]))?;
     let loom_dir = root.join("target-loom");
     for krate in LOOM_CRATES {
         let mut cmd = cargo(&[
@@ -138,32 +212,58 @@ fn test(root: &Path) -> Result<()> {
             .env("CARGO_TARGET_DIR", &loom_dir);
         step(&format!("loom tests of {krate}"), cmd)?;
     }
-    for &(feature, package, targets, filter) in BACKEND_TESTS {
-        if package == "tessera-transport" {
-            // One clippy per feature over every package that has it.
-            let mut clippy = cargo(&["clippy", "--locked", "--all-targets"]);
-            let mut features = Vec::new();
-            // The storage library's own targets too: its engines tests run in its cli crate.
-            let packages = BACKEND_TESTS.iter().filter(|t| t.0 == feature).map(|t| t.1);
-            for krate in packages.chain(["tessera-storage"]) {
-                clippy.args(["-p", krate]);
-                features.push(format!("{krate}/{feature}"));
+    let mut engines: Vec<&str> = BACKEND_TESTS.iter().map(|t| t.engine).collect();
+    engines.dedup();
+    for engine in engines {
+        let rows: Vec<&BackendTests> = BACKEND_TESTS
+            .iter()
+            .filter(|t| t.engine == engine)
+            .collect();
+        // One clippy per engine over every package that has it.
+        let mut clippy = cargo(&["clippy", "--locked", "--all-targets"]);
+        for row in &rows {
+            clippy.args(["-p", row.package]);
+        }
+        // The storage library's own targets too: its engines tests run in its cli crate.
+        clippy.args(["-p", "tessera-storage"]);
+        let features = qualified_features(&rows) + &format!(",tessera-storage/{engine}");
+        clippy.args(["--features", &features]);
+        clippy.args(["--", "-D", "warnings"]);
+        clippy.envs(deps::TEST_ENV.iter().copied());
+        step(&format!("cargo clippy of the {engine} engine"), clippy)?;
+        for row in rows.iter().filter(|r| r.lib) {
+            // The engine's own crate: its docs and its README's examples too.
+            let features = qualified_features(&[row]);
+            let mut doc = cargo(&["doc", "--no-deps", "--locked", "-p", row.package]);
+            let mut doctest = cargo(&["test", "--locked", "--doc", "-p", row.package]);
+            for cmd in [&mut doc, &mut doctest] {
+                if !features.is_empty() {
+                    cmd.args(["--features", &features]);
+                }
+                cmd.envs(deps::TEST_ENV.iter().copied());
             }
-            clippy.args(["--features", &features.join(","), "--", "-D", "warnings"]);
-            step(&format!("cargo clippy --features {feature}"), clippy)?;
+            doc.env("RUSTDOCFLAGS", "-D warnings");
+            step(&format!("cargo doc of {}", row.package), doc)?;
+            step(&format!("doctests of {}", row.package), doctest)?;
         }
-        let mut cmd = cargo(&["test", "--locked", "-p", package, "--features", feature]);
-        if package == "tessera-transport" {
-            cmd.arg("--lib");
+        for row in rows {
+            let mut cmd = cargo(&["test", "--locked", "-p", row.package]);
+            let features = qualified_features(&[row]);
+            if !features.is_empty() {
+                cmd.args(["--features", &features]);
+            }
+            if row.lib {
+                cmd.arg("--lib");
+            }
+            for target in row.targets {
+                cmd.args(["--test", target]);
+            }
+            if !row.filter.is_empty() {
+                cmd.args(["--", row.filter]);
+            }
+            cmd.envs(deps::TEST_ENV.iter().copied());
+            step(&format!("{engine} engine tests of {}", row.package), cmd)?;
         }
-        for target in targets {
-            cmd.args(["--test", target]);
-        }
-        if !filter.is_empty() {
-            cmd.args(["--", filter]);
-        }
-        cmd.envs(deps::TEST_ENV.iter().copied());
-        step(&format!("{feature} backend tests of {package}"), cmd)?;
     }
     if is_root() {
         println!("==> two-node test (root: network namespaces)");
@@ -210,7 +310,10 @@ fn bench(root: &Path, suites: &[String]) -> Result<()> {
     if suites.is_empty() || suites.iter().any(|s| s == "transport") {
         let layout = deps::install(root)
             .context("installing the backends' dependencies (cargo xtask deps)")?;
-        for (feature, example) in [("ucx", "ucx_agent_bw"), ("nixl", "nixl_agent_bw")] {
+        for (package, example) in [
+            ("tessera-ucx", "ucx_agent_bw"),
+            ("tessera-nixl", "nixl_agent_bw"),
+        ] {
             step(
                 &format!("building the {example} example"),
                 cargo(&[
@@ -218,9 +321,7 @@ fn bench(root: &Path, suites: &[String]) -> Result<()> {
                     "--release",
                     "--locked",
                     "-p",
-                    "tessera-transport",
-                    "--features",
-                    feature,
+                    package,
                     "--example",
                     example,
                 ]),

@@ -94,13 +94,15 @@ fn build_peers(root: &Path) -> Result<Vec<(&'static str, PathBuf)>> {
             "build",
             "--locked",
             "-p",
-            "tessera-transport",
+            "tessera-engines",
             "--bin",
             "tessera-transport-peer",
         ];
-        if let Some(f) = feature {
-            args.extend(["--features", f]);
-        }
+        let features = match feature {
+            Some(f) => format!("peer,{f}"),
+            None => "peer".to_owned(),
+        };
+        args.extend(["--features", &features]);
         step(
             &format!("building the peer helper for {kind}"),
             cargo(&args),

@@ -1,0 +1,105 @@
+//! Reading the blobs a peer sends (addresses, remote keys): checked little-endian reads that
+//! fail with [`Malformed`] instead of panicking or reading past the end, and the bounds check
+//! every descriptor passes before an engine sees it.
+
+/// A blob from a peer that does not parse; nothing was handed to the engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("malformed {what}: {detail}")]
+pub struct Malformed {
+    /// What the blob is: `address`, `key`, ...
+    pub what: &'static str,
+    /// What is wrong with it.
+    pub detail: &'static str,
+}
+
+/// Reads a blob front to back; every read checks the bytes left first.
+#[derive(Debug)]
+pub struct Reader<'a> {
+    bytes: &'a [u8],
+    what: &'static str,
+}
+
+impl<'a> Reader<'a> {
+    /// A reader of `bytes`, a `what` (named in errors).
+    pub fn new(bytes: &'a [u8], what: &'static str) -> Self {
+        Self { bytes, what }
+    }
+
+    /// An error about this blob.
+    pub fn malformed(&self, detail: &'static str) -> Malformed {
+        Malformed {
+            what: self.what,
+            detail,
+        }
+    }
+
+    /// The bytes not read yet.
+    pub fn remaining(&self) -> usize {
+        self.bytes.len()
+    }
+
+    /// The next `n` bytes; `truncated` if fewer are left.
+    pub fn take(&mut self, n: usize) -> Result<&'a [u8], Malformed> {
+        if self.bytes.len() < n {
+            return Err(self.malformed("truncated"));
+        }
+        let (head, tail) = self.bytes.split_at(n);
+        self.bytes = tail;
+        Ok(head)
+    }
+
+    /// The next four bytes as a little-endian `u32`.
+    pub fn u32(&mut self) -> Result<u32, Malformed> {
+        let b = self.take(4)?;
+        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+
+    /// The next eight bytes as a little-endian `u64`.
+    pub fn u64(&mut self) -> Result<u64, Malformed> {
+        let mut a = [0u8; 8];
+        a.copy_from_slice(self.take(8)?);
+        Ok(u64::from_le_bytes(a))
+    }
+
+    /// Ends the blob: `trailing bytes` if any are left.
+    pub fn finish(&self) -> Result<(), Malformed> {
+        if self.bytes.is_empty() {
+            Ok(())
+        } else {
+            Err(self.malformed("trailing bytes"))
+        }
+    }
+}
+
+/// Whether `len` bytes at `offset` are a non-empty range inside a registration of `reg_len`
+/// bytes (without overflow).
+pub fn in_bounds(offset: u64, len: u64, reg_len: u64) -> bool {
+    len > 0 && offset.checked_add(len).is_some_and(|end| end <= reg_len)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_are_checked() {
+        let bytes = [1, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, 9];
+        let mut r = Reader::new(&bytes, "key");
+        assert_eq!(r.u32(), Ok(1));
+        assert_eq!(r.u64(), Ok(2));
+        assert_eq!(r.remaining(), 1);
+        assert_eq!(r.finish().unwrap_err().detail, "trailing bytes");
+        let err = r.u32().unwrap_err();
+        assert_eq!(err.to_string(), "malformed key: truncated");
+        assert_eq!(r.take(1), Ok(&[9][..]));
+        assert_eq!(r.finish(), Ok(()));
+    }
+
+    #[test]
+    fn bounds() {
+        assert!(in_bounds(0, 4, 4));
+        assert!(!in_bounds(1, 4, 4));
+        assert!(!in_bounds(0, 0, 4));
+        assert!(!in_bounds(u64::MAX, 2, u64::MAX));
+    }
+}
