@@ -12,9 +12,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
-use tessera_engines::EngineKind;
 use tessera_storage::{
-    Backend, BusyPoll, Client, ClientConfig, Server, ServerConfig, Tensor, UnitConfig, Value,
+    Backend, BackendExt, BusyPoll, Client, ClientConfig, Server, ServerConfig, Tensor, UnitConfig,
+    Value,
 };
 
 use crate::cpu::{affinity, pin, restore_affinity};
@@ -104,7 +104,7 @@ async fn suite(report: &mut Report, poll: &BusyPoll) -> Result<()> {
     // does so): UCX_TLS from the environment (unset: UCX's choice), peer error handling.
     let backends = [Backend::Shm, Backend::Tcp, Backend::Ucx];
     for backend in backends.into_iter().filter(|b| b.available()) {
-        let k = backend.kind();
+        let k = backend.name();
         let mut unit = UnitProc::start(k, UNIT_CPU, Some(POLL))?;
         let client = Client::connect(ClientConfig {
             units: vec![unit.addr.clone()],
@@ -246,7 +246,7 @@ async fn small(client: &Client, echo: &str, report: &mut Report, pinned: &str) -
 /// A unit process on `cpu` that does not busy-poll, over shm, and a client of it that does
 /// not either.
 async fn unpolled_unit(cpu: usize) -> Result<(UnitProc, Client)> {
-    let unit = UnitProc::start(Backend::Shm.kind(), cpu, None)?;
+    let unit = UnitProc::start(Backend::Shm.name(), cpu, None)?;
     let client = Client::connect(ClientConfig {
         units: vec![unit.addr.clone()],
         backend: Backend::Shm,
@@ -441,10 +441,8 @@ fn unit_main(kind: &str) -> Result<()> {
         .and_then(|c| c.parse().ok())
         .unwrap_or(UNIT_CPU);
     pin(cpu)?;
-    let backend = match kind.parse::<EngineKind>()? {
-        EngineKind::Shm => Backend::Shm,
-        EngineKind::Tcp => Backend::Tcp,
-        EngineKind::Ucx => Backend::Ucx,
+    let backend = match kind.parse::<Backend>()? {
+        b @ (Backend::Shm | Backend::Tcp | Backend::Ucx) => b,
         other => bail!("the storage suite's unit runs shm, tcp or ucx, not {other}"),
     };
     let poll = match std::env::var(UNIT_POLL_ENV) {

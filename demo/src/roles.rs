@@ -22,7 +22,8 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use tessera_rdt_pool::{ObjectDescriptor, ReceiverPool, SenderPool, TensorRef};
 use tessera_storage::{
-    Backend, Client, ClientConfig, ErrorKind, Server, ServerConfig, Tensor, UnitConfig, Value,
+    Backend, BackendExt, Client, ClientConfig, ErrorKind, Server, ServerConfig, Tensor, UnitConfig,
+    Value,
 };
 use tessera_transport::Agent;
 use tokio::sync::oneshot;
@@ -75,7 +76,7 @@ pub(crate) fn backend(name: &str) -> Result<Backend> {
     let offered: Vec<&str> = Backend::ALL
         .iter()
         .filter(|b| **b != Backend::Inproc)
-        .map(|b| b.kind())
+        .map(|b| b.name())
         .collect();
     match name.to_ascii_lowercase().parse::<Backend>() {
         Ok(Backend::Inproc) => bail!(
@@ -283,7 +284,7 @@ async fn receive_weights(args: &WorkerArgs, client: &Client) -> Result<WeightsRe
     let w = &args.workload;
     let specs = weight_specs(w)?;
     let backend = backend(&args.backend)?;
-    let agent = Arc::new(backend.agent("rollout")?);
+    let agent = Arc::new(backend.role_agent("rollout")?);
     // Room for the set at any alignment, and for a late quarantine.
     let pool = ReceiverPool::new(agent.clone(), w.weight_bytes + (64 << 20))?;
     let mut out = WeightsReceived {
@@ -467,7 +468,7 @@ pub(crate) async fn consumer(args: WorkerArgs) -> Result<()> {
 async fn send_weights(args: &WorkerArgs, client: &Client) -> Result<WeightsSent> {
     let w = &args.workload;
     let specs = weight_specs(w)?;
-    let agent: Arc<Agent> = Arc::new(backend(&args.backend)?.agent("trainer")?);
+    let agent: Arc<Agent> = Arc::new(backend(&args.backend)?.role_agent("trainer")?);
     let pool = SenderPool::new(agent.clone(), w.weight_bytes + (64 << 20))?;
     let meta = bytes::Bytes::from(agent.metadata());
     let mut out = WeightsSent {

@@ -93,6 +93,13 @@ impl EngineKind {
     }
 }
 
+/// `shm`: processes of one host, no system library.
+impl Default for EngineKind {
+    fn default() -> Self {
+        EngineKind::Shm
+    }
+}
+
 impl fmt::Display for EngineKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())

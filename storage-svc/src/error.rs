@@ -358,14 +358,6 @@ pub enum PayloadError {
     },
 }
 
-/// A name that is no [`Backend`](crate::Backend)'s (`Backend::from_str`).
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown backend `{name}`; expected one of inproc, shm, tcp, ucx, nixl")]
-pub struct ParseBackendError {
-    /// The name given.
-    pub name: String,
-}
-
 impl ClientError {
     /// The client's receive pool refused a lease: its allocator's exhaustion becomes
     /// [`ClientError::OutOfMemory`] with the allocator's numbers, anything else

@@ -20,9 +20,7 @@ pub mod testing;
 pub use crate::busy_poll::BusyPoll;
 pub use crate::client::{remote_error, Client, ClientConfig, Modulo, Placement};
 pub use crate::core::{PartitionStats, PoolStats, Stats, UnitConfig};
-pub use crate::error::{
-    ClientError, ErrorKind, MemoryError, ParseBackendError, PayloadError, RemoteError, WireError,
-};
-pub use crate::plane::Backend;
+pub use crate::error::{ClientError, ErrorKind, MemoryError, PayloadError, RemoteError, WireError};
+pub use crate::plane::{Backend, BackendExt, ParseBackendError};
 pub use crate::server::{Server, ServerConfig, ServerError};
 pub use tessera_framecodec::{DType, Tensor, Value};

@@ -9,110 +9,73 @@ use std::ptr::NonNull;
 use tessera_sync::Arc;
 
 use bytes::Bytes;
-use serde::{Deserialize, Serialize};
 use tessera_transport::{Agent, BackendError, LocalDesc, PoolBlock, Region, RemoteDesc};
 
 use crate::chunks::ChunkPool;
 use crate::core::{Memory, PoolStats};
-use crate::error::{MemoryError, ParseBackendError};
+use crate::error::MemoryError;
+use tessera_engines::{EngineError, EngineOptions};
 
-/// Which tessera-transport engine carries payloads. Units and clients must agree; there is
-/// never a fallback to another engine.
+/// The payload engine of a unit and its clients: an [`EngineKind`](tessera_engines::EngineKind)
+/// by its name (`inproc`, `shm`, `tcp`, `ucx`, `nixl`: `Display`, `FromStr` and the serde form
+/// alike), `shm` by default. A unit and its clients use the same one, chosen by
+/// configuration; a transfer never falls back to another engine.
 ///
 /// `Ucx` and `Nixl` exist in every build, so that a configuration or a command line naming
 /// them parses the same everywhere; they are usable only when this crate is built with the
 /// cargo feature of the same name. Without it, starting a unit or a client on them fails with
-/// an error naming the feature ([`Backend::available`] tells beforehand).
-///
-/// Its names ([`Backend::kind`]: `inproc`, `shm`, `tcp`, `ucx`, `nixl`) are those of its
-/// `Display`, its `FromStr` and its serde form alike.
+/// an error naming the feature (`available()` tells beforehand). What storage adds to an
+/// engine is [`BackendExt`].
 ///
 /// ```
 /// use tessera_storage::Backend;
 /// assert_eq!("tcp".parse::<Backend>(), Ok(Backend::Tcp));
 /// assert_eq!(Backend::Ucx.to_string(), "ucx");
+/// assert_eq!(Backend::default(), Backend::Shm);
 /// assert!("udp".parse::<Backend>().is_err());
 /// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Backend {
-    /// Agents of one process only (tests, embedding a unit in the same process).
-    Inproc,
-    /// Processes of one host: sealed memfds, one `memcpy` (the default; no system library).
-    #[default]
-    Shm,
-    /// Hosts: one pipelined TCP connection per pair of agents.
-    Tcp,
-    /// UCP `put` through UCX (cargo feature `ucx`); UCX picks the transport (`UCX_TLS`) and
-    /// the interfaces (`UCX_NET_DEVICES`). One-sided: the target never sees a transfer.
-    Ucx,
-    /// A NIXL agent with its UCX backend (cargo feature `nixl`). One-sided, like `Ucx`.
-    Nixl,
-}
+pub use tessera_engines::EngineKind as Backend;
 
-impl Backend {
-    /// Every backend, in declaration order (also those whose feature is off in this build).
-    pub const ALL: [Backend; 5] = [
-        Backend::Inproc,
-        Backend::Shm,
-        Backend::Tcp,
-        Backend::Ucx,
-        Backend::Nixl,
-    ];
+/// A name that is no [`Backend`]'s (`Backend::from_str`).
+pub use tessera_engines::UnknownEngine as ParseBackendError;
 
-    /// The transport's kind string.
-    pub fn kind(self) -> &'static str {
-        match self {
-            Backend::Inproc => "inproc",
-            Backend::Shm => "shm",
-            Backend::Tcp => "tcp",
-            Backend::Ucx => "ucx",
-            Backend::Nixl => "nixl",
-        }
-    }
-
+/// What the storage service adds to an engine: which way PUT payloads flow, and agents named
+/// uniquely for a unit's or a client's role.
+pub trait BackendExt: Copy {
     /// Whether PUT payloads are pulled: the client names its frames and the unit READs them,
     /// instead of the client WRITEing into a block the unit exposes. True for the one-sided
     /// engines (`ucx`, `nixl`), so that the unit is always the initiator of their transfers:
     /// over UCX's tcp transport a client that dies while it WRITEs into the unit can abort the
     /// unit's process (inside UCX, answering the dead client's emulated put), while an
     /// initiator just sees its request fail. The one place this choice is made.
-    pub fn pulls_puts(self) -> bool {
-        matches!(self, Backend::Ucx | Backend::Nixl)
+    fn pulls_puts(self) -> bool;
+
+    /// A fresh agent for `role` with a name unique across hosts (host name, process id and a
+    /// counter).
+    fn role_agent(self, role: &str) -> Result<Agent, tessera_transport::AgentError> {
+        self.role_agent_at(role, None)
     }
 
-    /// The cargo feature of this crate that the backend needs, if any.
-    pub fn feature(self) -> Option<&'static str> {
-        match self {
-            Backend::Inproc | Backend::Shm | Backend::Tcp => None,
-            Backend::Ucx => Some("ucx"),
-            Backend::Nixl => Some("nixl"),
-        }
-    }
-
-    /// Whether this build can start agents of this backend (its feature, if any, is on).
-    pub fn available(self) -> bool {
-        match self {
-            Backend::Inproc | Backend::Shm | Backend::Tcp => true,
-            Backend::Ucx => cfg!(feature = "ucx"),
-            Backend::Nixl => cfg!(feature = "nixl"),
-        }
-    }
-
-    /// A fresh agent of this backend with a name unique across hosts (host name, process id
-    /// and a counter).
-    pub fn agent(self, role: &str) -> Result<Agent, tessera_transport::AgentError> {
-        self.agent_at(role, None)
-    }
-
-    /// Like [`Self::agent`]; for `tcp`, the payload engine listens on and advertises
+    /// Like [`Self::role_agent`]; for `tcp`, the payload engine listens on and advertises
     /// `payload_addr` (an address of this host that peers can reach, port 0 for any) instead
     /// of 127.0.0.1. `inproc` and `shm` ignore it (they never leave the host). `ucx` and
     /// `nixl` refuse it: UCX chooses its interfaces itself, from `UCX_NET_DEVICES` (and its
     /// transports from `UCX_TLS`), so an address given here could not be honoured.
     ///
     /// A backend whose cargo feature is off fails with an error naming the feature.
-    pub fn agent_at(
+    fn role_agent_at(
+        self,
+        role: &str,
+        payload_addr: Option<std::net::SocketAddr>,
+    ) -> Result<Agent, tessera_transport::AgentError>;
+}
+
+impl BackendExt for Backend {
+    fn pulls_puts(self) -> bool {
+        matches!(self, Backend::Ucx | Backend::Nixl)
+    }
+
+    fn role_agent_at(
         self,
         role: &str,
         payload_addr: Option<std::net::SocketAddr>,
@@ -122,7 +85,7 @@ impl Backend {
         }
         if let (Backend::Ucx | Backend::Nixl, Some(addr)) = (self, payload_addr) {
             return Err(BackendError::new(
-                self.kind(),
+                self.name(),
                 format!(
                     "a payload address ({addr}) applies to the tcp backend only; UCX picks \
                      its interfaces from UCX_NET_DEVICES (e.g. UCX_NET_DEVICES=eth0)"
@@ -138,69 +101,27 @@ impl Backend {
             std::process::id(),
             NEXT.next()
         );
-        match self {
-            Backend::Inproc => Agent::new(&name, tessera_transport::Inproc::new()),
-            Backend::Shm => Agent::new(&name, tessera_transport::shm::Shm::new()),
-            Backend::Tcp => match payload_addr {
-                Some(addr) => Agent::new(&name, tessera_transport::tcp::Tcp::bind(addr)),
-                None => Agent::new(&name, tessera_transport::tcp::Tcp::new()),
-            },
-            Backend::Ucx => ucx_agent(&name),
-            Backend::Nixl => nixl_agent(&name),
-        }
-    }
-}
-
-impl std::fmt::Display for Backend {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.kind())
-    }
-}
-
-impl std::str::FromStr for Backend {
-    type Err = ParseBackendError;
-
-    /// The backend whose [`Backend::kind`] is `s` (exactly, lowercase).
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Backend::ALL
-            .into_iter()
-            .find(|b| b.kind() == s)
-            .ok_or_else(|| ParseBackendError { name: s.to_owned() })
+        let options = EngineOptions {
+            tcp_bind: payload_addr.filter(|_| self == Backend::Tcp),
+            ..EngineOptions::default()
+        };
+        self.agent_with(&name, &options).map_err(|e| match e {
+            EngineError::Agent(e) => e,
+            _ => unavailable(self),
+        })
     }
 }
 
 fn unavailable(backend: Backend) -> tessera_transport::AgentError {
-    let feature = backend.feature().unwrap_or(backend.kind());
+    let feature = backend.feature().unwrap_or(backend.name());
     BackendError::new(
-        backend.kind(),
+        backend.name(),
         format!(
             "this build of tessera-storage lacks it: build with the cargo feature `{feature}` \
              (its libraries come from `cargo xtask deps`)"
         ),
     )
     .into()
-}
-
-#[cfg(feature = "ucx")]
-fn ucx_agent(name: &str) -> Result<Agent, tessera_transport::AgentError> {
-    use tessera_ucx::{Ucx, UcxConfig};
-    Agent::new(name, Ucx::new(UcxConfig::new(name)))
-}
-
-#[cfg(not(feature = "ucx"))]
-fn ucx_agent(_: &str) -> Result<Agent, tessera_transport::AgentError> {
-    Err(unavailable(Backend::Ucx))
-}
-
-#[cfg(feature = "nixl")]
-fn nixl_agent(name: &str) -> Result<Agent, tessera_transport::AgentError> {
-    use tessera_nixl::{Nixl, NixlConfig};
-    Agent::new(name, Nixl::new(NixlConfig::new(name)))
-}
-
-#[cfg(not(feature = "nixl"))]
-fn nixl_agent(_: &str) -> Result<Agent, tessera_transport::AgentError> {
-    Err(unavailable(Backend::Nixl))
 }
 
 /// A PUT's receive block as bytes before its payload lands: `Bytes::from_owner(BlockBytes(
@@ -664,7 +585,7 @@ mod tests {
     #[cfg(feature = "ucx")]
     #[test]
     fn ucx_registers_each_frame_alone() {
-        let a = Backend::Ucx.agent("plane").unwrap();
+        let a = Backend::Ucx.role_agent("plane").unwrap();
         assert!(a.local_side_needs_registration());
         let buf = Bytes::from(vec![7u8; 16 << 10]);
         let frames = [buf.slice(0..100), buf.slice(200..300), buf.slice(300..400)];
@@ -683,11 +604,11 @@ mod tests {
     fn ucx_and_nixl_refuse_what_they_cannot_honour() {
         let addr = Some("127.0.0.1:0".parse().unwrap());
         for b in [Backend::Ucx, Backend::Nixl] {
-            let err = b.agent_at("t", addr).unwrap_err().to_string();
+            let err = b.role_agent_at("t", addr).unwrap_err().to_string();
             let expected = if b.available() {
                 "UCX_NET_DEVICES".to_owned()
             } else {
-                format!("cargo feature `{}`", b.kind())
+                format!("cargo feature `{}`", b.name())
             };
             assert!(err.contains(&expected), "{err}");
         }

@@ -157,7 +157,7 @@ struct Serve {
 /// `--backend`: one of the library's names (`Backend::ALL`, parsed by `Backend::from_str`),
 /// listed in `--help` and in the error for any other value.
 fn backend_parser() -> impl TypedValueParser<Value = Backend> {
-    PossibleValuesParser::new(Backend::ALL.map(Backend::kind))
+    PossibleValuesParser::new(Backend::ALL.map(Backend::name))
         .try_map(|name| name.parse::<Backend>())
 }
 

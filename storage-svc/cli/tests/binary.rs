@@ -11,7 +11,7 @@ use common::UnitProcess;
 use serde_bytes::ByteBuf;
 use tessera_framecodec::encode;
 use tessera_storage::proto::{decode_body, encode_frame, Request, Response};
-use tessera_storage::{Backend, Value};
+use tessera_storage::{Backend, BackendExt, Value};
 
 fn exe() -> Command {
     Command::new(env!("CARGO_BIN_EXE_tessera-storage"))
@@ -141,7 +141,7 @@ fn roundtrip(s: &mut std::net::TcpStream, id: u64, req: &Request) -> Response {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn session_lost_after_prepare_releases_its_block() {
     let unit = UnitProcess::start(Backend::Shm, &[]);
-    let agent = Backend::Shm.agent("raw").unwrap();
+    let agent = Backend::Shm.role_agent("raw").unwrap();
     let other = unit.client().await;
     let mut s = std::net::TcpStream::connect(&unit.addr).unwrap();
     let hello = Request::Hello {

@@ -14,6 +14,7 @@ use tokio::sync::{mpsc, oneshot};
 use super::ClientConfig;
 use crate::busy_poll::{BusyPoll, Waiting};
 use crate::error::ClientError;
+use crate::plane::BackendExt;
 use crate::proto::{self, Request, Response};
 
 #[derive(Default)]
@@ -93,7 +94,7 @@ impl Conn {
                 what: format!("{resp:?}"),
             });
         };
-        if backend != cfg.backend.kind() {
+        if backend != cfg.backend.name() {
             return Err(ClientError::BackendMismatch {
                 unit,
                 theirs: backend,

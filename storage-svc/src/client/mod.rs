@@ -14,6 +14,7 @@ use crate::busy_poll::BusyPoll;
 use crate::core::Stats;
 use crate::error::{ClientError, ErrorKind, RemoteError};
 use crate::plane::Backend;
+use crate::plane::BackendExt;
 use crate::proto::{Request, Response};
 
 mod conn;
@@ -112,7 +113,7 @@ impl Client {
         let payload_addr = cfg.payload_addr;
         let bytes = cfg.recv_pool_bytes;
         let (agent, pool) = tokio::task::spawn_blocking(move || {
-            let agent = backend.agent_at("client", payload_addr)?;
+            let agent = backend.role_agent_at("client", payload_addr)?;
             let pool = RegisteredPool::new(&agent, bytes).map_err(ClientError::from_pool)?;
             Ok::<_, ClientError>((Arc::new(agent), pool))
         })

@@ -18,6 +18,7 @@ use crate::busy_poll::BusyPoll;
 use crate::chunks::{ChunkLimits, ChunkPool};
 use crate::core::{SessionId, Stats, Unit, UnitConfig};
 use crate::error::MemoryError;
+use crate::plane::BackendExt;
 use crate::plane::{Backend, PoolMemory};
 use tessera_sync::atomic::AtomicU64;
 #[cfg(test)]
@@ -215,7 +216,7 @@ impl Server {
             idle: cfg.idle_pool_bytes,
         };
         let (agent, pool) = tokio::task::spawn_blocking(move || {
-            let agent = Arc::new(backend.agent_at("unit", payload_addr)?);
+            let agent = Arc::new(backend.role_agent_at("unit", payload_addr)?);
             let pool = ChunkPool::new(agent.clone(), limits)?;
             Ok::<_, ServerError>((agent, pool))
         })

@@ -212,7 +212,7 @@ async fn until(server: &Server, what: &str, f: impl Fn(&Stats) -> bool) -> Stats
 async fn a_panicking_session_releases_its_leases_and_quarantine() {
     arm("panic-holding-leases", Fault::Handle);
     let server = unit_with_grace(Backend::Inproc, Duration::from_millis(100)).await;
-    let agent = Backend::Inproc.agent("raw").unwrap();
+    let agent = Backend::Inproc.role_agent("raw").unwrap();
     let (mut s, _) = hello(&server, &agent).await;
     assert!(matches!(
         call(&mut s, 2, &prepare("p")).await,
@@ -254,7 +254,7 @@ async fn a_panicking_session_releases_its_leases_and_quarantine() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_closed_sessions_exposed_block_waits_for_the_grace() {
     let server = unit_with_grace(Backend::Inproc, Duration::from_secs(3600)).await;
-    let agent = Backend::Inproc.agent("raw").unwrap();
+    let agent = Backend::Inproc.role_agent("raw").unwrap();
     let (mut s, _) = hello(&server, &agent).await;
     assert!(matches!(
         call(&mut s, 2, &prepare("p")).await,
@@ -277,7 +277,7 @@ async fn a_closed_sessions_exposed_block_waits_for_the_grace() {
 async fn a_late_write_over_tcp_never_lands_in_a_reused_block() {
     // Over tcp the link decides, never the clock.
     let server = unit_with_grace(Backend::Tcp, Duration::ZERO).await;
-    let agent = Backend::Tcp.agent("late").unwrap();
+    let agent = Backend::Tcp.role_agent("late").unwrap();
     let (mut s, md) = hello(&server, &agent).await;
     let peer = agent.add_remote(&md).unwrap();
     let Response::PutReady { block, agent: md } = call(&mut s, 2, &prepare("p")).await else {
@@ -350,7 +350,7 @@ async fn a_client_that_does_not_read_is_not_read_either() {
     .unwrap();
     let (mut ours, theirs) = tokio::io::duplex(PIPE);
     server.attach(theirs);
-    let agent = Backend::Inproc.agent("raw").unwrap();
+    let agent = Backend::Inproc.role_agent("raw").unwrap();
     let hello = Request::Hello {
         token: None,
         agent: agent.metadata(),

@@ -19,7 +19,7 @@ impl UnitProcess {
     pub fn start(backend: Backend, extra: &[&str]) -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_tessera-storage"))
             .args(["serve", "--announce", "--bind", "127.0.0.1:0", "--backend"])
-            .arg(backend.kind())
+            .arg(backend.name())
             .args(extra)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())

@@ -163,7 +163,7 @@ pub fn client_process(unit: &UnitProcess, args: &[&str]) -> Kill {
     Kill(
         Command::new(env!("CARGO_BIN_EXE_tessera-storage"))
             .args(args)
-            .args(["--unit", &unit.addr, "--backend", unit.backend.kind()])
+            .args(["--unit", &unit.addr, "--backend", unit.backend.name()])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
