@@ -26,7 +26,7 @@
 //! this engine against the chunk bounds in the key, before posting. A peer still holding the
 //! metadata of a registration the target dropped is not refused over software transports.
 
-use std::sync::Arc;
+use tessera_sync::Arc;
 
 use crate::engine::{
     NixlConfig, NixlEngine, NixlEngineError, NixlPeer, NixlRegion, XferKind, XferOpDesc,

@@ -13,16 +13,10 @@ pub use wire::{in_bounds, Malformed, Reader};
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::{Arc, Mutex, MutexGuard};
+use tessera_sync::{Arc, Mutex};
 
 use tessera_transport::engine::{Completion, Connection, Host, Op, PeerInfo, Plan, Segment, Xfer};
 use tessera_transport::{BackendError, Side, TransferError};
-
-/// Locks `m`, ignoring poisoning: every value behind these locks stays consistent between
-/// statements.
-pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// An adapter's engine: none before start and after shutdown.
 pub struct EngineSlot<E> {
@@ -45,7 +39,7 @@ impl<E> EngineSlot<E> {
         &self,
         make: impl FnOnce() -> Result<E, BackendError>,
     ) -> Result<(), BackendError> {
-        let mut slot = lock(&self.engine);
+        let mut slot = self.engine.lock();
         if slot.is_some() {
             return Err(BackendError::new(
                 self.kind,
@@ -58,14 +52,15 @@ impl<E> EngineSlot<E> {
 
     /// A handle on the running engine, or an error once it is shut down (or before start).
     pub fn get(&self) -> Result<Arc<E>, BackendError> {
-        lock(&self.engine)
+        self.engine
+            .lock()
             .clone()
             .ok_or_else(|| BackendError::new(self.kind, "the engine is shut down"))
     }
 
     /// Takes the engine out; it goes when the last handle on it does.
     pub fn stop(&self) {
-        let engine = lock(&self.engine).take();
+        let engine = self.engine.lock().take();
         drop(engine);
     }
 }
@@ -98,12 +93,12 @@ impl<R> Default for Regs<R> {
 impl<R: Clone> Regs<R> {
     /// Records `mem` as the handle of registration `id`.
     pub fn insert(&self, id: u64, mem: R) {
-        lock(&self.0).insert(id, mem);
+        self.0.lock().insert(id, mem);
     }
 
     /// Forgets `id`; its handle is dropped after the table is unlocked.
     pub fn remove(&self, id: u64) {
-        let mem = lock(&self.0).remove(&id);
+        let mem = self.0.lock().remove(&id);
         drop(mem);
     }
 
@@ -111,7 +106,7 @@ impl<R: Clone> Regs<R> {
     /// so that no lock is held while the engine runs (a completion reported in place may
     /// deregister). A registration no longer in the table is an error naming `peer`.
     pub fn of_plan(&self, plan: &Plan, peer: &str) -> Result<Vec<R>, TransferError> {
-        let regs = lock(&self.0);
+        let regs = self.0.lock();
         plan.segments()
             .iter()
             .map(|s| {
@@ -215,7 +210,7 @@ impl<P: PeerHandle> Link<P> {
 
     /// The peer's handle, or `None` once the connection is closed.
     pub fn handle(&self) -> Option<Arc<P>> {
-        lock(&self.handle).clone()
+        self.handle.lock().clone()
     }
 
     /// Posts the plan `done` owns: looks up its local registrations (a missing one fails the
@@ -266,7 +261,7 @@ impl<P: PeerHandle> Connection for Link<P> {
         let handle = self.handle().ok_or_else(|| {
             BackendError::new(P::KIND, format!("{} {:?} is closed", P::CLOSED, self.peer))
         })?;
-        let mut keys = lock(&self.keys);
+        let mut keys = self.keys.lock();
         for r in &peer.regs {
             if keys.get(&r.id) == Some(&r.key) {
                 continue;
@@ -292,7 +287,7 @@ impl<P: PeerHandle> Connection for Link<P> {
     }
 
     fn close(&self) {
-        let handle = lock(&self.handle).take();
+        let handle = self.handle.lock().take();
         drop(handle);
     }
 }
@@ -307,7 +302,7 @@ impl Tracked {
     /// Drop the handles the post borrowed first, so the transfer's memory is released
     /// before whoever awaits it hears.
     fn fail(self, err: TransferError) {
-        if let Some(done) = lock(&self.slot).take() {
+        if let Some(done) = self.slot.lock().take() {
             done.complete(Err(err));
         }
     }
@@ -322,7 +317,7 @@ fn track<E: 'static>(
     let slot = Arc::new(Mutex::new(Some(done)));
     let cb_slot = slot.clone();
     let callback = move |r: Result<(), E>| {
-        if let Some(done) = lock(&cb_slot).take() {
+        if let Some(done) = cb_slot.lock().take() {
             done.complete(r.map_err(to_error));
         }
     };

@@ -1,21 +1,15 @@
 //! The one-shot an engine's raw API hands back for a posted transfer: the engine's callback
-//! settles it once, and the caller waits on it.
+//! settles it once, and the caller waits on it. A [`tessera_sync::OneShot`] with one owner.
 
-use std::sync::{Arc, Condvar, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use crate::lock;
-
-struct Slot<T> {
-    outcome: Mutex<Option<T>>,
-    cv: Condvar,
-}
+use tessera_sync::{Arc, OneShot};
 
 /// An outcome not known yet, to wait on. [`Pending::new`] makes it with the callback that
 /// settles it.
 #[must_use = "a transfer's outcome should be checked"]
 pub struct Pending<T> {
-    slot: Arc<Slot<T>>,
+    slot: Arc<OneShot<T>>,
 }
 
 impl<T> std::fmt::Debug for Pending<T> {
@@ -29,14 +23,10 @@ impl<T> std::fmt::Debug for Pending<T> {
 impl<T: Send + 'static> Pending<T> {
     /// A pending outcome and the one-shot callback that settles it (from any thread).
     pub fn new() -> (Self, impl FnOnce(T) + Send + 'static) {
-        let slot = Arc::new(Slot {
-            outcome: Mutex::new(None),
-            cv: Condvar::new(),
-        });
+        let slot = Arc::new(OneShot::new());
         let s = slot.clone();
         let settle = move |outcome: T| {
-            *lock(&s.outcome) = Some(outcome);
-            s.cv.notify_all();
+            s.set(outcome);
         };
         (Self { slot }, settle)
     }
@@ -45,39 +35,17 @@ impl<T: Send + 'static> Pending<T> {
 impl<T> Pending<T> {
     /// Whether the outcome is known.
     pub fn is_done(&self) -> bool {
-        lock(&self.slot.outcome).is_some()
+        self.slot.is_set()
     }
 
     /// Blocks until the outcome is known.
     pub fn wait(self) -> T {
-        let mut r = lock(&self.slot.outcome);
-        loop {
-            if let Some(r) = r.take() {
-                return r;
-            }
-            r = self.slot.cv.wait(r).unwrap_or_else(|e| e.into_inner());
-        }
+        self.slot.wait_take()
     }
 
     /// Blocks up to `timeout`; `None` if the outcome is not known by then.
     pub fn wait_timeout(&mut self, timeout: Duration) -> Option<T> {
-        let deadline = Instant::now() + timeout;
-        let mut r = lock(&self.slot.outcome);
-        loop {
-            if let Some(r) = r.take() {
-                return Some(r);
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return None;
-            }
-            r = self
-                .slot
-                .cv
-                .wait_timeout(r, deadline - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
+        self.slot.wait_take_timeout(timeout)
     }
 }
 

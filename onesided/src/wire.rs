@@ -2,6 +2,8 @@
 //! fail with [`Malformed`] instead of panicking or reading past the end, and the bounds check
 //! every descriptor passes before an engine sees it.
 
+use tessera_transport::engine::wire;
+
 /// A blob from a peer that does not parse; nothing was handed to the engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("malformed {what}: {detail}")]
@@ -12,17 +14,21 @@ pub struct Malformed {
     pub detail: &'static str,
 }
 
-/// Reads a blob front to back; every read checks the bytes left first.
+/// Reads a blob front to back through the transport's checked reader
+/// ([`tessera_transport::engine::wire::Reader`]), its errors as [`Malformed`] of this blob.
 #[derive(Debug)]
 pub struct Reader<'a> {
-    bytes: &'a [u8],
+    inner: wire::Reader<'a>,
     what: &'static str,
 }
 
 impl<'a> Reader<'a> {
     /// A reader of `bytes`, a `what` (named in errors).
     pub fn new(bytes: &'a [u8], what: &'static str) -> Self {
-        Self { bytes, what }
+        Self {
+            inner: wire::Reader::new(bytes),
+            what,
+        }
     }
 
     /// An error about this blob.
@@ -35,35 +41,36 @@ impl<'a> Reader<'a> {
 
     /// The bytes not read yet.
     pub fn remaining(&self) -> usize {
-        self.bytes.len()
+        self.inner.rest().len()
     }
 
     /// The next `n` bytes; `truncated` if fewer are left.
     pub fn take(&mut self, n: usize) -> Result<&'a [u8], Malformed> {
-        if self.bytes.len() < n {
-            return Err(self.malformed("truncated"));
-        }
-        let (head, tail) = self.bytes.split_at(n);
-        self.bytes = tail;
-        Ok(head)
+        let what = self.what;
+        self.inner
+            .take(n, what)
+            .map_err(|_| self.malformed("truncated"))
     }
 
     /// The next four bytes as a little-endian `u32`.
     pub fn u32(&mut self) -> Result<u32, Malformed> {
-        let b = self.take(4)?;
-        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        let what = self.what;
+        self.inner
+            .u32(what)
+            .map_err(|_| self.malformed("truncated"))
     }
 
     /// The next eight bytes as a little-endian `u64`.
     pub fn u64(&mut self) -> Result<u64, Malformed> {
-        let mut a = [0u8; 8];
-        a.copy_from_slice(self.take(8)?);
-        Ok(u64::from_le_bytes(a))
+        let what = self.what;
+        self.inner
+            .u64(what)
+            .map_err(|_| self.malformed("truncated"))
     }
 
     /// Ends the blob: `trailing bytes` if any are left.
     pub fn finish(&self) -> Result<(), Malformed> {
-        if self.bytes.is_empty() {
+        if self.inner.rest().is_empty() {
             Ok(())
         } else {
             Err(self.malformed("trailing bytes"))

@@ -183,6 +183,8 @@ pub struct OneShot<T> {
 
 struct Slot<T> {
     value: Option<T>,
+    /// The value was taken by its one reader ([`OneShot::wait_take`]): it is not set again.
+    taken: bool,
     waker: Option<Waker>,
 }
 
@@ -198,6 +200,7 @@ impl<T> OneShot<T> {
         Self {
             slot: Mutex::new(Slot {
                 value: None,
+                taken: false,
                 waker: None,
             }),
             ready: Condvar::new(),
@@ -209,7 +212,7 @@ impl<T> OneShot<T> {
     pub fn set(&self, value: T) -> bool {
         let waker = {
             let mut slot = self.slot.lock();
-            if slot.value.is_some() {
+            if slot.value.is_some() || slot.taken {
                 return false;
             }
             slot.value = Some(value);
@@ -222,9 +225,38 @@ impl<T> OneShot<T> {
         true
     }
 
-    /// Whether the value is set.
+    /// Whether the value is set (and not taken).
     pub fn is_set(&self) -> bool {
         self.slot.lock().value.is_some()
+    }
+
+    /// Blocks the thread until the value is set, and takes it: for the one reader that owns
+    /// the outcome (a value that cannot be cloned). Later reads find it unset, and a later
+    /// [`OneShot::set`] is still refused.
+    pub fn wait_take(&self) -> T {
+        let mut slot = self.slot.lock();
+        loop {
+            if let Some(v) = slot.value.take() {
+                slot.taken = true;
+                return v;
+            }
+            slot = self.ready.wait(slot);
+        }
+    }
+
+    /// As [`OneShot::wait_take`], for up to `timeout`; `None` (nothing taken) if the value
+    /// was not set by then.
+    pub fn wait_take_timeout(&self, timeout: Duration) -> Option<T> {
+        let deadline = Instant::now() + timeout;
+        let mut slot = self.slot.lock();
+        loop {
+            if let Some(v) = slot.value.take() {
+                slot.taken = true;
+                return Some(v);
+            }
+            let left = deadline.checked_duration_since(Instant::now())?;
+            slot = self.ready.wait_timeout(slot, left).0;
+        }
     }
 }
 
@@ -324,6 +356,20 @@ mod tests {
         assert!(s.set("a"));
         assert!(!s.set("b"));
         assert_eq!((s.get(), s.wait()), (Some("a"), "a"));
+    }
+
+    #[test]
+    fn one_shot_taken_by_its_reader_stays_taken() {
+        let s = Arc::new(OneShot::new());
+        assert_eq!(s.wait_take_timeout(Duration::from_millis(5)), None);
+        let s2 = s.clone();
+        std::thread::spawn(move || assert!(s2.set(String::from("done"))));
+        assert_eq!(s.wait_take(), "done");
+        assert!(!s.is_set());
+        assert!(
+            !s.set(String::from("again")),
+            "a taken value is not set again"
+        );
     }
 
     #[test]

@@ -27,7 +27,7 @@
 //! (`tcp`, `cma`): the bytes go to the old addresses. Only deregister memory that peers may
 //! still write after telling them (a new metadata exchange), or keep it registered.
 
-use std::sync::Arc;
+use tessera_sync::Arc;
 
 use crate::engine::{MemRegion, RmaOp, UcxEndpoint, UcxEngine};
 use crate::{RmaKind, UcxConfig, UcxError};

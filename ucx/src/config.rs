@@ -1,8 +1,8 @@
 //! What a user configures of the UCX engine, and the errors it reports.
 
 use std::fmt;
-use std::sync::Arc;
 use std::time::Duration;
+use tessera_sync::Arc;
 
 /// Direction of a transfer, seen from the initiator.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -16,7 +16,7 @@ pub(super) struct RegInner {
 
 impl Drop for RegInner {
     fn drop(&mut self) {
-        let st = lock(&self.engine.state);
+        let st = self.engine.state.lock();
         self.handles.clear(); // deregisters, serialized with every other NIXL call
         drop(st);
         self.engine

@@ -34,11 +34,11 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
-use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+use tessera_sync::{Arc, Condvar, Mutex, Weak};
 
-use tessera_onesided::{in_bounds, lock, KeyChunk, KeyFormat};
+use tessera_onesided::{in_bounds, KeyChunk, KeyFormat};
 
 use nixl_sys::{
     Agent, AgentConfig, Backend, MemType, MemoryRegion, NixlDescriptor, NixlError, NotificationMap,
@@ -304,7 +304,7 @@ impl NixlEngine {
     /// This agent's metadata (`getLocalMD`): what a peer passes to
     /// [`NixlEngine::load_remote`]. Fetch it again after registering memory.
     pub fn metadata(&self) -> Result<Vec<u8>, NixlEngineError> {
-        let _st = lock(&self.inner.state);
+        let _st = self.inner.state.lock();
         self.inner.agent.get_local_md().map_err(nixl("getLocalMD"))
     }
 
@@ -342,7 +342,7 @@ impl NixlEngine {
                 "range wraps the address space".into(),
             ));
         }
-        let st = lock(&self.inner.state);
+        let st = self.inner.state.lock();
         if st.stopped {
             return Err(NixlEngineError::Shutdown(self.inner.name.clone()));
         }
@@ -398,7 +398,7 @@ impl NixlEngine {
         metadata: &[u8],
         expected: Option<&str>,
     ) -> Result<NixlPeer, NixlEngineError> {
-        let mut st = lock(&self.inner.state);
+        let mut st = self.inner.state.lock();
         if st.stopped {
             return Err(NixlEngineError::Shutdown(self.inner.name.clone()));
         }
@@ -445,7 +445,7 @@ impl NixlEngine {
         let mut backoff = self.inner.poll_min;
         loop {
             {
-                let mut st = lock(&self.inner.state);
+                let mut st = self.inner.state.lock();
                 if st.notes.is_empty() && self.inner.on_notify.is_none() {
                     let mut fresh = Vec::new();
                     self.inner.fetch_notes(&mut fresh);
@@ -467,7 +467,7 @@ impl NixlEngine {
 
     /// What the engine holds, for leak checks.
     pub fn report(&self) -> NixlReport {
-        let st = lock(&self.inner.state);
+        let st = self.inner.state.lock();
         NixlReport {
             pending_transfers: st.inflight.iter().filter(|x| x.done.is_some()).count(),
             quarantined: st.inflight.iter().filter(|x| x.done.is_none()).count(),
@@ -491,7 +491,7 @@ impl NixlEngine {
         let Some(thread) = self.thread.take() else {
             return;
         };
-        lock(&self.inner.state).stopped = true;
+        self.inner.state.lock().stopped = true;
         self.inner.cv.notify_all();
         let _ = thread.join();
         let start = Instant::now();
@@ -499,7 +499,7 @@ impl NixlEngine {
         loop {
             let mut after = After::default();
             let busy = {
-                let mut st = lock(&self.inner.state);
+                let mut st = self.inner.state.lock();
                 self.inner.round(&mut st, &mut after, Instant::now());
                 if !invalidated && start.elapsed() >= SHUTDOWN_GRACE {
                     // Disconnecting the peers makes NIXL fail what is still in flight.
@@ -517,7 +517,7 @@ impl NixlEngine {
             }
             std::thread::sleep(self.inner.poll_max);
         }
-        let mut st = lock(&self.inner.state);
+        let mut st = self.inner.state.lock();
         for x in std::mem::take(&mut st.inflight) {
             // NIXL still reports it in flight: never release it or its memory.
             std::mem::forget(x.req);

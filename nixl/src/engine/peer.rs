@@ -41,7 +41,7 @@ impl NixlPeer {
 
     /// Loads newer metadata of the same peer (e.g. after it registered more memory).
     pub fn update(&self, metadata: &[u8]) -> Result<(), NixlEngineError> {
-        let _st = lock(&self.engine.state);
+        let _st = self.engine.state.lock();
         let name = self
             .engine
             .agent
@@ -59,7 +59,7 @@ impl NixlPeer {
     /// Records the peer's registration `id` from its [`NixlRegion::remote_key`].
     pub fn add_remote(&self, id: u64, key: &[u8]) -> Result<(), NixlEngineError> {
         let reg = decode_key(key)?;
-        let mut st = lock(&self.engine.state);
+        let mut st = self.engine.state.lock();
         st.peers
             .entry(self.name.clone())
             .or_default()
@@ -77,7 +77,7 @@ impl NixlPeer {
                 self.engine.max_notification
             )));
         }
-        let st = lock(&self.engine.state);
+        let st = self.engine.state.lock();
         if st.stopped {
             return Err(NixlEngineError::Shutdown(self.engine.name.clone()));
         }
@@ -92,7 +92,7 @@ impl NixlPeer {
 
     /// Forgets the peer's registration `id`.
     pub fn remove_remote(&self, id: u64) {
-        if let Some(p) = lock(&self.engine.state).peers.get_mut(&self.name) {
+        if let Some(p) = self.engine.state.lock().peers.get_mut(&self.name) {
             p.regs.remove(&id);
         }
     }
@@ -142,7 +142,7 @@ impl NixlPeer {
                 keep.push(local.clone());
             }
         }
-        let mut st = lock(&self.engine.state);
+        let mut st = self.engine.state.lock();
         if st.stopped {
             return Err(NixlEngineError::Shutdown(self.engine.name.clone()));
         }
@@ -287,7 +287,7 @@ impl NixlPeer {
 
 impl Drop for NixlPeer {
     fn drop(&mut self) {
-        let mut st = lock(&self.engine.state);
+        let mut st = self.engine.state.lock();
         if let Some(p) = st.peers.get_mut(&self.name) {
             p.handles = p.handles.saturating_sub(1);
         }

@@ -186,7 +186,7 @@ impl Inner {
                         f(&from, msg)
                     }));
                 }
-                None => lock(&self.state).notes.push_back((from, msg)),
+                None => self.state.lock().notes.push_back((from, msg)),
             }
         }
     }
@@ -194,7 +194,7 @@ impl Inner {
 
 pub(super) fn waiter(inner: Arc<Inner>) {
     let mut backoff = inner.poll_min;
-    let mut st = lock(&inner.state);
+    let mut st = inner.state.lock();
     loop {
         if st.stopped {
             return;
@@ -208,7 +208,7 @@ pub(super) fn waiter(inner: Arc<Inner>) {
         let idle = st.inflight.is_empty();
         drop(st);
         inner.run_after(after);
-        st = lock(&inner.state);
+        st = inner.state.lock();
         if got {
             backoff = inner.poll_min;
             continue;
@@ -216,20 +216,12 @@ pub(super) fn waiter(inner: Arc<Inner>) {
         st = if idle && st.inflight.is_empty() {
             backoff = inner.poll_min;
             if inner.on_notify.is_some() {
-                inner
-                    .cv
-                    .wait_timeout(st, inner.notify_poll)
-                    .unwrap_or_else(|e| e.into_inner())
-                    .0
+                inner.cv.wait_timeout(st, inner.notify_poll).0
             } else {
-                inner.cv.wait(st).unwrap_or_else(|e| e.into_inner())
+                inner.cv.wait(st)
             }
         } else {
-            let g = inner
-                .cv
-                .wait_timeout(st, backoff)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+            let g = inner.cv.wait_timeout(st, backoff).0;
             backoff = (backoff * 2).min(inner.poll_max);
             g
         };

@@ -50,7 +50,9 @@ impl UcxEndpoint {
 
     /// The endpoint's error, if the peer failed.
     pub fn failure(&self) -> Option<String> {
-        lock(&self.engine.state)
+        self.engine
+            .state
+            .lock()
             .eps
             .get(&self.id)
             .and_then(|e| e.failed.clone())
@@ -60,7 +62,7 @@ impl UcxEndpoint {
     /// same id; the old one is destroyed once no transfer is pending.
     pub fn add_remote(&self, id: u64, key: &[u8]) -> Result<(), UcxError> {
         let chunks = key::decode_key(key)?;
-        let mut st = lock(&self.engine.state);
+        let mut st = self.engine.state.lock();
         let stopped = st.stopped;
         let ep = self.ep_mut(&mut st, stopped)?;
         let mut remote = Remote {
@@ -95,7 +97,7 @@ impl UcxEndpoint {
 
     /// Forgets remote registration `id` (its key is destroyed once nothing is pending).
     pub fn remove_remote(&self, id: u64) {
-        let mut st = lock(&self.engine.state);
+        let mut st = self.engine.state.lock();
         if let Some(ep) = st.eps.get_mut(&self.id) {
             if let Some(old) = ep.remotes.remove(&id) {
                 ep.retired.extend(old.chunks.into_iter().map(|c| c.rkey));
@@ -193,7 +195,7 @@ impl UcxEndpoint {
             }
         }
 
-        let mut st = lock(&self.engine.state);
+        let mut st = self.engine.state.lock();
         let stopped = st.stopped;
         let ep = self.ep_mut(&mut st, stopped)?;
         for (index, op) in ops.iter().enumerate() {
@@ -369,7 +371,7 @@ impl UcxEndpoint {
 
 impl Drop for UcxEndpoint {
     fn drop(&mut self) {
-        let mut st = lock(&self.engine.state);
+        let mut st = self.engine.state.lock();
         let stopped = st.stopped;
         if let Some(ep) = st.eps.get_mut(&self.id) {
             // Parked: its keys go (destroyed once nothing is pending), the endpoint stays.

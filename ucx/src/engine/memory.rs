@@ -27,7 +27,7 @@ unsafe impl Sync for MemInner {}
 
 impl Drop for MemInner {
     fn drop(&mut self) {
-        let st = lock(&self.engine.state);
+        let st = self.engine.state.lock();
         for c in &self.chunks {
             // SAFETY: mapped on this context, which is alive (we hold an Arc to it); no
             // transfer uses it any more (transfers hold clones of this Arc); lock held.

@@ -51,12 +51,12 @@ use std::collections::{HashMap, VecDeque};
 use std::ffi::{c_void, CStr, CString};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::ptr;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+use tessera_sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use tessera_sync::{Arc, Condvar, Mutex, Weak};
 
-use tessera_onesided::{in_bounds, lock};
+use tessera_onesided::in_bounds;
 
 use crate::key::{self, KeyChunk};
 use crate::sys;
@@ -314,7 +314,7 @@ impl UcxEngine {
             arg: Arc::as_ptr(&inner) as *mut c_void,
         };
         {
-            let st = lock(&inner.state);
+            let st = inner.state.lock();
             // SAFETY: live worker, lock held; `arg` is the Inner that owns the worker and
             // outlives it (the worker is destroyed in Inner::drop before anything else).
             check("ucp_worker_set_am_recv_handler", unsafe {
@@ -381,7 +381,7 @@ impl UcxEngine {
         }
         let mut chunks: Vec<LocalChunk> = Vec::new();
         let mut packed: Vec<Vec<u8>> = Vec::new();
-        let st = lock(&self.inner.state);
+        let st = self.inner.state.lock();
         if st.stopped {
             return Err(UcxError::Shutdown(self.inner.name.clone()));
         }
@@ -455,7 +455,7 @@ impl UcxEngine {
     /// error handling. `peer` names it in errors.
     pub fn connect(&self, peer: &str, address: &[u8]) -> Result<UcxEndpoint, UcxError> {
         let raw = key::decode_address(address)?;
-        let mut st = lock(&self.inner.state);
+        let mut st = self.inner.state.lock();
         if st.stopped {
             return Err(UcxError::Shutdown(self.inner.name.clone()));
         }
@@ -536,30 +536,19 @@ impl UcxEngine {
     /// `timeout` (forever with `None`).
     pub fn recv_notification(&self, timeout: Option<Duration>) -> Option<(String, Vec<u8>)> {
         let deadline = timeout.map(|t| Instant::now() + t);
-        let mut q = lock(&self.inner.notes);
+        let mut q = self.inner.notes.lock();
         loop {
             if let Some(n) = q.pop_front() {
                 return Some(n);
             }
             match deadline {
-                None => {
-                    q = self
-                        .inner
-                        .notes_cv
-                        .wait(q)
-                        .unwrap_or_else(|e| e.into_inner())
-                }
+                None => q = self.inner.notes_cv.wait(q),
                 Some(d) => {
                     let now = Instant::now();
                     if now >= d {
                         return None;
                     }
-                    q = self
-                        .inner
-                        .notes_cv
-                        .wait_timeout(q, d - now)
-                        .unwrap_or_else(|e| e.into_inner())
-                        .0;
+                    q = self.inner.notes_cv.wait_timeout(q, d - now).0;
                 }
             }
         }
@@ -567,7 +556,7 @@ impl UcxEngine {
 
     /// A report of what the engine holds, for leak checks.
     pub fn report(&self) -> UcxReport {
-        let st = lock(&self.inner.state);
+        let st = self.inner.state.lock();
         UcxReport {
             endpoints: st
                 .eps
@@ -597,7 +586,7 @@ impl UcxEngine {
         let Some(thread) = self.thread.take() else {
             return;
         };
-        lock(&self.inner.state).stopped = true;
+        self.inner.state.lock().stopped = true;
         self.inner.wake();
         let _ = thread.join();
         // Progress here now: close every endpoint (flush mode, or force mode if its peer
@@ -608,7 +597,7 @@ impl UcxEngine {
         loop {
             let mut after = After::default();
             let busy = {
-                let mut st = lock(&self.inner.state);
+                let mut st = self.inner.state.lock();
                 self.inner.pass(&mut st, &mut after);
                 if !forced && start.elapsed() >= SHUTDOWN_GRACE {
                     forced = true;
@@ -636,7 +625,7 @@ impl UcxEngine {
         }
         // Whatever is still pending cannot be proven finished: report it failed but keep its
         // memory registered forever rather than risk a use after free.
-        let leftovers = std::mem::take(&mut lock(&self.inner.state).ops);
+        let leftovers = std::mem::take(&mut self.inner.state.lock().ops);
         for op in leftovers {
             std::mem::forget(op.keep);
             (op.done)(Err(UcxError::Shutdown(self.inner.name.clone())));
@@ -653,7 +642,7 @@ impl UcxEngine {
         let start = Instant::now();
         loop {
             let armed = {
-                let st = lock(&self.inner.state);
+                let st = self.inner.state.lock();
                 // SAFETY: live worker, lock held.
                 let busy = unsafe { sys::ucp_worker_progress(st.worker) } != 0;
                 // SAFETY: live worker, lock held, right after progress.
@@ -685,7 +674,7 @@ impl UcxEngine {
     /// completed (with any status: a failed peer fails it, which is as final).
     fn flush_worker(&self) -> bool {
         let r = {
-            let st = lock(&self.inner.state);
+            let st = self.inner.state.lock();
             let param = sys::ucp_request_param_t::default();
             // SAFETY: live worker, lock held, valid param.
             unsafe { sys::ucp_worker_flush_nbx(st.worker, &param) }
@@ -696,7 +685,7 @@ impl UcxEngine {
         let start = Instant::now();
         loop {
             let finished = {
-                let st = lock(&self.inner.state);
+                let st = self.inner.state.lock();
                 // SAFETY: live worker, lock held; `r` is the live flush request, freed once
                 // below when it completed.
                 unsafe {
@@ -705,7 +694,7 @@ impl UcxEngine {
                 }
             };
             if finished {
-                let _st = lock(&self.inner.state);
+                let _st = self.inner.state.lock();
                 // SAFETY: completed request, released exactly once; lock held.
                 unsafe { sys::ucp_request_free(r) };
                 return true;
@@ -750,7 +739,7 @@ impl Drop for UcxEngine {
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        let st = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
+        let st = self.state.get_mut();
         for (_, ep) in st.eps.drain() {
             for rkey in ep.retired {
                 // SAFETY: nothing is pending (every handle and the thread are gone); each key

@@ -159,7 +159,7 @@ impl Inner {
             while unsafe { sys::ucp_worker_progress(st.worker) } != 0 {
                 worked = true;
             }
-            let events = std::mem::take(&mut *lock(&self.events));
+            let events = std::mem::take(&mut *self.events.lock());
             let had_events = !events.is_empty();
             for e in events {
                 match e {
@@ -186,7 +186,7 @@ impl Inner {
     /// notifications queued for the next pass. Error callbacks only run inside UCP calls,
     /// which are made with the state lock held, so with `st` held none is missed.
     pub(super) fn absorb_failures(&self, st: &mut State) {
-        lock(&self.events).retain(|e| match *e {
+        self.events.lock().retain(|e| match *e {
             Event::EpFailed { ep, status } => {
                 if let Some(e) = st.eps.get_mut(&ep) {
                     if e.failed.is_none() {
@@ -217,7 +217,7 @@ impl Inner {
                     }));
                 }
                 None => {
-                    lock(&self.notes).push_back((from, msg));
+                    self.notes.lock().push_back((from, msg));
                     self.notes_cv.notify_all();
                 }
             }
@@ -441,7 +441,7 @@ pub(super) unsafe extern "C" fn on_ep_error(
         let a = &*(arg as *const ErrArg);
         (&*a.inner, a.ep)
     };
-    lock(&inner.events).push(Event::EpFailed { ep, status });
+    inner.events.lock().push(Event::EpFailed { ep, status });
 }
 
 /// Active-message handler of notifications: copies the message for the next progress pass.
@@ -477,7 +477,7 @@ pub(super) unsafe extern "C" fn on_notify_am(
         // (the handler was installed with UCP_AM_FLAG_WHOLE_MSG).
         unsafe { std::slice::from_raw_parts(data.cast::<u8>(), length) }.to_vec()
     };
-    lock(&inner.events).push(Event::Note { from, msg });
+    inner.events.lock().push(Event::Note { from, msg });
     sys::UCS_OK
 }
 
@@ -486,7 +486,7 @@ pub(super) fn progress_thread(inner: Arc<Inner>) {
     loop {
         let mut after = After::default();
         let (stop, armed) = {
-            let mut st = lock(&inner.state);
+            let mut st = inner.state.lock();
             let now = Instant::now();
             if inner.pass(&mut st, &mut after) {
                 last_work = Some(now);
