@@ -1,21 +1,4 @@
-//! The rpath hand-off between the engine crates that link a system library and the packages
-//! whose binaries use them, for build scripts only.
-//!
-//! An rpath that a build script sets reaches its own package's binaries only. So an engine
-//! crate's build script calls [`export`] with the directory of its library: its own binaries
-//! get the rpath, and the directory goes out as `links` metadata. Every package depending on
-//! an engine crate, directly and with the feature that pulls it in, calls [`forward`] from its
-//! build script, so that its binaries and tests find the libraries that `cargo xtask deps`
-//! installed without `LD_LIBRARY_PATH`. This crate never links, loads or looks for a library
-//! itself, and does nothing at run time.
-//!
-//! The whole build script of such a dependent (`build.rs`, with tessera-rpath as its
-//! build-dependency) is one call:
-//!
-//! ```no_run
-//! tessera_rpath::forward();
-//! ```
-
+#![doc = include_str!("../README.md")]
 #![warn(missing_docs)]
 
 use std::path::Path;

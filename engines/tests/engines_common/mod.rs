@@ -7,7 +7,7 @@ use std::io::{BufRead, BufReader, Lines, Write};
 use std::process::{ChildStdin, ChildStdout, Command, Stdio};
 use std::time::Duration;
 
-use tessera_transport::testing::{pattern, Target, HANG_GUARD};
+use tessera_transport::testing::{pattern, Target, TargetError, HANG_GUARD};
 use tessera_transport::{Agent, LocalDesc, Op, Region, RemoteDesc, TransferError};
 
 pub(crate) struct Child {
@@ -103,7 +103,7 @@ impl Target for Child {
         remote_offset: u64,
         len: u64,
         notify: Option<&[u8]>,
-    ) -> Result<(), String> {
+    ) -> Result<(), TargetError> {
         let op = match op {
             Op::Write => "W",
             Op::Read => "R",
@@ -116,7 +116,7 @@ impl Target for Child {
         if line == "DONE" {
             Ok(())
         } else {
-            Err(line)
+            Err(TargetError::Remote(line))
         }
     }
 }

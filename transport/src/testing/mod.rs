@@ -170,7 +170,7 @@ pub trait Target {
     /// The next notification, without waiting.
     fn try_notification(&mut self) -> Option<(String, Vec<u8>)>;
     /// A transfer by the target between its registration `local` and the initiator's
-    /// registration `remote`, waited for; the error as text.
+    /// registration `remote`, waited for.
     #[allow(clippy::too_many_arguments)]
     fn transfer(
         &mut self,
@@ -181,7 +181,25 @@ pub trait Target {
         remote_offset: u64,
         len: u64,
         notify: Option<&[u8]>,
-    ) -> Result<(), String>;
+    ) -> Result<(), TargetError>;
+}
+
+/// Why a [`Target`]'s own transfer failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TargetError {
+    /// In this process: the transfer's error.
+    #[error(transparent)]
+    Transfer(#[from] TransferError),
+    /// In this process: a descriptor of the target's own registration was refused.
+    #[error(transparent)]
+    Desc(#[from] crate::DescError),
+    /// The target has no handle on the initiator yet ([`Target::add_remote`] first).
+    #[error("the target has no handle on the initiator")]
+    NoPeer,
+    /// In another process: the error line it answered.
+    #[error("the target process answered: {0}")]
+    Remote(String),
 }
 
 /// A [`Target`] agent in this process.
@@ -264,18 +282,15 @@ impl Target for LocalTarget {
         remote_offset: u64,
         len: u64,
         notify: Option<&[u8]>,
-    ) -> Result<(), String> {
-        let peer = self.peer.as_ref().ok_or("no handle on the initiator")?;
-        let l = [self.regs[&local]
-            .desc(local_offset, len)
-            .map_err(|e| e.to_string())?];
+    ) -> Result<(), TargetError> {
+        let peer = self.peer.as_ref().ok_or(TargetError::NoPeer)?;
+        let l = [self.regs[&local].desc(local_offset, len)?];
         let r = [RemoteDesc::new(remote, remote_offset, len)];
         let t = match op {
             Op::Write => peer.write(&l, &r, notify),
             Op::Read => peer.read(&l, &r, notify),
-        }
-        .map_err(|e| e.to_string())?;
-        finish(t).map_err(|e| e.to_string())
+        }?;
+        Ok(finish(t)?)
     }
 }
 
