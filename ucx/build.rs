@@ -8,30 +8,17 @@
 //! to it, and dependents read it as `DEP_TESSERA_UCX_RPATH` to give theirs the same.
 
 use std::env;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
+
+use tessera_rpath::{install_dir, missing};
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
-    println!("cargo:rerun-if-env-changed=TESSERA_UCX_DIR");
-    let manifest = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("set by cargo"));
-    let root = manifest.parent().unwrap_or(&manifest).to_path_buf();
-    ucx(&root);
+    ucx();
 }
 
-fn dir_from_env(var: &str, default: PathBuf) -> PathBuf {
-    env::var_os(var).map(PathBuf::from).unwrap_or(default)
-}
-
-fn missing(what: &str, path: &Path, var: &str) -> ! {
-    panic!(
-        "\n\n{what} not found at {}.\nRun `cargo xtask deps` in the workspace root to install it \
-         into .deps/, or point {var} at an existing installation.\n\n",
-        path.display()
-    );
-}
-
-fn ucx(root: &Path) {
-    let dir = dir_from_env("TESSERA_UCX_DIR", root.join(".deps/ucx/libucx"));
+fn ucx() {
+    let dir = install_dir("TESSERA_UCX_DIR", ".deps/ucx/libucx");
     let include = dir.join("include");
     let lib = dir.join("lib");
     let header = include.join("ucp/api/ucp.h");
