@@ -21,7 +21,7 @@ impl Drop for RegInner {
         drop(st);
         self.engine
             .registrations
-            .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+            .fetch_sub(1, tessera_sync::atomic::Ordering::Relaxed);
     }
 }
 

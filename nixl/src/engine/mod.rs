@@ -283,7 +283,7 @@ impl NixlEngine {
             max_chunk: config.max_chunk,
             max_notification: config.max_notification,
             on_notify: config.on_notify,
-            registrations: std::sync::atomic::AtomicUsize::new(0),
+            registrations: tessera_sync::atomic::AtomicUsize::new(0),
         });
         let t = inner.clone();
         let thread = std::thread::Builder::new()
@@ -371,7 +371,7 @@ impl NixlEngine {
         drop(st);
         self.inner
             .registrations
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            .fetch_add(1, tessera_sync::atomic::Ordering::Relaxed);
         Ok(NixlRegion {
             inner: Arc::new(RegInner {
                 engine: self.inner.clone(),
@@ -475,7 +475,7 @@ impl NixlEngine {
             registrations: self
                 .inner
                 .registrations
-                .load(std::sync::atomic::Ordering::Relaxed),
+                .load(tessera_sync::atomic::Ordering::Relaxed),
         }
     }
 

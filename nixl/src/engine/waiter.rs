@@ -74,7 +74,7 @@ pub(super) struct Inner {
     pub(super) max_chunk: u64,
     pub(super) max_notification: usize,
     pub(super) on_notify: Option<NotifyFn>,
-    pub(super) registrations: std::sync::atomic::AtomicUsize,
+    pub(super) registrations: tessera_sync::atomic::AtomicUsize,
 }
 
 /// Work to finish after the state lock is released.
