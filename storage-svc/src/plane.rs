@@ -101,8 +101,9 @@ impl BackendExt for Backend {
             std::process::id(),
             NEXT.next()
         );
+        // Each engine reads only the options meant for it: `inproc` and `shm` ignore the address.
         let options = EngineOptions {
-            tcp_bind: payload_addr.filter(|_| self == Backend::Tcp),
+            tcp_bind: payload_addr,
             ..EngineOptions::default()
         };
         self.agent_with(&name, &options).map_err(|e| match e {
