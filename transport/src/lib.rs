@@ -2,6 +2,7 @@
 #![warn(missing_docs)]
 
 mod agent;
+pub mod auth;
 mod desc;
 pub mod engine;
 mod error;
