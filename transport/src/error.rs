@@ -254,6 +254,9 @@ pub enum RejectReason {
     Malformed,
     /// The target is shutting down.
     ShuttingDown,
+    /// The registration is scoped and no exposure to this peer for this operation holds the
+    /// range.
+    NotExposed,
 }
 impl RejectReason {
     pub(crate) fn code(self) -> u8 {
@@ -262,6 +265,7 @@ impl RejectReason {
             RejectReason::OutOfRange => 2,
             RejectReason::Malformed => 3,
             RejectReason::ShuttingDown => 4,
+            RejectReason::NotExposed => 5,
         }
     }
 
@@ -270,6 +274,7 @@ impl RejectReason {
             1 => RejectReason::UnknownRegistration,
             2 => RejectReason::OutOfRange,
             4 => RejectReason::ShuttingDown,
+            5 => RejectReason::NotExposed,
             _ => RejectReason::Malformed,
         }
     }
@@ -282,6 +287,7 @@ impl fmt::Display for RejectReason {
             RejectReason::OutOfRange => "range outside the registration",
             RejectReason::Malformed => "malformed request",
             RejectReason::ShuttingDown => "shutting down",
+            RejectReason::NotExposed => "range not exposed to this peer for this operation",
         })
     }
 }

@@ -6,6 +6,7 @@ pub mod auth;
 mod desc;
 pub mod engine;
 mod error;
+mod exposure;
 pub mod inproc;
 mod interval;
 mod metadata;
@@ -26,6 +27,7 @@ pub use error::{
     AgentError, BackendError, ConnectError, DescError, MetadataError, PoolError, RegionError,
     RegisterError, RejectReason, Side, TransferError,
 };
+pub use exposure::{Exposure, Ops};
 pub use inproc::Inproc;
 pub use notify::{NextNotification, Notification, MAX_NOTIFICATION};
 pub use pool::{FrozenBlock, PoolBlock, RegisteredPool};

@@ -8,6 +8,7 @@ use tessera_alloc::{Group, Layout, Lease, Report, SharedAllocator};
 use crate::agent::{Agent, Registration};
 use crate::desc::{KeepAlive, LocalDesc, RemoteDesc};
 use crate::error::{DescError, PoolError, RegionError};
+use crate::exposure::{Exposure, Ops};
 use crate::Region;
 use tessera_sync::Arc;
 
@@ -62,10 +63,28 @@ impl RegisteredPool {
     /// A pool over an existing region, registered with `agent`.
     pub fn with_region(agent: &Agent, region: &Region) -> Result<Self, PoolError> {
         let reg = agent.register(region)?;
-        Ok(Self {
+        Ok(Self::over(reg))
+    }
+
+    /// Like [`RegisteredPool::new`], registered scoped: peers reach a block only through
+    /// its [`PoolBlock::expose`].
+    pub fn new_scoped(agent: &Agent, capacity: u64) -> Result<Self, PoolError> {
+        let region = Region::memfd("tessera-pool", capacity)?;
+        Self::with_region_scoped(agent, &region)
+    }
+
+    /// Like [`RegisteredPool::with_region`], registered scoped
+    /// ([`Agent::register_scoped`]).
+    pub fn with_region_scoped(agent: &Agent, region: &Region) -> Result<Self, PoolError> {
+        let reg = agent.register_scoped(region)?;
+        Ok(Self::over(reg))
+    }
+
+    fn over(reg: Registration) -> Self {
+        Self {
             alloc: SharedAllocator::new(reg.len()),
             reg,
-        })
+        }
     }
 
     /// Leases `size` bytes aligned to `align` (relative to the region start, which is
@@ -157,6 +176,28 @@ impl PoolBlock {
         self.inner
             .reg
             .desc_keeping(self.offset() + offset, len, keep)
+    }
+
+    /// Lets peer `peer` touch the whole block with `ops` until the returned [`Exposure`]
+    /// drops (the block stays leased meanwhile); see [`Registration::expose`]. An empty
+    /// block's exposure allows nothing.
+    pub fn expose(&self, peer: &str, ops: Ops) -> Exposure {
+        let keep: KeepAlive = self.inner.clone();
+        match self
+            .inner
+            .reg
+            .expose_keeping(peer, self.offset(), self.len(), ops, keep.clone())
+        {
+            Ok(e) => e,
+            // Only an empty block's range is refused: expose nothing, at its offset.
+            Err(_) => self.inner.reg.entry.scope.expose(
+                peer,
+                self.inner.reg.start + self.offset(),
+                0,
+                ops,
+                Some(keep),
+            ),
+        }
     }
 
     /// The whole block as a peer names it.

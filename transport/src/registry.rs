@@ -5,7 +5,9 @@
 use std::collections::HashMap;
 
 use crate::error::RejectReason;
+use crate::exposure::{ExpState, Scope};
 use crate::interval::IntervalIndex;
+use crate::transfer::Op;
 use crate::Region;
 use tessera_sync::{Arc, Mutex, Weak};
 
@@ -17,7 +19,7 @@ pub(crate) struct Registry {
 
 #[derive(Default)]
 struct Table {
-    /// Ids are our own counter, not peer input: the fast hasher is safe here.
+    /// Ids are our own random numbers, not peer input: the fast hasher is safe here.
     by_id: HashMap<u64, Slot, rustc_hash::FxBuildHasher>,
     /// Address ranges of the live registrations. The cache's question "a registration of
     /// this region covering this range?" is asked here too, as the range's addresses with
@@ -30,6 +32,7 @@ struct Table {
 struct Slot {
     entry: Weak<RegEntry>,
     region: u64,
+    scoped: bool,
 }
 
 /// The address range `base..base + len` as index keys.
@@ -46,14 +49,31 @@ impl Table {
 }
 
 impl Registry {
-    /// A live registration of `region` covering `offset..offset + len`.
-    pub(crate) fn find(&self, region: &Region, offset: u64, len: u64) -> Option<Arc<RegEntry>> {
+    /// A fresh registration id: random (a peer cannot guess another's), non-zero, and unused
+    /// in this table.
+    pub(crate) fn fresh_id(&self) -> u64 {
+        loop {
+            let id = crate::auth::random_u64();
+            if !self.table.lock().by_id.contains_key(&id) {
+                return id;
+            }
+        }
+    }
+
+    /// A live, unscoped registration of `region` covering `offset..offset + len` (a scoped
+    /// one is never shared through the cache).
+    pub(crate) fn find_unscoped(
+        &self,
+        region: &Region,
+        offset: u64,
+        len: u64,
+    ) -> Option<Arc<RegEntry>> {
         let (lo, hi) = addr_range(region.as_ptr().wrapping_add(offset as usize), len);
         let id = region.id();
         let t = self.table.lock();
         // The region is checked before upgrading: an entry is never dropped under the lock.
         t.by_addr.find_covering(lo, hi, |reg| {
-            let slot = t.by_id.get(&reg).filter(|s| s.region == id)?;
+            let slot = t.by_id.get(&reg).filter(|s| s.region == id && !s.scoped)?;
             slot.entry.upgrade()
         })
     }
@@ -72,6 +92,7 @@ impl Registry {
             Slot {
                 entry: Arc::downgrade(entry),
                 region: entry.region.id(),
+                scoped: entry.scope.enforced,
             },
         );
         t.by_addr.insert(lo, hi, entry.id);
@@ -114,10 +135,16 @@ impl Registry {
 
     /// Pins every span's registration into `grant`. Never drops an `Arc<RegEntry>` while the
     /// table is locked (that would re-enter the lock from `RegEntry::drop`).
+    ///
+    /// A span of a scoped registration is granted only inside an exposure to `peer` for
+    /// `op` (none without a peer name); each span that lies in an exposure is listed in
+    /// `exposed`, to record what a WRITE covered.
     pub(crate) fn pin_spans(
         &self,
         pins: &mut Vec<Arc<RegEntry>>,
         out: &mut Vec<(usize, u64)>,
+        exposed: &mut Vec<(Arc<ExpState>, u64, u64)>,
+        who: Option<(&str, Op)>,
         spans: impl IntoIterator<Item = (u64, u64, u64)>,
     ) -> Result<(), RejectReason> {
         let t = self.table.lock();
@@ -141,6 +168,15 @@ impl Registry {
                 Some(end) if end <= entry.len => {}
                 _ => return Err(RejectReason::OutOfRange),
             }
+            match who {
+                Some((peer, op)) => match entry.scope.check(peer, op, offset, len) {
+                    Ok(Some(e)) => exposed.push((e, offset, len)),
+                    Ok(None) => {}
+                    Err(()) => return Err(RejectReason::NotExposed),
+                },
+                None if entry.scope.enforced => return Err(RejectReason::NotExposed),
+                None => {}
+            }
             out.push((entry.base() as usize + offset as usize, len));
         }
         Ok(())
@@ -155,6 +191,8 @@ pub(crate) struct RegEntry {
     pub(crate) offset: u64,
     pub(crate) len: u64,
     pub(crate) key: Vec<u8>,
+    /// Its exposures, and whether requests outside them are refused.
+    pub(crate) scope: Arc<Scope>,
     /// Where the registration is listed: `None` for a local-only registration
     /// ([`Agent::register_local`](crate::Agent::register_local)), which its engine never saw and its agent's registry never
     /// held, so dropping it releases nothing but its memory.

@@ -485,6 +485,7 @@ impl ShmConnection {
         let sent = self.send(|out| {
             frame(out, DONE, |b| {
                 b.extend_from_slice(&id.to_le_bytes());
+                b.push(u8::from(copied.is_ok()));
                 b.push(u8::from(notify.is_some()));
                 b.extend_from_slice(notify.unwrap_or_default());
             })
@@ -731,8 +732,9 @@ fn serve(host: Host, stream: Arc<UnixStream>) {
                         u64_at(b, at + 16).unwrap_or(0),
                     )
                 });
+                let Some(op) = Op::from_code(op) else { break };
                 let mut grant = spare.pop().unwrap_or_default();
-                match host.grant_into(&mut grant, spans) {
+                match host.grant_for(&mut grant, &peer, op, spans) {
                     Ok(()) => {
                         grants.insert(id, grant);
                         frame(&mut out, GRANT, |o| o.extend_from_slice(&id.to_le_bytes()));
@@ -748,15 +750,21 @@ fn serve(host: Host, stream: Arc<UnixStream>) {
                 tx.send((out, None)).is_ok()
             }
             DONE => {
-                let (Some(id), Some(&has_note)) = (u64_at(b, 0), b.get(8)) else {
+                let (Some(id), Some(&copied), Some(&has_note)) = (u64_at(b, 0), b.get(8), b.get(9))
+                else {
                     break;
                 };
                 if let Some(mut g) = grants.remove(&id) {
+                    // The initiator reports whether its copy succeeded: only then do the
+                    // exposures count the bytes as written.
+                    if copied != 0 {
+                        g.mark_written();
+                    }
                     g.clear();
                     spare.push(g);
                 }
                 if has_note != 0 {
-                    host.notify(&peer, b[9..].to_vec());
+                    host.notify(&peer, b[10..].to_vec());
                 }
                 true
             }

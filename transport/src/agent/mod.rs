@@ -24,6 +24,7 @@ use std::time::Duration;
 use crate::desc::LocalDesc;
 use crate::engine::{Host, PeerInfo, RegInfo, RemoteReg, Transport};
 use crate::error::{AgentError, ConnectError, RegisterError};
+use crate::exposure::Scope;
 use crate::metadata;
 use crate::region::next_id;
 use crate::Region;
@@ -167,6 +168,27 @@ impl Agent {
         offset: u64,
         len: u64,
     ) -> Result<Registration, RegisterError> {
+        self.register_with(region, offset, len, false)
+    }
+
+    /// Registers the whole region *scoped*: a peer's request touching it is granted only
+    /// inside an [`Exposure`](crate::Exposure) to that peer for that operation
+    /// ([`Registration::expose`]), and refused with
+    /// [`RejectReason::NotExposed`](crate::RejectReason::NotExposed) elsewhere. Enforced by
+    /// `tcp`, `inproc` and (at its grant only, see the crate README's trust model) `shm`; the
+    /// one-sided `ucx` and `nixl` engines cannot enforce it. Never answered from, nor
+    /// answering, the registration cache: it is always a registration of its own.
+    pub fn register_scoped(&self, region: &Region) -> Result<Registration, RegisterError> {
+        self.register_with(region, 0, region.len(), true)
+    }
+
+    fn register_with(
+        &self,
+        region: &Region,
+        offset: u64,
+        len: u64,
+        scoped: bool,
+    ) -> Result<Registration, RegisterError> {
         let host = &self.core.host;
         if host.closed.load(Ordering::Acquire) {
             return Err(RegisterError::AgentClosed {
@@ -181,13 +203,13 @@ impl Agent {
                 region_len: region.len(),
             });
         }
-        if region.mark_registered() {
-            if let Some(entry) = host.registry.find(region, offset, len) {
+        if region.mark_registered() && !scoped {
+            if let Some(entry) = host.registry.find_unscoped(region, offset, len) {
                 let start = offset - entry.offset;
                 return Ok(Registration { entry, start, len });
             }
         }
-        let id = next_id();
+        let id = host.registry.fresh_id();
         let key = self.core.transport.register(&RegInfo {
             id,
             region,
@@ -201,6 +223,7 @@ impl Agent {
             offset,
             len,
             key,
+            scope: Arc::new(Scope::new(scoped)),
             listed: Some(Listed {
                 engine: self.core.deregister.clone(),
                 registry: Arc::downgrade(&host.registry),
@@ -251,7 +274,7 @@ impl Agent {
         }
         let len = region.len();
         if region.mark_registered() {
-            if let Some(entry) = host.registry.find(region, 0, len) {
+            if let Some(entry) = host.registry.find_unscoped(region, 0, len) {
                 // It covers the whole region, so it starts at the region's first byte.
                 return Ok(Registration {
                     entry,
@@ -261,12 +284,13 @@ impl Agent {
             }
         }
         let entry = Arc::new(RegEntry {
-            id: next_id(),
+            id: crate::auth::random_u64(),
             agent_id: host.id,
             region: region.clone(),
             offset: 0,
             len,
             key: Vec::new(),
+            scope: Arc::new(Scope::new(false)),
             listed: None,
         });
         Ok(Registration {

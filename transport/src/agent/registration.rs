@@ -4,6 +4,7 @@ use std::fmt;
 
 use crate::desc::{LocalDesc, RemoteDesc};
 use crate::error::DescError;
+use crate::exposure::{Exposure, Ops};
 use crate::registry::RegEntry;
 use crate::transfer::KeepAlive;
 use crate::Region;
@@ -88,6 +89,38 @@ impl Registration {
         let mut d = self.desc(offset, len)?;
         d.keep = Some(keep);
         Ok(d)
+    }
+
+    /// Lets peer `peer` touch `len` bytes at `offset` of this window with `ops`, until the
+    /// returned [`Exposure`] drops; it also counts the bytes that peer's completed WRITEs
+    /// covered. On a scoped registration ([`Agent::register_scoped`](crate::Agent::register_scoped))
+    /// this is the only way a peer reaches it; on an unscoped one it only counts.
+    pub fn expose(
+        &self,
+        peer: &str,
+        offset: u64,
+        len: u64,
+        ops: Ops,
+    ) -> Result<Exposure, DescError> {
+        let start = self.window(offset, len)?;
+        Ok(self.entry.scope.expose(peer, start, len, ops, None))
+    }
+
+    pub(crate) fn expose_keeping(
+        &self,
+        peer: &str,
+        offset: u64,
+        len: u64,
+        ops: Ops,
+        keep: KeepAlive,
+    ) -> Result<Exposure, DescError> {
+        let start = self.window(offset, len)?;
+        Ok(self.entry.scope.expose(peer, start, len, ops, Some(keep)))
+    }
+
+    /// Whether the registration is scoped (see [`Registration::expose`]).
+    pub fn is_scoped(&self) -> bool {
+        self.entry.scope.enforced
     }
 
     /// The same range as a peer names it, to send to the peer.

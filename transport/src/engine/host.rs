@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::fmt;
 
 use crate::error::RejectReason;
+use crate::exposure::ExpState;
 use crate::notify::Notifications;
 use crate::registry::{RegEntry, Registry};
 use crate::transfer::Op;
@@ -52,19 +53,48 @@ impl Host {
     /// Target-side validation: checks every `(registration, offset, len)` a peer asks to
     /// touch against this agent's live registrations and pins them in `grant`, so none can be
     /// deregistered until the grant is cleared or dropped. On error `grant` is left empty.
+    ///
+    /// Without a peer name, spans of scoped registrations are refused
+    /// ([`RejectReason::NotExposed`]); engines that know who asks use [`Host::grant_for`].
     pub fn grant_into(
         &self,
         grant: &mut Grant,
+        spans: impl IntoIterator<Item = (u64, u64, u64)>,
+    ) -> Result<(), RejectReason> {
+        self.grant_with(grant, None, spans)
+    }
+
+    /// [`Host::grant_into`] for a request of `op` from the authenticated peer `peer`: spans
+    /// of scoped registrations are granted only inside an exposure to `peer` for `op`, and a
+    /// WRITE's spans inside exposures are recorded as written by [`Grant::mark_written`].
+    pub fn grant_for(
+        &self,
+        grant: &mut Grant,
+        peer: &str,
+        op: Op,
+        spans: impl IntoIterator<Item = (u64, u64, u64)>,
+    ) -> Result<(), RejectReason> {
+        self.grant_with(grant, Some((peer, op)), spans)
+    }
+
+    fn grant_with(
+        &self,
+        grant: &mut Grant,
+        who: Option<(&str, Op)>,
         spans: impl IntoIterator<Item = (u64, u64, u64)>,
     ) -> Result<(), RejectReason> {
         grant.clear();
         if self.shared.closed.load(Ordering::Acquire) {
             return Err(RejectReason::ShuttingDown);
         }
-        let result = self
-            .shared
-            .registry
-            .pin_spans(&mut grant.pins, &mut grant.spans, spans);
+        grant.op = who.map(|w| w.1);
+        let result = self.shared.registry.pin_spans(
+            &mut grant.pins,
+            &mut grant.spans,
+            &mut grant.exposed,
+            who,
+            spans,
+        );
         if result.is_err() {
             grant.clear();
         }
@@ -163,6 +193,9 @@ impl fmt::Debug for LinkGuard {
 pub struct Grant {
     pub(crate) pins: Vec<Arc<RegEntry>>,
     pub(crate) spans: Vec<(usize, u64)>,
+    /// Spans that lie in an exposure: the exposure, offset in the registration, length.
+    pub(crate) exposed: Vec<(Arc<ExpState>, u64, u64)>,
+    pub(crate) op: Option<Op>,
 }
 
 impl Grant {
@@ -175,6 +208,20 @@ impl Grant {
     pub fn clear(&mut self) {
         self.pins.clear();
         self.spans.clear();
+        self.exposed.clear();
+        self.op = None;
+    }
+
+    /// Records, for a granted WRITE, that every span landed: the exposures its spans lie in
+    /// count those bytes as written. Call once the payload is in place (and only then); a
+    /// READ's grant records nothing.
+    pub fn mark_written(&self) {
+        if self.op != Some(Op::Write) {
+            return;
+        }
+        for (e, offset, len) in &self.exposed {
+            e.record(*offset, *len);
+        }
     }
 
     /// Number of spans granted.

@@ -222,7 +222,7 @@ pub(super) async fn serve(
                 .ok_or_else(|| malformed("payload length overflows"))?;
         }
         let mut grant = link.spare.lock().pop().unwrap_or_default();
-        match host.grant_into(&mut grant, (0..n).map(desc)) {
+        match host.grant_for(&mut grant, &link.peer, op, (0..n).map(desc)) {
             Ok(()) => {
                 let note = has_note.then(|| note.clone());
                 if op == Op::Write {
@@ -236,6 +236,7 @@ pub(super) async fn serve(
                     // registration contract, registered memory may be written by transfers
                     // at any time and its owner reaches it only through raw-pointer copies.
                     unsafe { read_spans(r, &spans) }.await?;
+                    grant.mark_written();
                     host.count_copied(Op::Write, grant.bytes());
                     grant.clear();
                     link.spare.lock().push(grant);

@@ -1,0 +1,327 @@
+//! Exposures: which ranges of a scoped registration one peer may touch, for which
+//! operations, and which bytes of them completed WRITEs covered.
+//!
+//! A registration made scoped ([`Agent::register_scoped`](crate::Agent::register_scoped),
+//! [`RegisteredPool::new_scoped`](crate::RegisteredPool::new_scoped)) grants a peer's request
+//! only inside an [`Exposure`] to that peer's name for that operation; anything else is
+//! refused with [`RejectReason::NotExposed`](crate::RejectReason::NotExposed). Dropping the
+//! exposure revokes it. An unscoped registration grants every in-range request, as before;
+//! an exposure on it only counts written bytes.
+//!
+//! Enforced where the target sees every request: `tcp` (each descriptor), `shm` (at its
+//! grant; `shm` hands the whole memfd to an authenticated peer, which can bypass it), and
+//! `inproc`. The one-sided `ucx` and `nixl` engines never see the peer's request, so they
+//! cannot enforce it.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+
+use crate::transfer::Op;
+use tessera_sync::atomic::{AtomicUsize, Ordering};
+use tessera_sync::{Arc, Mutex};
+
+/// The operations an exposure allows.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Ops(u8);
+
+impl Ops {
+    /// The peer may READ the range.
+    pub const READ: Ops = Ops(1);
+    /// The peer may WRITE the range.
+    pub const WRITE: Ops = Ops(2);
+    /// Both.
+    pub const READ_WRITE: Ops = Ops(3);
+
+    /// Whether `op` is allowed.
+    pub fn allows(self, op: Op) -> bool {
+        let bit = match op {
+            Op::Read => 1,
+            Op::Write => 2,
+        };
+        self.0 & bit != 0
+    }
+}
+
+impl fmt::Debug for Ops {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self.0 {
+            1 => "READ",
+            2 => "WRITE",
+            3 => "READ_WRITE",
+            _ => "NONE",
+        })
+    }
+}
+
+/// Bytes covered by completed WRITEs: a union of half-open intervals, relative to the
+/// exposure's start.
+#[derive(Default)]
+struct Coverage {
+    /// Disjoint, non-adjacent intervals by start.
+    runs: BTreeMap<u64, u64>,
+    bytes: u64,
+}
+
+impl Coverage {
+    fn add(&mut self, mut lo: u64, mut hi: u64) {
+        if lo >= hi {
+            return;
+        }
+        // Merge with the run that starts at or before `lo` if it reaches it.
+        if let Some((&s, &e)) = self.runs.range(..=lo).next_back() {
+            if e >= lo {
+                if e >= hi {
+                    return;
+                }
+                lo = s;
+                self.runs.remove(&s);
+                self.bytes -= e - s;
+            }
+        }
+        // Absorb every run starting inside `lo..=hi`.
+        while let Some((&s, &e)) = self.runs.range(lo..=hi).next() {
+            self.runs.remove(&s);
+            self.bytes -= e - s;
+            hi = hi.max(e);
+        }
+        self.runs.insert(lo, hi);
+        self.bytes += hi - lo;
+    }
+}
+
+/// One exposure's state, shared by the table and the grants that matched it.
+pub(crate) struct ExpState {
+    /// First byte, relative to the registration.
+    start: u64,
+    len: u64,
+    ops: Ops,
+    written: Mutex<Coverage>,
+}
+
+impl ExpState {
+    /// Records that `offset..offset + len` of the registration was written.
+    pub(crate) fn record(&self, offset: u64, len: u64) {
+        let lo = offset.saturating_sub(self.start).min(self.len);
+        let hi = offset
+            .saturating_add(len)
+            .saturating_sub(self.start)
+            .min(self.len);
+        self.written.lock().add(lo, hi);
+    }
+}
+
+/// Exposures by peer, each peer's ordered by start: a lookup is one hash and a short walk
+/// back from the nearest start, bounded by the longest exposure that peer holds.
+#[derive(Default)]
+struct PeerExposures {
+    by_start: BTreeMap<(u64, u64), Arc<ExpState>>,
+    max_len: u64,
+}
+
+/// A registration's exposure table.
+#[derive(Default)]
+pub(crate) struct Scope {
+    /// Whether requests outside every exposure are refused.
+    pub(crate) enforced: bool,
+    /// Live exposures, so unscoped registrations without any skip the lock.
+    count: AtomicUsize,
+    table: Mutex<HashMap<String, PeerExposures>>,
+}
+
+impl Scope {
+    pub(crate) fn new(enforced: bool) -> Self {
+        Self {
+            enforced,
+            ..Self::default()
+        }
+    }
+
+    /// The exposure to `peer` allowing `op` that holds `offset..offset + len`, if any. `Err`
+    /// when the registration is enforced and none does.
+    pub(crate) fn check(
+        &self,
+        peer: &str,
+        op: Op,
+        offset: u64,
+        len: u64,
+    ) -> Result<Option<Arc<ExpState>>, ()> {
+        if self.count.load(Ordering::Acquire) == 0 {
+            return if self.enforced { Err(()) } else { Ok(None) };
+        }
+        let end = offset.checked_add(len).ok_or(())?;
+        let found = {
+            let t = self.table.lock();
+            t.get(peer).and_then(|p| {
+                let floor = end.saturating_sub(p.max_len);
+                p.by_start
+                    .range(..=(offset, u64::MAX))
+                    .rev()
+                    .take_while(|((s, _), _)| *s >= floor)
+                    .map(|(_, e)| e)
+                    .find(|e| e.ops.allows(op) && e.start + e.len >= end)
+                    .cloned()
+            })
+        };
+        match found {
+            Some(e) => Ok(Some(e)),
+            None if self.enforced => Err(()),
+            None => Ok(None),
+        }
+    }
+
+    pub(crate) fn expose(
+        self: &Arc<Self>,
+        peer: &str,
+        start: u64,
+        len: u64,
+        ops: Ops,
+        keep: Option<crate::transfer::KeepAlive>,
+    ) -> Exposure {
+        let id = crate::auth::random_u64();
+        let state = Arc::new(ExpState {
+            start,
+            len,
+            ops,
+            written: Mutex::new(Coverage::default()),
+        });
+        {
+            let mut t = self.table.lock();
+            let p = t.entry(peer.to_owned()).or_default();
+            p.max_len = p.max_len.max(len);
+            p.by_start.insert((start, id), state.clone());
+        }
+        self.count.fetch_add(1, Ordering::AcqRel);
+        Exposure {
+            _keep: keep,
+            scope: self.clone(),
+            peer: peer.to_owned(),
+            key: (start, id),
+            state,
+        }
+    }
+}
+
+/// A range of a registration that one peer may touch with some operations, until this is
+/// dropped. It also reports how many of its bytes completed WRITEs covered.
+#[must_use = "dropping an exposure revokes it"]
+pub struct Exposure {
+    /// What the exposure keeps alive (a pool block stays leased while it is exposed).
+    _keep: Option<crate::transfer::KeepAlive>,
+    scope: Arc<Scope>,
+    peer: String,
+    key: (u64, u64),
+    state: Arc<ExpState>,
+}
+
+impl Exposure {
+    /// The peer it is for.
+    pub fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    /// Where it starts in the registration peers name.
+    pub fn offset(&self) -> u64 {
+        self.state.start
+    }
+
+    /// Its length.
+    pub fn len(&self) -> u64 {
+        self.state.len
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.state.len == 0
+    }
+
+    /// The operations it allows.
+    pub fn ops(&self) -> Ops {
+        self.state.ops
+    }
+
+    /// Bytes of its range that completed WRITEs from its peer covered (each byte once,
+    /// however often written).
+    pub fn written(&self) -> u64 {
+        self.state.written.lock().bytes
+    }
+
+    /// Whether completed WRITEs covered every byte of it.
+    pub fn is_fully_written(&self) -> bool {
+        self.written() == self.state.len
+    }
+}
+
+impl Drop for Exposure {
+    fn drop(&mut self) {
+        let removed = {
+            let mut t = self.scope.table.lock();
+            let (removed, empty) = match t.get_mut(&self.peer) {
+                Some(p) => (p.by_start.remove(&self.key), p.by_start.is_empty()),
+                None => (None, false),
+            };
+            if empty {
+                t.remove(&self.peer);
+            }
+            removed
+        };
+        if removed.is_some() {
+            self.scope.count.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+impl fmt::Debug for Exposure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Exposure")
+            .field("peer", &self.peer)
+            .field("offset", &self.state.start)
+            .field("len", &self.state.len)
+            .field("ops", &self.state.ops)
+            .field("written", &self.written())
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn coverage_is_a_union() {
+        let mut c = Coverage::default();
+        c.add(10, 20);
+        c.add(30, 40);
+        assert_eq!(c.bytes, 20);
+        c.add(15, 35);
+        assert_eq!(c.bytes, 30);
+        assert_eq!(c.runs.len(), 1);
+        c.add(0, 5);
+        c.add(5, 10);
+        assert_eq!(c.bytes, 40);
+        assert_eq!(c.runs.len(), 1);
+        c.add(0, 40);
+        assert_eq!(c.bytes, 40);
+        c.add(50, 50);
+        assert_eq!(c.bytes, 40);
+    }
+
+    #[test]
+    fn lookups_find_the_covering_exposure_only() {
+        let s = Arc::new(Scope::new(true));
+        assert!(s.check("p", Op::Write, 0, 1).is_err());
+        let a = s.expose("p", 100, 100, Ops::WRITE, None);
+        let b = s.expose("p", 300, 50, Ops::READ, None);
+        assert!(s.check("p", Op::Write, 100, 100).unwrap().is_some());
+        assert!(s.check("p", Op::Write, 150, 10).unwrap().is_some());
+        assert!(s.check("p", Op::Write, 150, 100).is_err());
+        assert!(s.check("p", Op::Read, 100, 10).is_err());
+        assert!(s.check("q", Op::Write, 100, 10).is_err());
+        assert!(s.check("p", Op::Read, 300, 50).unwrap().is_some());
+        drop(a);
+        assert!(s.check("p", Op::Write, 100, 10).is_err());
+        drop(b);
+        assert!(s.table.lock().is_empty());
+        let open = Arc::new(Scope::new(false));
+        assert!(open.check("p", Op::Write, 0, 1).unwrap().is_none());
+    }
+}
