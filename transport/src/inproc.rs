@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use tessera_sync::unchecked::OnceLock;
 
+use crate::engine::wire::{u32_at, u64_at};
 use crate::engine::{Connection, Grant, Host, Op, PeerInfo, RegInfo, Transport, Xfer};
 use crate::error::{BackendError, RegisterError, RejectReason, TransferError};
 use crate::region::next_id;
@@ -77,14 +78,32 @@ impl Transport for Inproc {
         false
     }
 
+    /// The agent's number in this process, then the process id: an address only means
+    /// something inside its own process.
     fn address(&self) -> Vec<u8> {
-        self.address.to_le_bytes().to_vec()
+        let mut a = self.address.to_le_bytes().to_vec();
+        a.extend_from_slice(&std::process::id().to_le_bytes());
+        a
     }
 
     fn connect(&self, peer: &PeerInfo) -> Result<Arc<dyn Connection>, BackendError> {
-        let address = <[u8; 8]>::try_from(peer.address.as_slice())
-            .map(u64::from_le_bytes)
-            .map_err(|_| BackendError::new(KIND, "malformed address"))?;
+        let (Some(address), Some(pid)) = (u64_at(&peer.address, 0), u32_at(&peer.address, 8))
+        else {
+            return Err(BackendError::new(KIND, "malformed address"));
+        };
+        if peer.address.len() != 12 {
+            return Err(BackendError::new(KIND, "malformed address"));
+        }
+        let me = std::process::id();
+        if pid != me {
+            return Err(BackendError::new(
+                KIND,
+                format!(
+                    "inproc peers must live in one process: the peer is in process {pid}, \
+                     this is {me}"
+                ),
+            ));
+        }
         let target = directory()
             .lock()
             .get(&address)
@@ -130,8 +149,10 @@ impl InprocConnection {
         let mut grant = Grant::new();
         target
             .host
-            .grant_into(
+            .grant_for(
                 &mut grant,
+                &self.from,
+                xfer.plan().op(),
                 segments
                     .iter()
                     .map(|s| (s.remote_reg, s.remote_offset, s.len)),
@@ -154,6 +175,7 @@ impl InprocConnection {
             // stay mapped; `copy` tolerates overlap (two registrations may map the same pages).
             unsafe { std::ptr::copy(src, dst, len as usize) };
         }
+        grant.mark_written();
         self.local.count_copied(xfer.plan().op(), grant.bytes());
         drop(grant);
         if let Some(msg) = &xfer.notify {
