@@ -7,6 +7,7 @@ mod desc;
 pub mod engine;
 mod error;
 mod exposure;
+mod handshake;
 pub mod inproc;
 mod interval;
 mod metadata;

@@ -12,13 +12,32 @@
 //!    notification, after the data landed.
 //!
 //! Each connection has one progress thread per side, blocked in `recvmsg` while idle.
+//!
+//! **Trust.** Before anything else, the dialer and the target run the challenge-response of
+//! [`crate::handshake`] (`HELLO`, `CHALLENGE`, `AUTH`, then `HELLO_ACK` or `REFUSED`): with
+//! a token ([`Shm::with_token`]) each proves it holds it; without one each side checks the
+//! other's user id (`SO_PEERCRED`) equals its own. Until then the target reads at most 4 KiB
+//! and waits at most 5 s, and anything but the handshake closes the connection. An agent
+//! name belongs to the connection that authenticated as it: a second connection claiming a
+//! name with a live inbound link is refused (`name in use`). `connect` waits at most 10 s,
+//! for room in a full listen backlog included.
+//!
+//! Exposures ([`crate::Exposure`]) are checked at the grant (step 2), but the initiator
+//! maps the whole memfd of a registration it may reach: an authenticated peer that runs its
+//! own code instead of this engine can read and write all of it without asking. Scoped
+//! registrations protect against honest mistakes and other processes, not against a
+//! malicious authenticated peer.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+use std::time::{Duration, Instant};
 use tessera_sync::unchecked::OnceLock;
+
+use crate::auth::{Token, NONCE_LEN};
+use crate::handshake::{self, PRE_AUTH_DEADLINE, PRE_AUTH_MAX};
 
 use crate::engine::wire::{u32_at, u64_at};
 use crate::engine::{Connection, Grant, Host, Op, PeerInfo, RegInfo, Transport, Xfer};
@@ -39,10 +58,19 @@ const GRANT: u8 = 6;
 const REJECT: u8 = 7;
 const DONE: u8 = 8;
 const NOTIFY: u8 = 9;
+const CHALLENGE: u8 = 10;
+const AUTH: u8 = 11;
+const HELLO_ACK: u8 = 12;
+const REFUSED: u8 = 13;
+
+/// How long `connect` waits for the target to accept and answer the handshake.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Largest message body (a transfer of about 2.8 million descriptors).
 const MAX_BODY: usize = 64 << 20;
 const HEADER: usize = 8;
+/// A reader's buffer to start with; it grows for larger messages as their bytes arrive.
+const READ_BUF: usize = 64 * 1024;
 
 /// The shared-memory backend. Only memfd-backed regions ([`Region::new`]) can be the target
 /// of a transfer; any region can be the local side.
@@ -52,6 +80,7 @@ pub struct Shm {
 
 struct Inner {
     name: String,
+    token: OnceLock<Token>,
     host: OnceLock<Host>,
     closed: AtomicBool,
     /// Every live socket, to shut down with the engine.
@@ -64,11 +93,22 @@ impl Shm {
         Self {
             inner: Arc::new(Inner {
                 name: format!("tessera-shm-{}-{}", std::process::id(), next_id()),
+                token: OnceLock::new(),
                 host: OnceLock::new(),
                 closed: AtomicBool::new(false),
                 sockets: Mutex::new(Vec::new()),
             }),
         }
+    }
+}
+
+impl Shm {
+    /// Peers must prove they hold `token` (and this engine proves it to them) before
+    /// anything else on a connection; without one, only processes of this user are served.
+    /// Set before the agent starts.
+    pub fn with_token(self, token: Token) -> Self {
+        let _ = self.inner.token.set(token);
+        self
     }
 }
 
@@ -136,16 +176,23 @@ impl Transport for Shm {
     }
 
     fn connect(&self, peer: &PeerInfo) -> Result<Arc<dyn Connection>, BackendError> {
-        let addr = SocketAddr::from_abstract_name(&peer.address).map_err(backend)?;
-        let stream = UnixStream::connect_addr(&addr)
-            .map_err(|e| backend(format!("connecting to {}: {e}", peer.name)))?;
-        let stream = Arc::new(stream);
-        self.inner.track(&stream);
         let host = self
             .inner
             .host
             .get()
             .ok_or_else(|| backend("not started"))?;
+        let stream = connect_within(&peer.address, CONNECT_TIMEOUT)
+            .map_err(|e| backend(format!("connecting to {}: {e}", peer.name)))?;
+        let stream = Arc::new(stream);
+        self.inner.track(&stream);
+        greet(
+            &stream,
+            self.inner.token.get(),
+            host.name(),
+            self.inner.name.as_bytes(),
+            &peer.name,
+        )
+        .map_err(backend)?;
         let conn = Arc::new(ShmConnection {
             local: host.clone(),
             peer: peer.name.clone(),
@@ -153,11 +200,6 @@ impl Transport for Shm {
             stream: stream.clone(),
             state: Mutex::new(State::default()),
         });
-        let mut hello = Vec::new();
-        frame(&mut hello, HELLO, |b| {
-            b.extend_from_slice(host.name().as_bytes())
-        });
-        send_all(&stream, &hello).map_err(backend)?;
         let reader = conn.clone();
         std::thread::Builder::new()
             .name(format!("shm-init-{}", peer.name))
@@ -174,15 +216,263 @@ impl Transport for Shm {
         if self.inner.closed.swap(true, Ordering::AcqRel) {
             return;
         }
-        // Wake the accept loop so it sees `closed` and exits.
-        if let Ok(addr) = SocketAddr::from_abstract_name(self.inner.name.as_bytes()) {
-            let _ = UnixStream::connect_addr(&addr);
-        }
+        // Wake the accept loop so it sees `closed` and exits (never waiting on a full
+        // backlog: then the loop is awake anyway).
+        let _ = connect_within(self.inner.name.as_bytes(), Duration::ZERO);
         let sockets = std::mem::take(&mut *self.inner.sockets.lock());
         for s in sockets.iter().filter_map(Weak::upgrade) {
             let _ = s.shutdown(std::net::Shutdown::Both);
         }
     }
+}
+
+// ----- connecting and the handshake --------------------------------------------------------
+
+/// Connects to the abstract socket `name`, waiting at most `timeout` for room in its listen
+/// backlog (`SO_SNDTIMEO` bounds a Unix stream connect; zero means do not wait at all).
+fn connect_within(name: &[u8], timeout: Duration) -> io::Result<UnixStream> {
+    // SAFETY: an all-zero sockaddr_un is valid.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    if name.len() + 1 > addr.sun_path.len() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "socket name too long",
+        ));
+    }
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    // An abstract name: a NUL, then the name's bytes.
+    for (dst, &b) in addr.sun_path[1..].iter_mut().zip(name) {
+        *dst = b as libc::c_char;
+    }
+    let len =
+        (std::mem::offset_of!(libc::sockaddr_un, sun_path) + 1 + name.len()) as libc::socklen_t;
+    let flags = libc::SOCK_STREAM
+        | libc::SOCK_CLOEXEC
+        | if timeout.is_zero() {
+            libc::SOCK_NONBLOCK
+        } else {
+            0
+        };
+    // SAFETY: plain socket creation; the result is checked.
+    let fd = unsafe { libc::socket(libc::AF_UNIX, flags, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a new socket that nothing else owns; the OwnedFd closes it on every path.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let stream = UnixStream::from(fd);
+    if !timeout.is_zero() {
+        stream.set_write_timeout(Some(timeout))?;
+    }
+    loop {
+        // SAFETY: `addr` is an initialized sockaddr_un and `len` covers exactly its family
+        // and the abstract name; both live across the call.
+        let rc = unsafe {
+            libc::connect(
+                stream.as_raw_fd(),
+                (&addr as *const libc::sockaddr_un).cast(),
+                len,
+            )
+        };
+        if rc == 0 {
+            break;
+        }
+        let e = io::Error::last_os_error();
+        match e.kind() {
+            io::ErrorKind::Interrupted => continue,
+            io::ErrorKind::WouldBlock => {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("the target's listen backlog stayed full for {timeout:?}"),
+                ))
+            }
+            _ => return Err(e),
+        }
+    }
+    stream.set_write_timeout(None)?;
+    Ok(stream)
+}
+
+/// Reads one handshake message, whose body may be at most `budget` bytes, before `deadline`.
+fn read_small(
+    stream: &UnixStream,
+    deadline: Instant,
+    budget: &mut usize,
+) -> io::Result<(u8, Vec<u8>)> {
+    fn exact(stream: &UnixStream, deadline: Instant, buf: &mut [u8]) -> io::Result<()> {
+        let mut got = 0;
+        while got < buf.len() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "handshake deadline",
+                ));
+            }
+            stream.set_read_timeout(Some(left))?;
+            match io::Read::read(&mut &*stream, &mut buf[got..]) {
+                Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                Ok(n) => got += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "handshake deadline",
+                    ))
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+    let mut head = [0u8; HEADER];
+    if *budget < HEADER {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "handshake too long",
+        ));
+    }
+    exact(stream, deadline, &mut head)?;
+    *budget -= HEADER;
+    let len = u32::from_le_bytes([head[4], head[5], head[6], head[7]]) as usize;
+    if len > *budget {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "handshake too long",
+        ));
+    }
+    *budget -= len;
+    let mut body = vec![0u8; len];
+    exact(stream, deadline, &mut body)?;
+    Ok((head[0], body))
+}
+
+/// The dialer's side of the handshake (see [`crate::handshake`]): on success the target has
+/// filed the link under `me`.
+fn greet(
+    stream: &UnixStream,
+    token: Option<&Token>,
+    me: &str,
+    my_addr: &[u8],
+    peer: &str,
+) -> Result<(), String> {
+    let io = |e: io::Error| format!("greeting {peer}: {e}");
+    if token.is_none() {
+        let uid = handshake::unix_peer_uid(stream.as_raw_fd()).map_err(io)?;
+        let ours = handshake::euid();
+        if uid != ours {
+            return Err(format!(
+                "{peer} runs as uid {uid}, not ours ({ours}), and no token is configured"
+            ));
+        }
+    }
+    let deadline = Instant::now() + CONNECT_TIMEOUT;
+    let mut budget = PRE_AUTH_MAX;
+    let nonce = crate::auth::nonce();
+    let mut out = Vec::new();
+    frame(&mut out, HELLO, |b| {
+        b.extend_from_slice(&nonce);
+        b.push(me.len() as u8);
+        b.extend_from_slice(me.as_bytes());
+        b.extend_from_slice(my_addr);
+    });
+    send_all(stream, &out).map_err(io)?;
+    let (ty, body) = read_small(stream, deadline, &mut budget).map_err(io)?;
+    if ty == REFUSED {
+        return Err(handshake::refused(
+            peer,
+            me,
+            body.first().copied().unwrap_or(0),
+        ));
+    }
+    if ty != CHALLENGE || body.len() != NONCE_LEN + crate::auth::MAC_LEN {
+        return Err(format!("greeting {peer}: expected its challenge"));
+    }
+    let mut theirs = [0u8; NONCE_LEN];
+    theirs.copy_from_slice(&body[..NONCE_LEN]);
+    if !handshake::check_target(token, KIND, &nonce, &theirs, peer, &body[NONCE_LEN..]) {
+        return Err(handshake::bad_target_proof(peer, token));
+    }
+    let proof = handshake::dialer_proof(token, KIND, &nonce, &theirs, me, my_addr);
+    out.clear();
+    frame(&mut out, AUTH, |b| b.extend_from_slice(&proof));
+    send_all(stream, &out).map_err(io)?;
+    let (ty, body) = read_small(stream, deadline, &mut budget).map_err(io)?;
+    match ty {
+        HELLO_ACK => {}
+        REFUSED => {
+            return Err(handshake::refused(
+                peer,
+                me,
+                body.first().copied().unwrap_or(0),
+            ))
+        }
+        _ => return Err(format!("greeting {peer}: expected its acknowledgement")),
+    }
+    stream.set_read_timeout(None).map_err(io)?;
+    Ok(())
+}
+
+/// The target's side of the handshake: the authenticated dialer's name and its link guard,
+/// or `None` (after telling the dialer why, where that helps it) when the connection must
+/// close. At most `PRE_AUTH_MAX` bytes are read, within `PRE_AUTH_DEADLINE`.
+fn admit(
+    stream: &UnixStream,
+    host: &Host,
+    token: Option<&Token>,
+) -> Option<(String, crate::engine::LinkGuard)> {
+    let refuse = |code: u8| {
+        let mut out = Vec::new();
+        frame(&mut out, REFUSED, |b| b.push(code));
+        let _ = send_all(stream, &out);
+    };
+    if token.is_none() {
+        let uid = handshake::unix_peer_uid(stream.as_raw_fd()).ok()?;
+        if uid != handshake::euid() {
+            refuse(handshake::REFUSED_UID);
+            return None;
+        }
+    }
+    let deadline = Instant::now() + PRE_AUTH_DEADLINE;
+    let mut budget = PRE_AUTH_MAX;
+    let (ty, body) = read_small(stream, deadline, &mut budget).ok()?;
+    if ty != HELLO || body.len() < NONCE_LEN + 1 {
+        return None;
+    }
+    let mut theirs = [0u8; NONCE_LEN];
+    theirs.copy_from_slice(&body[..NONCE_LEN]);
+    let name_len = body[NONCE_LEN] as usize;
+    let rest = &body[NONCE_LEN + 1..];
+    if name_len == 0 || rest.len() < name_len {
+        return None;
+    }
+    let name = std::str::from_utf8(&rest[..name_len]).ok()?.to_owned();
+    let addr = &rest[name_len..];
+    let ours = crate::auth::nonce();
+    let proof = handshake::target_proof(token, KIND, &theirs, &ours, host.name());
+    let mut out = Vec::new();
+    frame(&mut out, CHALLENGE, |b| {
+        b.extend_from_slice(&ours);
+        b.extend_from_slice(&proof);
+    });
+    send_all(stream, &out).ok()?;
+    let (ty, body) = read_small(stream, deadline, &mut budget).ok()?;
+    if ty != AUTH {
+        return None;
+    }
+    if !handshake::check_dialer(token, KIND, &theirs, &ours, &name, addr, &body) {
+        refuse(handshake::REFUSED_PROOF);
+        return None;
+    }
+    let Some(guard) = host.claim_link(&name) else {
+        refuse(handshake::REFUSED_NAME_IN_USE);
+        return None;
+    };
+    out.clear();
+    frame(&mut out, HELLO_ACK, |_| {});
+    send_all(stream, &out).ok()?;
+    stream.set_read_timeout(None).ok()?;
+    Some((name, guard))
 }
 
 // ----- framing -----------------------------------------------------------------------------
@@ -269,7 +559,7 @@ struct Reader {
 impl Reader {
     fn new() -> Self {
         Self {
-            buf: vec![0; 64 * 1024],
+            buf: vec![0; READ_BUF],
             start: 0,
             end: 0,
             fds: VecDeque::new(),
@@ -349,8 +639,17 @@ impl Reader {
                     self.start += HEADER + len;
                     return Ok(Some((ty, body)));
                 }
-                if HEADER + len > self.buf.len() {
-                    self.buf.resize(HEADER + len, 0);
+                // Room grows only as bytes arrive: doubled (at most to the message's size)
+                // each time the buffer is full, never to the announced length at once.
+                if self.end == self.buf.len() {
+                    if self.start > 0 {
+                        self.buf.copy_within(self.start..self.end, 0);
+                        self.end -= self.start;
+                        self.start = 0;
+                    } else {
+                        let grown = (self.buf.len() * 2).min(HEADER + len);
+                        self.buf.resize(grown, 0);
+                    }
                 }
             }
             if self.fill(stream)? == 0 {
@@ -640,9 +939,10 @@ fn accept_loop(inner: Arc<Inner>, listener: UnixListener) {
         };
         let stream = Arc::new(stream);
         inner.track(&stream);
+        let token = inner.token.get().cloned();
         let spawned = std::thread::Builder::new()
             .name("shm-target".into())
-            .spawn(move || serve(host, stream));
+            .spawn(move || serve(host, stream, token));
         if spawned.is_err() {
             continue;
         }
@@ -651,7 +951,15 @@ fn accept_loop(inner: Arc<Inner>, listener: UnixListener) {
 
 /// Serves one initiator until it disconnects. Grants live here, so a dead initiator's pins
 /// are released when this returns.
-fn serve(host: Host, stream: Arc<UnixStream>) {
+fn serve(host: Host, stream: Arc<UnixStream>, token: Option<Token>) {
+    // Nothing but the handshake is read from a peer that has not authenticated. The peer
+    // counts as able to write into this agent's memory from then on until its socket closed
+    // and its grants are gone (below). Its own mapping of our memory is not ours to see: an
+    // initiator process that outlives its socket could still copy.
+    let Some((peer, open)) = admit(&stream, &host, token.as_ref()) else {
+        let _ = stream.shutdown(std::net::Shutdown::Both);
+        return;
+    };
     // Replies go through their own thread, so this one always keeps reading and an initiator
     // blocked sending to us always makes progress.
     let (tx, rx) = tessera_sync::unchecked::mpsc::channel::<(Vec<u8>, Option<Region>)>();
@@ -677,23 +985,10 @@ fn serve(host: Host, stream: Arc<UnixStream>) {
     let mut reader = Reader::new();
     let mut grants: HashMap<u64, Grant> = HashMap::new();
     let mut spare: Vec<Grant> = Vec::new();
-    let mut peer = String::new();
-    // The peer counts as able to write into this agent's memory from its HELLO until its
-    // socket closed and its grants are gone (below). Its own mapping of our memory is not
-    // ours to see: an initiator process that outlives its socket could still copy.
-    let mut open: Option<crate::engine::LinkGuard> = None;
     while let Ok(Some((ty, body))) = reader.next(&stream) {
         let b = &reader.buf[body];
         let mut out = Vec::new();
         let ok = match ty {
-            HELLO => {
-                peer = String::from_utf8_lossy(b).into_owned();
-                match open.as_mut() {
-                    Some(g) => g.rename(&peer),
-                    None => open = Some(host.link_open(&peer)),
-                }
-                true
-            }
             MAP_REQ => {
                 let Some(reg) = u64_at(b, 0) else { break };
                 match host

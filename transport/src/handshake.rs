@@ -1,0 +1,145 @@
+//! The mutual challenge-response both socket engines (`shm`, `tcp`) run before anything else
+//! on a connection, and the limits on a peer that has not proved itself yet.
+//!
+//! 1. dialer → target: `HELLO` with a fresh nonce, the dialer's name and address;
+//! 2. target → dialer: `CHALLENGE` with its own nonce and its proof (label `<engine> target`,
+//!    over both nonces and the target's name);
+//! 3. the dialer checks the proof, then sends `AUTH` with its proof (label `<engine> dialer`,
+//!    over both nonces, its name and address);
+//! 4. the target checks it and the name claim, and answers `HELLO_ACK` or `REFUSED`.
+//!
+//! Without a token both proofs are made under the empty key (they bind the exchange but prove
+//! nothing) and each side checks the other's user id instead (`SO_PEERCRED` on `shm`,
+//! `/proc/net/tcp` on `tcp` over loopback).
+
+use std::time::Duration;
+
+use crate::auth::{self, Nonce, Proof, Token};
+
+/// Most bytes a peer may send before it has authenticated.
+pub(crate) const PRE_AUTH_MAX: usize = 4096;
+/// How long a peer may take to authenticate once connected.
+pub(crate) const PRE_AUTH_DEADLINE: Duration = Duration::from_secs(5);
+
+/// Why a target refused a handshake, as `REFUSED` carries it.
+pub(crate) const REFUSED_PROOF: u8 = 1;
+pub(crate) const REFUSED_NAME_IN_USE: u8 = 2;
+pub(crate) const REFUSED_UID: u8 = 3;
+
+pub(crate) fn target_proof(
+    token: Option<&Token>,
+    engine: &str,
+    dialer_nonce: &Nonce,
+    target_nonce: &Nonce,
+    target_name: &str,
+) -> Proof {
+    auth::prove(
+        token,
+        &format!("tessera-{engine} target"),
+        &[dialer_nonce, target_nonce, target_name.as_bytes()],
+    )
+}
+
+pub(crate) fn check_target(
+    token: Option<&Token>,
+    engine: &str,
+    dialer_nonce: &Nonce,
+    target_nonce: &Nonce,
+    target_name: &str,
+    proof: &[u8],
+) -> bool {
+    auth::check(
+        token,
+        &format!("tessera-{engine} target"),
+        &[dialer_nonce, target_nonce, target_name.as_bytes()],
+        proof,
+    )
+}
+
+pub(crate) fn dialer_proof(
+    token: Option<&Token>,
+    engine: &str,
+    dialer_nonce: &Nonce,
+    target_nonce: &Nonce,
+    name: &str,
+    address: &[u8],
+) -> Proof {
+    auth::prove(
+        token,
+        &format!("tessera-{engine} dialer"),
+        &[dialer_nonce, target_nonce, name.as_bytes(), address],
+    )
+}
+
+pub(crate) fn check_dialer(
+    token: Option<&Token>,
+    engine: &str,
+    dialer_nonce: &Nonce,
+    target_nonce: &Nonce,
+    name: &str,
+    address: &[u8],
+    proof: &[u8],
+) -> bool {
+    auth::check(
+        token,
+        &format!("tessera-{engine} dialer"),
+        &[dialer_nonce, target_nonce, name.as_bytes(), address],
+        proof,
+    )
+}
+
+/// What a dialer reports when the target's proof does not verify.
+pub(crate) fn bad_target_proof(peer: &str, token: Option<&Token>) -> String {
+    let ours = if token.is_some() { "ours" } else { "none" };
+    format!(
+        "{peer}'s proof does not match our token ({ours}): the tokens differ, or one side has \
+         none"
+    )
+}
+
+/// What a dialer reports for a target's `REFUSED`.
+pub(crate) fn refused(peer: &str, me: &str, code: u8) -> String {
+    match code {
+        REFUSED_PROOF => {
+            format!("{peer} refused our proof: the tokens differ, or one side has none")
+        }
+        REFUSED_NAME_IN_USE => format!(
+            "{peer} refused us: name in use (it has a live link from another agent named {me:?})"
+        ),
+        REFUSED_UID => {
+            format!("{peer} refused us: we run as another user and no token is configured")
+        }
+        _ => format!("{peer} refused the handshake"),
+    }
+}
+
+/// The effective user id of this process.
+pub(crate) fn euid() -> u32 {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+/// The user id of the process at the other end of a Unix socket.
+pub(crate) fn unix_peer_uid(fd: std::os::fd::RawFd) -> std::io::Result<u32> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `fd` is an open socket; `cred` and `len` are writable, live across the call,
+    // and `len` holds `cred`'s size.
+    let rc = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(cred.uid)
+}
