@@ -143,3 +143,53 @@ pub(crate) fn unix_peer_uid(fd: std::os::fd::RawFd) -> std::io::Result<u32> {
     }
     Ok(cred.uid)
 }
+
+/// The user id owning the TCP socket on this host whose local end is `local` and whose
+/// remote end is `remote` (`/proc/net/tcp` or `/proc/net/tcp6`), if there is one.
+pub(crate) fn tcp_socket_uid(
+    local: std::net::SocketAddr,
+    remote: std::net::SocketAddr,
+) -> Option<u32> {
+    use std::net::IpAddr;
+    fn hex(ip: IpAddr, port: u16) -> String {
+        match ip {
+            IpAddr::V4(v4) => format!("{:08X}:{port:04X}", u32::from_ne_bytes(v4.octets())),
+            IpAddr::V6(v6) => {
+                let o = v6.octets();
+                let words: String = o
+                    .chunks(4)
+                    .map(|c| format!("{:08X}", u32::from_ne_bytes([c[0], c[1], c[2], c[3]])))
+                    .collect();
+                format!("{words}:{port:04X}")
+            }
+        }
+    }
+    let mut wanted = vec![(
+        hex(local.ip(), local.port()),
+        hex(remote.ip(), remote.port()),
+    )];
+    // A dual-stack socket lists IPv4 peers as IPv4-mapped IPv6 addresses.
+    let mapped = |ip: IpAddr| match ip {
+        IpAddr::V4(v4) => IpAddr::V6(v4.to_ipv6_mapped()),
+        IpAddr::V6(v6) => IpAddr::V6(v6),
+    };
+    wanted.push((
+        hex(mapped(local.ip()), local.port()),
+        hex(mapped(remote.ip()), remote.port()),
+    ));
+    for file in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let Ok(text) = std::fs::read_to_string(file) else {
+            continue;
+        };
+        for line in text.lines().skip(1) {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            if f.len() < 8 {
+                continue;
+            }
+            if wanted.iter().any(|(l, r)| f[1] == l && f[2] == r) {
+                return f[7].parse().ok();
+            }
+        }
+    }
+    None
+}

@@ -13,8 +13,8 @@
 //!
 //! Each connection has one progress thread per side, blocked in `recvmsg` while idle.
 //!
-//! **Trust.** Before anything else, the dialer and the target run the challenge-response of
-//! [`crate::handshake`] (`HELLO`, `CHALLENGE`, `AUTH`, then `HELLO_ACK` or `REFUSED`): with
+//! **Trust.** Before anything else, the dialer and the target run the challenge-response in
+//! the crate README's trust model (`HELLO`, `CHALLENGE`, `AUTH`, then `HELLO_ACK` or `REFUSED`): with
 //! a token ([`Shm::with_token`]) each proves it holds it; without one each side checks the
 //! other's user id (`SO_PEERCRED`) equals its own. Until then the target reads at most 4 KiB
 //! and waits at most 5 s, and anything but the handshake closes the connection. An agent

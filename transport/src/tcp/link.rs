@@ -8,8 +8,10 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
 
+use crate::auth::{Token, MAC_LEN, NONCE_LEN};
 use crate::engine::{Grant, Host, Op};
 use crate::error::{RejectReason, TransferError};
+use crate::handshake::{self, PRE_AUTH_DEADLINE, PRE_AUTH_MAX};
 use crate::notify::MAX_NOTIFICATION;
 use tessera_sync::Arc;
 
@@ -202,10 +204,8 @@ pub(super) async fn serve(
             return Err(malformed("bad request header"));
         }
         let op = Op::from_code(head[1]).ok_or_else(|| malformed("bad op"))?;
-        descs.resize(n * 24, 0);
-        note.resize(note_len, 0);
-        r.read_exact(&mut descs).await?;
-        r.read_exact(&mut note).await?;
+        read_growing(r, &mut descs, n * 24).await?;
+        read_growing(r, &mut note, note_len).await?;
         let desc = |i: usize| {
             let at = i * 24;
             let u = |o: usize| {
@@ -263,6 +263,25 @@ pub(super) async fn serve(
             }
         }
     }
+}
+
+/// Reads `len` bytes into `buf` (replacing its contents), growing it only as they arrive:
+/// at most doubling what is already there (64 KiB at first), so an announced length that
+/// never comes costs nothing. A buffer that grew keeps its capacity for the next message.
+pub(super) async fn read_growing(
+    r: &mut OwnedReadHalf,
+    buf: &mut Vec<u8>,
+    len: usize,
+) -> io::Result<()> {
+    const STEP: usize = 64 << 10;
+    buf.clear();
+    while buf.len() < len {
+        let at = buf.len();
+        let chunk = (len - at).min(at.max(STEP).max(buf.capacity() - at));
+        buf.resize(at + chunk, 0);
+        r.read_exact(&mut buf[at..]).await?;
+    }
+    Ok(())
 }
 
 pub(super) fn respond(
@@ -329,6 +348,7 @@ pub(super) async fn receive_response(
 pub(super) async fn accept_loop(
     listener: TcpListener,
     host: Host,
+    token: Option<Token>,
     links: Arc<Links>,
     mut stop: watch::Receiver<bool>,
 ) {
@@ -342,44 +362,115 @@ pub(super) async fn accept_loop(
         };
         let _ = stream.set_nodelay(true);
         harden(stream.as_raw_fd());
-        tokio::spawn(greet(stream, host.clone(), links.clone(), stop.clone()));
+        tokio::spawn(greet(
+            stream,
+            host.clone(),
+            token.clone(),
+            links.clone(),
+            stop.clone(),
+        ));
     }
 }
 
-/// Reads the dialer's `HELLO`, files the link under its name, acknowledges, and runs it.
+/// What an authenticated dialer said about itself.
+struct Hello {
+    name: String,
+    addr: Vec<u8>,
+}
+
+/// The target's side of the handshake: reads at most `PRE_AUTH_MAX` bytes, all of them
+/// before `PRE_AUTH_DEADLINE` (the caller's timeout). `Ok(None)`: refused, and told so.
+async fn admit(
+    stream: &mut TcpStream,
+    host: &Host,
+    token: Option<&Token>,
+) -> io::Result<Option<Hello>> {
+    let mut head = [0u8; HEADER];
+    stream.read_exact(&mut head).await?;
+    let len = u32::from_le_bytes([head[8], head[9], head[10], head[11]]) as usize;
+    let addr_len = u32::from_le_bytes([head[12], head[13], head[14], head[15]]) as usize;
+    if head[0] != KIND_HELLO || len == 0 || len > 255 || addr_len > 255 {
+        return Err(malformed("expected HELLO"));
+    }
+    // Well under PRE_AUTH_MAX with the AUTH that follows.
+    const _: () = assert!(2 * HEADER + NONCE_LEN + 255 + 255 + MAC_LEN <= PRE_AUTH_MAX);
+    let mut theirs = [0u8; NONCE_LEN];
+    stream.read_exact(&mut theirs).await?;
+    let mut name = vec![0u8; len];
+    stream.read_exact(&mut name).await?;
+    let mut addr = vec![0u8; addr_len];
+    stream.read_exact(&mut addr).await?;
+    let name = String::from_utf8(name).map_err(|_| malformed("name is not UTF-8"))?;
+    let refuse = |code: u8| {
+        let mut r = [0u8; HEADER];
+        r[0] = KIND_REFUSED;
+        r[1] = code;
+        r
+    };
+    if token.is_none() {
+        let (local, remote) = (stream.local_addr()?, stream.peer_addr()?);
+        if handshake::tcp_socket_uid(remote, local) != Some(handshake::euid()) {
+            stream.write_all(&refuse(handshake::REFUSED_UID)).await?;
+            return Ok(None);
+        }
+    }
+    let ours = crate::auth::nonce();
+    let proof = handshake::target_proof(token, KIND, &theirs, &ours, host.name());
+    let mut challenge = [0u8; HEADER + NONCE_LEN + MAC_LEN];
+    challenge[0] = KIND_CHALLENGE;
+    challenge[HEADER..HEADER + NONCE_LEN].copy_from_slice(&ours);
+    challenge[HEADER + NONCE_LEN..].copy_from_slice(&proof);
+    stream.write_all(&challenge).await?;
+    stream.read_exact(&mut head).await?;
+    if head[0] != KIND_AUTH {
+        return Err(malformed("expected AUTH"));
+    }
+    let mut proof = [0u8; MAC_LEN];
+    stream.read_exact(&mut proof).await?;
+    if !handshake::check_dialer(token, KIND, &theirs, &ours, &name, &addr, &proof) {
+        stream.write_all(&refuse(handshake::REFUSED_PROOF)).await?;
+        return Ok(None);
+    }
+    Ok(Some(Hello { name, addr }))
+}
+
+/// Authenticates the dialer, files the link under its name (unless a live link is filed
+/// there: then it is refused, `name in use`), acknowledges, and runs it. A dialer that does
+/// not authenticate within the deadline, or sends anything else first, is dropped.
 pub(super) async fn greet(
     mut stream: TcpStream,
     host: Host,
+    token: Option<Token>,
     links: Arc<Links>,
     stop: watch::Receiver<bool>,
 ) {
-    let mut head = [0u8; HEADER];
-    let hello = tokio::time::timeout(CONNECT_TIMEOUT, async {
-        stream.read_exact(&mut head).await?;
-        let len = u32::from_le_bytes([head[8], head[9], head[10], head[11]]) as usize;
-        let addr_len = u32::from_le_bytes([head[12], head[13], head[14], head[15]]) as usize;
-        if head[0] != KIND_HELLO || len == 0 || len > 255 || addr_len > 255 {
-            return Err(malformed("expected HELLO"));
-        }
-        let mut name = vec![0u8; len];
-        stream.read_exact(&mut name).await?;
-        let mut addr = vec![0u8; addr_len];
-        stream.read_exact(&mut addr).await?;
-        let name = String::from_utf8(name).map_err(|_| malformed("name is not UTF-8"))?;
-        Ok((name, addr))
-    })
-    .await;
-    let Ok(Ok((peer, addr))) = hello else {
+    let hello =
+        tokio::time::timeout(PRE_AUTH_DEADLINE, admit(&mut stream, &host, token.as_ref())).await;
+    let Ok(Ok(Some(Hello { name, addr }))) = hello else {
         return;
     };
-    let link = spawn_link(
-        &tokio::runtime::Handle::current(),
-        stream,
-        peer.clone(),
-        addr,
-        host,
-        stop,
-    );
-    links.file(&peer, &link);
-    let _ = link.jobs.send(Job::HelloAck);
+    let mut stream = Some(stream);
+    let link = links.claim(&name, || {
+        spawn_link(
+            &tokio::runtime::Handle::current(),
+            stream.take().expect("claim builds the link once"),
+            name.clone(),
+            addr,
+            host,
+            stop,
+        )
+    });
+    match link {
+        Some(link) => {
+            let _ = link.jobs.send(Job::HelloAck);
+        }
+        None => {
+            if let Some(mut s) = stream {
+                let mut r = [0u8; HEADER];
+                r[0] = KIND_REFUSED;
+                r[1] = handshake::REFUSED_NAME_IN_USE;
+                let _ = tokio::time::timeout(PRE_AUTH_DEADLINE, s.write_all(&r)).await;
+            }
+        }
+    }
 }

@@ -3,11 +3,25 @@
 //! Each agent owns a small tokio runtime (one worker thread) that accepts peers and drives its
 //! links; nothing needs the caller's runtime, and the public calls never block on it.
 //!
-//! **One link per pair of agents.** The first agent to add the other dials it and introduces
-//! itself (`HELLO`, answered by `HELLO_ACK` once the target has filed the link under the
-//! dialer's name); from then on both agents use that one persistent connection, in both
-//! directions, pipelined. Only two agents adding each other at the very same moment can end
-//! up with a second link (each then uses its own; both work).
+//! **One link per pair of agents.** The first agent to add the other dials it and
+//! authenticates (`HELLO` with the dialer's nonce, name and address; `CHALLENGE` with the
+//! target's nonce and proof; `AUTH` with the dialer's proof), answered by `HELLO_ACK` once
+//! the target has filed the link under the dialer's name, or by `REFUSED` (a proof that does
+//! not match the target's token, another user without a token, or a name in use); from then
+//! on both agents use that one persistent connection, in both directions, pipelined.
+//!
+//! **Trust.** With a token ([`Tcp::with_token`]) both sides prove they hold it. Without
+//! one, the engine only binds loopback addresses ([`Transport::start`] fails otherwise), and
+//! each side finds the other's socket in `/proc/net/tcp` (`tcp6`) and refuses another user.
+//! Before it authenticated, a peer can send at most 4 KiB and has 5 s, and anything but the
+//! handshake closes its connection.
+//!
+//! **Names.** An agent name belongs to the peer that authenticated as it: a `HELLO` under a
+//! name that already has a live link filed is refused (`name in use`), so no one can retire
+//! another peer's link. The refused dialer then looks for a link the peer has meanwhile
+//! dialed to it (two agents adding each other at once) and shares it; otherwise `add_remote`
+//! fails. Only [`Transport::connect`], trusting the metadata its caller passed, retires a
+//! live link whose peer now advertises another address (a restarted peer).
 //!
 //! Each link has a reader task and a writer task. The reader never writes: it queues answers
 //! for the writer, so two agents writing large payloads to each other cannot deadlock.
@@ -23,6 +37,12 @@
 //!
 //! Header, descriptor and grant buffers are reused, so a steady stream of transfers allocates
 //! nothing in the engine; the only per-transfer allocation is the transfer handle's state.
+//! The descriptor and notification buffers grow only as their bytes arrive (doubling), never
+//! to a length a header merely announced.
+//!
+//! Each descriptor is checked against the target's exposures when its registration is
+//! scoped ([`crate::Exposure`]); a granted WRITE counts as written in its exposures once its
+//! payload landed.
 
 use std::collections::{HashMap, VecDeque};
 use std::io;
@@ -34,8 +54,10 @@ use tessera_sync::unchecked::OnceLock;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
 
+use crate::auth::{Token, MAC_LEN, NONCE_LEN};
 use crate::engine::{Connection, Grant, Host, PeerInfo, RegInfo, Transport, Xfer};
 use crate::error::{BackendError, RegisterError, TransferError};
+use crate::handshake;
 use tessera_sync::atomic::{AtomicBool, Ordering};
 use tessera_sync::{Arc, Mutex};
 
@@ -53,6 +75,13 @@ const KIND_NOTIFY: u8 = 2;
 const KIND_HELLO: u8 = 3;
 const KIND_RESP: u8 = 4;
 const KIND_HELLO_ACK: u8 = 5;
+/// The target's answer to `HELLO`: its nonce and proof.
+const KIND_CHALLENGE: u8 = 6;
+/// The dialer's proof.
+const KIND_AUTH: u8 = 7;
+/// The target refuses the handshake (reason in byte 1): a bad proof, another user, or a
+/// name that already has a live link.
+const KIND_REFUSED: u8 = 8;
 /// Most descriptors in one request.
 const MAX_DESCS: usize = 1 << 22;
 /// Slices per vectored system call.
@@ -109,6 +138,7 @@ pub struct Tcp {
 
 struct Inner {
     bind: SocketAddr,
+    token: OnceLock<Token>,
     advertise: OnceLock<SocketAddr>,
     local: OnceLock<SocketAddr>,
     name: OnceLock<String>,
@@ -159,6 +189,18 @@ impl Links {
         }
     }
 
+    /// Files the link `make` builds under `name`, unless a live link is filed there: an
+    /// agent name belongs to the peer that authenticated as it first, until that link dies.
+    fn claim(&self, name: &str, make: impl FnOnce() -> Arc<Link>) -> Option<Arc<Link>> {
+        let mut map = self.by_name.lock();
+        if map.get(name).is_some_and(|l| l.dead().is_none()) {
+            return None;
+        }
+        let link = make();
+        map.insert(name.to_owned(), link.clone());
+        Some(link)
+    }
+
     fn kill_all(&self, why: &str) {
         let links: Vec<Arc<Link>> = self.by_name.lock().drain().map(|(_, l)| l).collect();
         for l in links {
@@ -179,6 +221,7 @@ impl Tcp {
         Self {
             inner: Arc::new(Inner {
                 bind: addr,
+                token: OnceLock::new(),
                 advertise: OnceLock::new(),
                 local: OnceLock::new(),
                 name: OnceLock::new(),
@@ -196,6 +239,15 @@ impl Tcp {
     /// port").
     pub fn advertise(self, addr: SocketAddr) -> Self {
         let _ = self.inner.advertise.set(addr);
+        self
+    }
+
+    /// Peers must prove they hold `token` (and this engine proves it to them) before
+    /// anything else on a connection. Without one, the engine only binds loopback addresses
+    /// and serves only processes of this user (found in `/proc/net/tcp`). Set before the
+    /// agent starts.
+    pub fn with_token(self, token: Token) -> Self {
+        let _ = self.inner.token.set(token);
         self
     }
 
@@ -229,6 +281,14 @@ impl Transport for Tcp {
     }
 
     fn start(&self, host: Host) -> Result<(), BackendError> {
+        if self.inner.token.get().is_none() && !self.inner.bind.ip().is_loopback() {
+            return Err(backend(format!(
+                "refusing to listen on {} without a token: anyone who reaches it could read \
+                 and write registered memory; configure a token (Tcp::with_token) or bind a \
+                 loopback address",
+                self.inner.bind
+            )));
+        }
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("tessera-tcp")
@@ -250,6 +310,7 @@ impl Transport for Tcp {
         rt.spawn(accept_loop(
             listener,
             host,
+            self.inner.token.get().cloned(),
             self.inner.links.clone(),
             self.inner.stop.subscribe(),
         ));
@@ -321,27 +382,22 @@ impl Transport for Tcp {
             .map_err(|e| backend(format!("connecting to {} at {addr}: {e}", peer.name)))?;
         std_stream.set_nodelay(true).map_err(backend)?;
         harden(std_stream.as_raw_fd());
-        // Introduce ourselves and wait until the target has filed the link under our name, so
+        // Authenticate, and wait until the target has filed the link under our name, so
         // that its own `connect` to us, if it comes next, finds and shares this link.
         let mine = self.address();
-        let mut hello = vec![0u8; HEADER];
-        hello[0] = KIND_HELLO;
-        hello[8..12].copy_from_slice(&(me.len() as u32).to_le_bytes());
-        hello[12..16].copy_from_slice(&(mine.len() as u32).to_le_bytes());
-        hello.extend_from_slice(me.as_bytes());
-        hello.extend_from_slice(&mine);
-        let handshake = (|| {
-            io::Write::write_all(&mut &std_stream, &hello)?;
-            std_stream.set_read_timeout(Some(CONNECT_TIMEOUT))?;
-            let mut ack = [0u8; HEADER];
-            io::Read::read_exact(&mut &std_stream, &mut ack)?;
-            if ack[0] != KIND_HELLO_ACK {
-                return Err(io::Error::new(io::ErrorKind::InvalidData, "no HELLO_ACK"));
+        let token = self.inner.token.get();
+        match dial_handshake(&std_stream, token, me, &mine, &peer.name) {
+            Ok(()) => {}
+            Err(Dial::NameInUse(why)) => {
+                // The peer may have dialed us meanwhile (both adding each other at once):
+                // its link, filed under its name here, is the one to share.
+                return match self.inner.links.live(&peer.name) {
+                    Some(link) if link.addr == peer.address => Ok(Arc::new(TcpConnection { link })),
+                    _ => Err(backend(why)),
+                };
             }
-            std_stream.set_read_timeout(None)?;
-            std_stream.set_nonblocking(true)
-        })();
-        handshake.map_err(|e| backend(format!("greeting {} at {addr}: {e}", peer.name)))?;
+            Err(Dial::Failed(why)) => return Err(backend(why)),
+        }
         let stream = {
             let _guard = handle.enter();
             TcpStream::from_std(std_stream).map_err(backend)?
@@ -462,6 +518,96 @@ impl Connection for TcpConnection {
 
     // The link is shared with the peer's own transfers to us: it stays up until either agent
     // shuts down or the connection fails.
+}
+
+/// How a dialer's handshake failed.
+enum Dial {
+    /// The target has a live link under our name already.
+    NameInUse(String),
+    Failed(String),
+}
+
+/// The dialer's side of the handshake (see the crate README's trust model), on a blocking
+/// stream.
+fn dial_handshake(
+    stream: &std::net::TcpStream,
+    token: Option<&Token>,
+    me: &str,
+    mine: &[u8],
+    peer: &str,
+) -> Result<(), Dial> {
+    let io = |e: io::Error| Dial::Failed(format!("greeting {peer}: {e}"));
+    let nonce = crate::auth::nonce();
+    let mut hello = vec![0u8; HEADER];
+    hello[0] = KIND_HELLO;
+    hello[8..12].copy_from_slice(&(me.len() as u32).to_le_bytes());
+    hello[12..16].copy_from_slice(&(mine.len() as u32).to_le_bytes());
+    hello.extend_from_slice(&nonce);
+    hello.extend_from_slice(me.as_bytes());
+    hello.extend_from_slice(mine);
+    io::Write::write_all(&mut &*stream, &hello).map_err(io)?;
+    stream.set_read_timeout(Some(CONNECT_TIMEOUT)).map_err(io)?;
+    let mut head = [0u8; HEADER];
+    io::Read::read_exact(&mut &*stream, &mut head).map_err(io)?;
+    if head[0] == KIND_REFUSED {
+        return Err(refusal(peer, me, head[1]));
+    }
+    if head[0] != KIND_CHALLENGE {
+        return Err(Dial::Failed(format!(
+            "greeting {peer}: expected its challenge"
+        )));
+    }
+    let mut challenge = [0u8; NONCE_LEN + MAC_LEN];
+    io::Read::read_exact(&mut &*stream, &mut challenge).map_err(io)?;
+    let mut theirs = [0u8; NONCE_LEN];
+    theirs.copy_from_slice(&challenge[..NONCE_LEN]);
+    if !handshake::check_target(token, KIND, &nonce, &theirs, peer, &challenge[NONCE_LEN..]) {
+        return Err(Dial::Failed(handshake::bad_target_proof(peer, token)));
+    }
+    if token.is_none() {
+        // The target answered, so it accepted: its socket is listed with our end as remote.
+        let (local, remote) = (
+            stream.local_addr().map_err(io)?,
+            stream.peer_addr().map_err(io)?,
+        );
+        let ours = handshake::euid();
+        match handshake::tcp_socket_uid(remote, local) {
+            Some(uid) if uid == ours => {}
+            Some(uid) => {
+                return Err(Dial::Failed(format!(
+                    "{peer} runs as uid {uid}, not ours ({ours}), and no token is configured"
+                )))
+            }
+            None => {
+                return Err(Dial::Failed(format!(
+                    "{peer} at {remote} is not a socket of this host, so its user cannot be \
+                     checked: configure a token"
+                )))
+            }
+        }
+    }
+    let proof = handshake::dialer_proof(token, KIND, &nonce, &theirs, me, mine);
+    let mut auth = vec![0u8; HEADER];
+    auth[0] = KIND_AUTH;
+    auth.extend_from_slice(&proof);
+    io::Write::write_all(&mut &*stream, &auth).map_err(io)?;
+    io::Read::read_exact(&mut &*stream, &mut head).map_err(io)?;
+    match head[0] {
+        KIND_HELLO_ACK => {}
+        KIND_REFUSED => return Err(refusal(peer, me, head[1])),
+        _ => return Err(Dial::Failed(format!("greeting {peer}: expected HELLO_ACK"))),
+    }
+    stream.set_read_timeout(None).map_err(io)?;
+    stream.set_nonblocking(true).map_err(io)
+}
+
+fn refusal(peer: &str, me: &str, code: u8) -> Dial {
+    let why = handshake::refused(peer, me, code);
+    if code == handshake::REFUSED_NAME_IN_USE {
+        Dial::NameInUse(why)
+    } else {
+        Dial::Failed(why)
+    }
 }
 
 fn spawn_link(

@@ -117,7 +117,16 @@ fn a_read_cut_during_its_payload_fails() {
         assert_eq!(head[0], KIND_HELLO);
         let name = u32::from_le_bytes(head[8..12].try_into().unwrap()) as usize;
         let addr = u32::from_le_bytes(head[12..16].try_into().unwrap()) as usize;
+        let mut theirs = [0u8; NONCE_LEN];
+        s.read_exact(&mut theirs).unwrap();
         s.read_exact(&mut vec![0u8; name + addr]).unwrap();
+        let ours = crate::auth::nonce();
+        let mut challenge = vec![0u8; HEADER];
+        challenge[0] = KIND_CHALLENGE;
+        challenge.extend_from_slice(&ours);
+        challenge.extend_from_slice(&handshake::target_proof(None, KIND, &theirs, &ours, "raw"));
+        s.write_all(&challenge).unwrap();
+        s.read_exact(&mut [0u8; HEADER + MAC_LEN]).unwrap();
         let mut ack = [0u8; HEADER];
         ack[0] = KIND_HELLO_ACK;
         s.write_all(&ack).unwrap();
