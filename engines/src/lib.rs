@@ -5,6 +5,7 @@ use std::fmt;
 use std::net::SocketAddr;
 use std::str::FromStr;
 
+use tessera_transport::auth::Token;
 use tessera_transport::{inproc::Inproc, shm::Shm, tcp::Tcp, Agent, AgentError};
 
 /// An engine, by the name that configuration files, command lines and peers use for it.
@@ -81,11 +82,24 @@ impl EngineKind {
     pub fn agent_with(self, name: &str, options: &EngineOptions) -> Result<Agent, EngineError> {
         let agent = match self {
             EngineKind::Inproc => Agent::new(name, Inproc::new()),
-            EngineKind::Shm => Agent::new(name, Shm::new()),
-            EngineKind::Tcp => match options.tcp_bind {
-                Some(addr) => Agent::new(name, Tcp::bind(addr)),
-                None => Agent::new(name, Tcp::new()),
-            },
+            EngineKind::Shm => {
+                let shm = Shm::new();
+                match options.token.clone() {
+                    Some(t) => Agent::new(name, shm.with_token(t)),
+                    None => Agent::new(name, shm),
+                }
+            }
+            EngineKind::Tcp => {
+                let tcp = match options.tcp_bind {
+                    Some(addr) => Tcp::bind(addr),
+                    None => Tcp::new(),
+                };
+                // Without a token, `Tcp` refuses to start off loopback, saying why.
+                match options.token.clone() {
+                    Some(t) => Agent::new(name, tcp.with_token(t)),
+                    None => Agent::new(name, tcp),
+                }
+            }
             EngineKind::Ucx => return ucx_agent(name, options),
             EngineKind::Nixl => return nixl_agent(name, options),
         };
@@ -130,6 +144,20 @@ pub struct EngineOptions {
     /// `ucx`: detect a peer's death (`UCP_ERR_HANDLING_MODE_PEER`, the default). Without it
     /// UCX can use one-sided cma, but a dead peer is not noticed.
     pub ucx_peer_errors: bool,
+    /// `shm` and `tcp`: the shared token peers must prove they hold before anything else
+    /// on a connection (see tessera-transport's trust model). `None` (the default): `shm`
+    /// serves only processes of this user, and `tcp` only binds loopback addresses, serving
+    /// only this user's processes; a non-loopback `tcp_bind` without a token is an error.
+    /// `inproc`, `ucx` and `nixl` ignore it.
+    pub token: Option<Token>,
+}
+
+impl EngineOptions {
+    /// These options with `token` (see [`EngineOptions::token`]).
+    pub fn with_token(mut self, token: Token) -> Self {
+        self.token = Some(token);
+        self
+    }
 }
 
 impl Default for EngineOptions {
@@ -138,6 +166,7 @@ impl Default for EngineOptions {
             tcp_bind: None,
             ucx_tls: None,
             ucx_peer_errors: true,
+            token: None,
         }
     }
 }
@@ -231,6 +260,26 @@ mod tests {
         assert_eq!(
             EngineKind::Tcp.agent_with("b", &options).unwrap().kind(),
             "tcp"
+        );
+    }
+
+    /// `tcp` off loopback needs a token; with one it starts, and `shm` takes one too.
+    #[test]
+    fn tcp_off_loopback_needs_a_token() {
+        let options = EngineOptions {
+            tcp_bind: Some("0.0.0.0:0".parse().unwrap()),
+            ..EngineOptions::default()
+        };
+        let err = EngineKind::Tcp.agent_with("c", &options).unwrap_err();
+        assert!(err.to_string().contains("without a token"), "{err}");
+        let options = options.with_token(Token::new("t").unwrap());
+        assert_eq!(
+            EngineKind::Tcp.agent_with("d", &options).unwrap().kind(),
+            "tcp"
+        );
+        assert_eq!(
+            EngineKind::Shm.agent_with("e", &options).unwrap().kind(),
+            "shm"
         );
     }
 

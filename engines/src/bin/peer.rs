@@ -42,8 +42,8 @@ use tessera_transport::{Agent, Peer, Region, Registration, RemoteDesc};
 const PATTERN_LIMIT: u64 = 64 << 20;
 
 /// The agent of engine `kind`, with the options the environment gives: `tcp` binds
-/// `TESSERA_PEER_TCP_BIND` when set, `TESSERA_UCX_ERR_MODE=none` drops UCX's peer error
-/// handling. Exits with status 2 for a name that is no engine, or an engine not built in.
+/// `TESSERA_PEER_TCP_BIND` when set, `TESSERA_TOKEN` is the shm and tcp token when set,
+/// `TESSERA_UCX_ERR_MODE=none` drops UCX's peer error handling. Exits with status 2 for a name that is no engine, or an engine not built in.
 fn agent(kind: &str, name: &str) -> Agent {
     let kind: EngineKind = kind.parse().unwrap_or_else(|e| {
         eprintln!("{e}");
@@ -56,6 +56,10 @@ fn agent(kind: &str, name: &str) -> Agent {
             std::process::exit(2);
         }));
     }
+    options.token = tessera_transport::auth::Token::from_env("TESSERA_TOKEN").unwrap_or_else(|e| {
+        eprintln!("{e}");
+        std::process::exit(2);
+    });
     options.ucx_peer_errors = !std::env::var("TESSERA_UCX_ERR_MODE").is_ok_and(|m| m == "none");
     match kind.agent_with(name, &options) {
         Ok(agent) => agent,
