@@ -17,8 +17,9 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 
 use crate::transfer::Op;
+use std::time::{Duration, Instant};
 use tessera_sync::atomic::{AtomicUsize, Ordering};
-use tessera_sync::{Arc, Mutex};
+use tessera_sync::{Arc, Condvar, Mutex};
 
 /// The operations an exposure allows.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
@@ -96,6 +97,8 @@ pub(crate) struct ExpState {
     len: u64,
     ops: Ops,
     written: Mutex<Coverage>,
+    /// Signalled whenever `written` grows.
+    grew: Condvar,
 }
 
 impl ExpState {
@@ -107,6 +110,7 @@ impl ExpState {
             .saturating_sub(self.start)
             .min(self.len);
         self.written.lock().add(lo, hi);
+        self.grew.notify_all();
     }
 }
 
@@ -183,6 +187,7 @@ impl Scope {
             len,
             ops,
             written: Mutex::new(Coverage::default()),
+            grew: Condvar::new(),
         });
         {
             let mut t = self.table.lock();
@@ -248,6 +253,30 @@ impl Exposure {
     /// Whether completed WRITEs covered every byte of it.
     pub fn is_fully_written(&self) -> bool {
         self.written() == self.state.len
+    }
+
+    /// Waits up to `timeout` until completed WRITEs covered at least `bytes` of it; returns
+    /// the bytes covered then. Where the target learns of a WRITE only after the initiator
+    /// saw it complete (`shm`: the initiator's `DONE` is read by the target's own thread), a
+    /// peer may report a WRITE done a moment before it counts here; a check that follows a
+    /// peer's word over another channel (a storage COMMIT) waits briefly with this.
+    pub fn wait_written(&self, bytes: u64, timeout: Duration) -> u64 {
+        let deadline = Instant::now() + timeout;
+        let mut c = self.state.written.lock();
+        while c.bytes < bytes.min(self.state.len) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            c = self.state.grew.wait_timeout(c, left).0;
+        }
+        c.bytes
+    }
+
+    /// [`Exposure::wait_written`] of the whole exposure: whether it was fully written within
+    /// `timeout`.
+    pub fn wait_fully_written(&self, timeout: Duration) -> bool {
+        self.wait_written(self.state.len, timeout) == self.state.len
     }
 }
 

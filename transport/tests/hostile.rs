@@ -120,3 +120,668 @@ fn shm_refuses_private_memory_as_a_target() {
         other => panic!("expected a backend error, got {other:?}"),
     }
 }
+
+// ----- trust: authentication, bounds, names, exposures --------------------------------------
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::time::Instant;
+
+use tessera_testkit::CountingAlloc;
+use tessera_transport::auth::{self, Token};
+use tessera_transport::{Inproc, Ops, RegisteredPool, RejectReason};
+
+/// Counts allocations of 16 MiB or more: nothing in these tests makes one, except an engine
+/// that makes room for a body a header merely announced.
+#[global_allocator]
+static GLOBAL: CountingAlloc = CountingAlloc::new(16 << 20);
+
+/// Selects, in a re-executed copy of this binary, the attack `attacker` runs.
+const ATTACK_VAR: &str = "TESSERA_HOSTILE_ATTACK";
+
+fn token() -> Token {
+    Token::new("the shared secret").unwrap()
+}
+
+/// `meta` with its engine address replaced by `addr` (and its registrations kept).
+fn with_address(meta: &[u8], addr: &[u8]) -> Vec<u8> {
+    let name = meta[6] as usize;
+    let kind = meta[7 + name] as usize;
+    let at = 8 + name + kind;
+    let len = u32::from_le_bytes(meta[at..at + 4].try_into().unwrap()) as usize;
+    let mut out = meta[..at].to_vec();
+    out.extend_from_slice(&(addr.len() as u32).to_le_bytes());
+    out.extend_from_slice(addr);
+    out.extend_from_slice(&meta[at + 4 + len..]);
+    out
+}
+
+fn shm_frame(ty: u8, body: &[u8]) -> Vec<u8> {
+    let mut m = vec![ty, 0, 0, 0];
+    m.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    m.extend_from_slice(body);
+    m
+}
+
+/// Every byte the other end sends until it closes; panics if it stays open (a hang guard).
+fn drain_until_closed(mut s: impl Read) -> Vec<u8> {
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return got,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return got,
+            Err(e) => panic!("the target kept the connection open: {e}"),
+        }
+    }
+}
+
+/// The message types in a stream of shm frames.
+fn shm_types(mut bytes: &[u8]) -> Vec<u8> {
+    let mut types = Vec::new();
+    while bytes.len() >= 8 {
+        let len = u32::from_le_bytes(bytes[4..8].try_into().unwrap()) as usize;
+        types.push(bytes[0]);
+        bytes = &bytes[(8 + len).min(bytes.len())..];
+    }
+    types
+}
+
+/// An unauthenticated client speaking the shm protocol: a HELLO (old and new form), then
+/// MAP_REQ for ids 1..=64 and for `real`. Returns the message types it got before the close.
+fn shm_attack(name: &[u8], real: u64) -> Vec<u8> {
+    let addr = SocketAddr::from_abstract_name(name).unwrap();
+    let mut s = UnixStream::connect_addr(&addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let mut out = shm_frame(1, b"client");
+    let mut hello = auth::nonce().to_vec();
+    hello.push(6);
+    hello.extend_from_slice(b"client");
+    out.extend(shm_frame(1, &hello));
+    out.extend(shm_frame(11, &[0u8; 32])); // a made-up proof
+    for id in (1..=64u64).chain([real]) {
+        out.extend(shm_frame(2, &id.to_le_bytes()));
+    }
+    let _ = s.write_all(&out);
+    shm_types(&drain_until_closed(&s))
+}
+
+/// An unauthenticated client speaking the tcp protocol: HELLO, then a READ of `len` bytes of
+/// `real` and a WRITE of 4 KiB of 0xAB into it. Returns every byte it got before the close.
+fn tcp_attack(addr: &str, real: u64, len: u64) -> Vec<u8> {
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let mut out = vec![0u8; 24];
+    out[0] = 3; // HELLO
+    out[8..12].copy_from_slice(&6u32.to_le_bytes());
+    out.extend_from_slice(&[0u8; 32]);
+    out.extend_from_slice(b"client");
+    let desc = |len: u64| {
+        let mut d = real.to_le_bytes().to_vec();
+        d.extend_from_slice(&0u64.to_le_bytes());
+        d.extend_from_slice(&len.to_le_bytes());
+        d
+    };
+    for (op, n) in [(1u8, len), (0u8, 4096)] {
+        let mut head = vec![1u8, op, 0, 0];
+        head.extend_from_slice(&1u32.to_le_bytes());
+        head.resize(24, 0);
+        out.extend(head);
+        out.extend(desc(n));
+        if op == 0 {
+            out.extend(vec![0xABu8; 4096]);
+        }
+    }
+    let _ = s.write_all(&out);
+    drain_until_closed(&s)
+}
+
+/// Not a test of its own: the attacker side of the cross-user tests, run as another user in
+/// a copy of this binary (it does nothing when the variable is unset).
+#[test]
+fn attacker() {
+    let Ok(attack) = std::env::var(ATTACK_VAR) else {
+        return;
+    };
+    let parts: Vec<&str> = attack.split(' ').collect();
+    let real: u64 = parts[2].parse().unwrap();
+    match parts[0] {
+        "shm" => println!("GOT {:?}", shm_attack(parts[1].as_bytes(), real)),
+        "tcp" => println!("GOT {:?}", tcp_attack(parts[1], real, 4096)),
+        _ => unreachable!(),
+    }
+}
+
+/// Runs `attacker` as uid 65534 and returns what it printed.
+fn attack_as_nobody(attack: &str) -> String {
+    let exe = std::env::current_exe().unwrap();
+    let out = std::process::Command::new("setpriv")
+        .args(["--reuid", "65534", "--regid", "65534", "--clear-groups"])
+        .arg(exe)
+        .args(["--exact", "attacker", "--nocapture", "--test-threads", "1"])
+        .env(ATTACK_VAR, attack)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "the attacker failed: {text} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text.lines()
+        .find_map(|l| l.split_once("GOT ").map(|(_, g)| g.to_owned()))
+        .unwrap_or_else(|| panic!("no result from the attacker: {text}"))
+}
+
+fn euid() -> u32 {
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .and_then(|l| l.split_whitespace().nth(1).map(|u| u.parse().unwrap()))
+        .unwrap()
+}
+
+fn secret_region() -> (Region, Vec<u8>) {
+    let r = Region::new(1 << 16).unwrap();
+    let secret = pattern(77, 1 << 16);
+    r.write_at(0, &secret).unwrap();
+    (r, secret)
+}
+
+fn unchanged(r: &Region, secret: &[u8]) {
+    let mut got = vec![0u8; secret.len()];
+    r.read_at(0, &mut got).unwrap();
+    assert!(got == secret, "the attacker changed registered memory");
+}
+
+/// Finding 1, shm: a client that does not authenticate gets no memfd of any registration,
+/// whether it guesses small ids or knows the real one: from another user against a
+/// tokenless target (as root), and from this user against a target with a token.
+#[test]
+fn shm_unauthenticated_clients_get_no_memory() {
+    let (r, _) = secret_region();
+    let with_token = Agent::new("target", Shm::new().with_token(token())).unwrap();
+    let g = with_token.register(&r).unwrap();
+    let types = shm_attack(&address(&with_token.metadata()), g.id());
+    assert!(
+        !types.contains(&3),
+        "a MAP_OK reached the attacker: {types:?}"
+    );
+    if euid() == 0 {
+        let open = Agent::new("target2", Shm::new()).unwrap();
+        let g = open.register(&r).unwrap();
+        let name = String::from_utf8(address(&open.metadata())).unwrap();
+        let got = attack_as_nobody(&format!("shm {name} {}", g.id()));
+        let types: Vec<&str> = got
+            .trim_matches(|c| c == '[' || c == ']')
+            .split(", ")
+            .collect();
+        assert!(!types.contains(&"3"), "a MAP_OK reached uid 65534: {got}");
+        still_serves(&open, |n| Agent::new(n, Shm::new()).unwrap());
+    }
+    still_serves(&with_token, |n| {
+        Agent::new(n, Shm::new().with_token(token())).unwrap()
+    });
+}
+
+/// Finding 1, tcp: a client that does not authenticate reads no byte and writes none.
+#[test]
+fn tcp_unauthenticated_clients_read_and_write_nothing() {
+    let (r, secret) = secret_region();
+    let with_token = Agent::new("target", Tcp::new().with_token(token())).unwrap();
+    let g = with_token.register(&r).unwrap();
+    let addr = String::from_utf8(address(&with_token.metadata())).unwrap();
+    let got = tcp_attack(&addr, g.id(), 4096);
+    assert!(
+        got.len() <= 24 + 64 && !got.windows(64).any(|w| w == &secret[..64]),
+        "the attacker got {} bytes",
+        got.len()
+    );
+    unchanged(&r, &secret);
+    if euid() == 0 {
+        let open = Agent::new("target2", Tcp::new()).unwrap();
+        let g2 = open.register(&r).unwrap();
+        let addr = String::from_utf8(address(&open.metadata())).unwrap();
+        let got = attack_as_nobody(&format!("tcp {addr} {}", g2.id()));
+        // The attacker prints its bytes as a list: only a REFUSED header (24 bytes) at most.
+        assert!(got.matches(',').count() < 24, "uid 65534 got bytes: {got}");
+        unchanged(&r, &secret);
+        still_serves(&open, |n| Agent::new(n, Tcp::new()).unwrap());
+    }
+    still_serves(&with_token, |n| {
+        Agent::new(n, Tcp::new().with_token(token())).unwrap()
+    });
+}
+
+/// A wrong or missing token fails `add_remote` with an error saying the tokens differ.
+#[test]
+fn mismatched_tokens_fail_add_remote_clearly() {
+    type Make = fn(Option<Token>) -> Agent;
+    let shm: Make = |t| match t {
+        Some(t) => Agent::new("t", Shm::new().with_token(t)).unwrap(),
+        None => Agent::new("t", Shm::new()).unwrap(),
+    };
+    let tcp: Make = |t| match t {
+        Some(t) => Agent::new("t", Tcp::new().with_token(t)).unwrap(),
+        None => Agent::new("t", Tcp::new()).unwrap(),
+    };
+    let shm_d: Make = |t| match t {
+        Some(t) => Agent::new("d", Shm::new().with_token(t)).unwrap(),
+        None => Agent::new("d", Shm::new()).unwrap(),
+    };
+    let tcp_d: Make = |t| match t {
+        Some(t) => Agent::new("d", Tcp::new().with_token(t)).unwrap(),
+        None => Agent::new("d", Tcp::new()).unwrap(),
+    };
+    let wrong = || Some(Token::new("another secret").unwrap());
+    for (target, dialer) in [(shm, shm_d), (tcp, tcp_d)] {
+        for (t, d) in [
+            (Some(token()), wrong()),
+            (Some(token()), None),
+            (None, Some(token())),
+        ] {
+            let target = target(t);
+            let dialer = dialer(d);
+            let err = dialer
+                .add_remote(&target.metadata())
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("tokens differ"), "{err}");
+        }
+        let ok = dialer(Some(token())).add_remote(&target(Some(token())).metadata());
+        assert!(ok.is_ok(), "{ok:?}");
+    }
+}
+
+/// Finding 2: an agent that authenticates under the name of a peer with a live link is
+/// refused (`name in use`), and the peer's link keeps working.
+#[test]
+fn a_hello_under_a_live_peers_name_leaves_its_link_working() {
+    for make in [
+        (|n: &str| Agent::new(n, Tcp::new()).unwrap()) as fn(&str) -> Agent,
+        |n: &str| Agent::new(n, Shm::new()).unwrap(),
+    ] {
+        let unit = make("unit");
+        let client = make("client");
+        let rc = Region::new(4096).unwrap();
+        let gc = client.register(&rc).unwrap();
+        let ru = Region::new(4096).unwrap();
+        let gu = unit.register(&ru).unwrap();
+        let peer = client.add_remote(&unit.metadata()).unwrap();
+        let write = |seed| {
+            rc.write_at(0, &pattern(seed, 4096)).unwrap();
+            peer.write(
+                &[gc.desc(0, 4096).unwrap()],
+                &[gu.remote(0, 4096).unwrap()],
+                None,
+            )
+            .unwrap()
+            .wait_timeout(HANG_GUARD)
+        };
+        write(1).unwrap();
+        let impostor = make("client");
+        let err = impostor
+            .add_remote(&unit.metadata())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("name in use"), "{err}");
+        write(2).unwrap();
+        let mut got = vec![0u8; 4096];
+        ru.read_at(0, &mut got).unwrap();
+        assert_eq!(got, pattern(2, 4096));
+    }
+}
+
+/// Two tcp agents adding each other at once share the links they end up with: each
+/// `add_remote` succeeds (one of them through the other's link when refused `name in use`).
+#[test]
+fn tcp_agents_adding_each_other_at_once_both_succeed() {
+    for _ in 0..20 {
+        let a = Agent::new("a", Tcp::new()).unwrap();
+        let b = Agent::new("b", Tcp::new()).unwrap();
+        let (ma, mb) = (a.metadata(), b.metadata());
+        std::thread::scope(|s| {
+            let ta = s.spawn(|| a.add_remote(&mb).map(drop));
+            let tb = s.spawn(|| b.add_remote(&ma).map(drop));
+            ta.join().unwrap().unwrap();
+            tb.join().unwrap().unwrap();
+        });
+    }
+}
+
+/// Finding 3: `add_remote` of an shm target whose listen backlog is full fails at its
+/// deadline instead of blocking forever.
+#[test]
+fn shm_connect_to_a_full_backlog_fails_at_its_deadline() {
+    let name = format!("tessera-hostile-backlog-{}", std::process::id());
+    // SAFETY: plain socket creation; the result is checked and owned below.
+    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    assert!(fd >= 0);
+    // SAFETY: `fd` is a new socket nobody else owns.
+    let listener = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: an all-zero sockaddr_un is valid.
+    let mut sa: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    sa.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    for (d, &b) in sa.sun_path[1..].iter_mut().zip(name.as_bytes()) {
+        *d = b as libc::c_char;
+    }
+    let len = (std::mem::offset_of!(libc::sockaddr_un, sun_path) + 1 + name.len()) as u32;
+    // SAFETY: `sa` is initialized and `len` covers the family and the abstract name.
+    let rc = unsafe {
+        libc::bind(
+            listener.as_raw_fd(),
+            (&sa as *const libc::sockaddr_un).cast(),
+            len,
+        )
+    };
+    assert_eq!(rc, 0);
+    // SAFETY: a bound socket; a backlog of 0 holds one pending connection.
+    assert_eq!(unsafe { libc::listen(listener.as_raw_fd(), 0) }, 0);
+    // Fill the backlog with connections nobody accepts.
+    let mut fillers = Vec::new();
+    loop {
+        // SAFETY: as above.
+        let c = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_NONBLOCK, 0) };
+        // SAFETY: a new socket nobody else owns.
+        let c = unsafe { OwnedFd::from_raw_fd(c) };
+        // SAFETY: `sa` and `len` as for bind.
+        let rc =
+            unsafe { libc::connect(c.as_raw_fd(), (&sa as *const libc::sockaddr_un).cast(), len) };
+        if rc != 0 {
+            break;
+        }
+        fillers.push(c);
+        assert!(fillers.len() < 1000, "the backlog never filled");
+    }
+    let dialer = Agent::new("dialer", Shm::new()).unwrap();
+    let honest = Agent::new("full", Shm::new()).unwrap();
+    let meta = with_address(&honest.metadata(), name.as_bytes());
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(
+            dialer
+                .add_remote(&meta)
+                .map(drop)
+                .map_err(|e| e.to_string()),
+        );
+    });
+    let result = rx
+        .recv_timeout(HANG_GUARD)
+        .expect("add_remote blocked on a full backlog");
+    let err = result.unwrap_err();
+    assert!(err.contains("backlog"), "{err}");
+    drop(fillers);
+}
+
+/// Finding 4: before authentication a header announcing a large body closes the
+/// connection without making room for it; a handshake left half done closes at the deadline.
+#[test]
+fn pre_auth_bounds_close_without_allocating() {
+    let target = Agent::new("target", Shm::new()).unwrap();
+    let name = address(&target.metadata());
+    let before = GLOBAL.bytes();
+    let addr = SocketAddr::from_abstract_name(&name).unwrap();
+    let mut s = UnixStream::connect_addr(&addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let mut header = vec![1u8, 0, 0, 0]; // HELLO
+    header.extend_from_slice(&(60u32 << 20).to_le_bytes());
+    s.write_all(&header).unwrap();
+    s.write_all(&[0u8; 4096]).unwrap();
+    drain_until_closed(&s);
+    assert_eq!(GLOBAL.bytes(), before, "the announced body was allocated");
+    // Silent after connecting (shm), and after a HELLO (tcp): closed, never acknowledged.
+    let started = Instant::now();
+    let s = UnixStream::connect_addr(&addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    assert!(drain_until_closed(&s).is_empty());
+    let tcp = Agent::new("target", Tcp::new()).unwrap();
+    let mut s =
+        std::net::TcpStream::connect(String::from_utf8(address(&tcp.metadata())).unwrap()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let mut hello = vec![0u8; 24];
+    hello[0] = 3;
+    hello[8..12].copy_from_slice(&6u32.to_le_bytes());
+    hello.extend_from_slice(&auth::nonce());
+    hello.extend_from_slice(b"client");
+    s.write_all(&hello).unwrap();
+    let got = drain_until_closed(&s);
+    assert!(got.first() != Some(&5), "a half handshake was acknowledged");
+    assert!(started.elapsed() < HANG_GUARD);
+    still_serves(&target, |n| Agent::new(n, Shm::new()).unwrap());
+    still_serves(&tcp, |n| Agent::new(n, Tcp::new()).unwrap());
+}
+
+/// A raw tcp client with the token: authenticates as `name` and returns the stream.
+fn tcp_authenticated(addr: &str, target: &str, name: &str, token: &Token) -> std::net::TcpStream {
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let nonce = auth::nonce();
+    let mut hello = vec![0u8; 24];
+    hello[0] = 3;
+    hello[8..12].copy_from_slice(&(name.len() as u32).to_le_bytes());
+    hello.extend_from_slice(&nonce);
+    hello.extend_from_slice(name.as_bytes());
+    s.write_all(&hello).unwrap();
+    let mut challenge = [0u8; 24 + 64];
+    s.read_exact(&mut challenge).unwrap();
+    assert_eq!(challenge[0], 6);
+    let theirs = &challenge[24..56];
+    assert!(token.verify(
+        "tessera-tcp target",
+        &[&nonce, theirs, target.as_bytes()],
+        &challenge[56..]
+    ));
+    let mut authm = vec![0u8; 24];
+    authm[0] = 7;
+    authm.extend_from_slice(&token.mac(
+        "tessera-tcp dialer",
+        &[&nonce, theirs, name.as_bytes(), b""],
+    ));
+    s.write_all(&authm).unwrap();
+    let mut ack = [0u8; 24];
+    s.read_exact(&mut ack).unwrap();
+    assert_eq!(ack[0], 5, "HELLO_ACK");
+    s
+}
+
+/// After authentication, a request announcing four million descriptors (96 MiB) that never
+/// come makes no room for them.
+#[test]
+fn tcp_descriptor_buffers_grow_only_as_bytes_arrive() {
+    let t = token();
+    let target = Agent::new("target", Tcp::new().with_token(t.clone())).unwrap();
+    let addr = String::from_utf8(address(&target.metadata())).unwrap();
+    let before = GLOBAL.bytes();
+    let mut s = tcp_authenticated(&addr, "target", "raw", &t);
+    let mut head = vec![1u8, 0, 0, 0];
+    head.extend_from_slice(&(1u32 << 22).to_le_bytes());
+    head.resize(24, 0);
+    s.write_all(&head).unwrap();
+    s.write_all(&[0u8; 1000]).unwrap();
+    drop(s);
+    let deadline = Instant::now() + HANG_GUARD;
+    while target.peer_link("raw") != tessera_transport::LinkState::Closed {
+        assert!(Instant::now() < deadline, "the link never closed");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(
+        GLOBAL.bytes(),
+        before,
+        "the announced descriptors were allocated"
+    );
+}
+
+fn scoped_pair(make: fn(&str) -> Agent) {
+    let unit = make("unit");
+    let client = make("client");
+    let pool = RegisteredPool::new_scoped(&unit, 1 << 20).unwrap();
+    let block = pool.lease(8192, 4096).unwrap();
+    let other = pool.lease(8192, 4096).unwrap();
+    let rc = Region::new(1 << 16).unwrap();
+    rc.write_at(0, &pattern(5, 1 << 16)).unwrap();
+    let gc = client.register(&rc).unwrap();
+    let plain = RegisteredPool::new(&unit, 1 << 16).unwrap();
+    let peer = client.add_remote(&unit.metadata()).unwrap();
+    let write = |remote: tessera_transport::RemoteDesc, len: u64| {
+        peer.write(&[gc.desc(0, len).unwrap()], &[remote], None)
+            .unwrap()
+            .wait_timeout(HANG_GUARD)
+    };
+    let read = |remote: tessera_transport::RemoteDesc, len: u64| {
+        peer.read(&[gc.desc(32768, len).unwrap()], &[remote], None)
+            .unwrap()
+            .wait_timeout(HANG_GUARD)
+    };
+    let not_exposed = |r: Result<(), TransferError>| {
+        assert!(
+            matches!(
+                r,
+                Err(TransferError::Rejected {
+                    reason: RejectReason::NotExposed,
+                    ..
+                })
+            ),
+            "{r:?}"
+        )
+    };
+    // Nothing is exposed yet.
+    not_exposed(write(block.remote().unwrap(), 8192));
+    not_exposed(read(block.remote().unwrap(), 8192));
+    let e = block.expose("client", Ops::WRITE);
+    // Another peer's name, another block, another op, a range past the exposure: refused.
+    not_exposed(write(other.remote().unwrap(), 8192));
+    not_exposed(read(block.remote().unwrap(), 8192));
+    not_exposed(write(
+        pool.registration()
+            .remote(block.offset(), 8192 + 4096)
+            .unwrap(),
+        12288,
+    ));
+    assert_eq!(e.written(), 0);
+    // shm counts at the target's DONE, which may trail the initiator's completion.
+    write(block.remote_range(0, 1000).unwrap(), 1000).unwrap();
+    assert_eq!(e.wait_written(1000, HANG_GUARD), 1000);
+    write(block.remote_range(500, 1000).unwrap(), 1000).unwrap();
+    assert_eq!(
+        e.wait_written(1500, HANG_GUARD),
+        1500,
+        "overlapping writes count once"
+    );
+    assert_eq!(e.written(), 1500);
+    assert!(!e.is_fully_written());
+    write(block.remote_range(1500, 8192 - 1500).unwrap(), 8192 - 1500).unwrap();
+    assert!(e.wait_fully_written(HANG_GUARD));
+    assert!(e.is_fully_written());
+    let mut got = vec![0u8; 1500];
+    block.read_at(1500, &mut got).unwrap();
+    assert_eq!(got, pattern(5, 6692)[..1500]);
+    // A READ exposure to the same peer allows reading.
+    let r = block.expose("client", Ops::READ);
+    read(block.remote().unwrap(), 8192).unwrap();
+    assert_eq!(r.written(), 0);
+    drop(e);
+    drop(r);
+    not_exposed(write(block.remote().unwrap(), 8192));
+    // An exposure to someone else does not let this peer in.
+    let _someone = block.expose("someone", Ops::READ_WRITE);
+    not_exposed(write(block.remote().unwrap(), 8192));
+    // Unscoped registrations behave as before.
+    let pb = plain.lease(4096, 4096).unwrap();
+    write(pb.remote().unwrap(), 4096).unwrap();
+}
+
+/// Finding 7: scoped registrations grant only inside exposures, and exposures count what
+/// completed WRITEs covered.
+#[test]
+fn scoped_registrations_grant_only_exposures_tcp() {
+    scoped_pair(|n| Agent::new(n, Tcp::new()).unwrap());
+}
+
+#[test]
+fn scoped_registrations_grant_only_exposures_shm() {
+    scoped_pair(|n| Agent::new(n, Shm::new()).unwrap());
+}
+
+#[test]
+fn scoped_registrations_grant_only_exposures_inproc() {
+    scoped_pair(|n| Agent::new(n, Inproc::new()).unwrap());
+}
+
+/// Registration ids are random: neither small nor consecutive.
+#[test]
+fn registration_ids_are_not_guessable() {
+    let a = Agent::new("a", Inproc::new()).unwrap();
+    let r = Region::new(4096).unwrap();
+    let ids: Vec<u64> = (0..8)
+        .map(|_| {
+            let g = a.register_range(&r, 0, 4096).unwrap();
+            let id = g.id();
+            drop(g);
+            id
+        })
+        .collect();
+    let mut sorted = ids.clone();
+    sorted.sort_unstable();
+    sorted.dedup();
+    assert_eq!(sorted.len(), ids.len(), "ids repeat: {ids:?}");
+    assert!(ids.iter().all(|&id| id > 1 << 32), "small ids: {ids:?}");
+    assert!(
+        ids.windows(2).all(|w| w[0].abs_diff(w[1]) > 1 << 16),
+        "sequential ids: {ids:?}"
+    );
+}
+
+/// Selects, in a re-executed copy of this binary, printing an inproc agent's metadata.
+const INPROC_VAR: &str = "TESSERA_HOSTILE_INPROC";
+
+#[test]
+fn inproc_child() {
+    if std::env::var_os(INPROC_VAR).is_none() {
+        return;
+    }
+    let a = Agent::new("unit", Inproc::new()).unwrap();
+    println!(
+        "META {}",
+        a.metadata()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect::<String>()
+    );
+}
+
+/// Finding 8: inproc metadata from another process fails `add_remote`, naming both processes,
+/// even when an agent of this process has the same address.
+#[test]
+fn inproc_peers_of_another_process_are_refused() {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "inproc_child",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .env(INPROC_VAR, "1")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let hex = text
+        .lines()
+        .find_map(|l| l.split_once("META ").map(|(_, m)| m))
+        .expect("the child's metadata");
+    let meta: Vec<u8> = (0..hex.len() / 2)
+        .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap())
+        .collect();
+    // Agents of this process, so the child's agent number is likely taken here too.
+    let _here: Vec<Agent> = (0..8)
+        .map(|i| Agent::new(&format!("x{i}"), Inproc::new()).unwrap())
+        .collect();
+    let client = Agent::new("client", Inproc::new()).unwrap();
+    let err = client.add_remote(&meta).unwrap_err().to_string();
+    assert!(
+        err.contains("inproc peers must live in one process"),
+        "{err}"
+    );
+    assert!(err.contains(&std::process::id().to_string()), "{err}");
+}
