@@ -119,8 +119,8 @@ pub(crate) fn euid() -> u32 {
     unsafe { libc::geteuid() }
 }
 
-/// The user id of the process at the other end of a Unix socket.
-pub(crate) fn unix_peer_uid(fd: std::os::fd::RawFd) -> std::io::Result<u32> {
+/// The process id and user id of the process at the other end of a Unix socket.
+pub(crate) fn unix_peer_cred(fd: std::os::fd::RawFd) -> std::io::Result<(i32, u32)> {
     let mut cred = libc::ucred {
         pid: 0,
         uid: 0,
@@ -141,7 +141,7 @@ pub(crate) fn unix_peer_uid(fd: std::os::fd::RawFd) -> std::io::Result<u32> {
     if rc != 0 {
         return Err(std::io::Error::last_os_error());
     }
-    Ok(cred.uid)
+    Ok((cred.pid, cred.uid))
 }
 
 /// The user id owning the TCP socket on this host whose local end is `local` and whose

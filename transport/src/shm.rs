@@ -18,8 +18,8 @@
 //! a token ([`Shm::with_token`]) each proves it holds it; without one each side checks the
 //! other's user id (`SO_PEERCRED`) equals its own. Until then the target reads at most 4 KiB
 //! and waits at most 5 s, and anything but the handshake closes the connection. An agent
-//! name belongs to the connection that authenticated as it: a second connection claiming a
-//! name with a live inbound link is refused (`name in use`). `connect` waits at most 10 s,
+//! name belongs to the process that authenticated as it: while it has a live inbound link,
+//! a connection from another process claiming that name is refused (`name in use`). `connect` waits at most 10 s,
 //! for room in a full listen backlog included.
 //!
 //! Exposures ([`crate::Exposure`]) are checked at the grant (step 2), but the initiator
@@ -85,6 +85,8 @@ struct Inner {
     closed: AtomicBool,
     /// Every live socket, to shut down with the engine.
     sockets: Mutex<Vec<Weak<UnixStream>>>,
+    /// Names with live inbound links, by claiming process.
+    claims: Arc<Claims>,
 }
 
 impl Shm {
@@ -97,6 +99,7 @@ impl Shm {
                 host: OnceLock::new(),
                 closed: AtomicBool::new(false),
                 sockets: Mutex::new(Vec::new()),
+                claims: Arc::new(Mutex::new(HashMap::new())),
             }),
         }
     }
@@ -358,7 +361,7 @@ fn greet(
 ) -> Result<(), String> {
     let io = |e: io::Error| format!("greeting {peer}: {e}");
     if token.is_none() {
-        let uid = handshake::unix_peer_uid(stream.as_raw_fd()).map_err(io)?;
+        let (_, uid) = handshake::unix_peer_cred(stream.as_raw_fd()).map_err(io)?;
         let ours = handshake::euid();
         if uid != ours {
             return Err(format!(
@@ -413,6 +416,47 @@ fn greet(
     Ok(())
 }
 
+/// Agent names with live inbound links, with the process that claimed each (its
+/// `SO_PEERCRED` pid) and how many of its connections are open.
+type Claims = Mutex<HashMap<String, (i32, usize)>>;
+
+/// One connection's claim on its peer's name. A name belongs to the process that
+/// authenticated as it first, until its last connection closed: that process may connect
+/// again under it (a peer handle dropped and added again), any other is refused.
+struct Claim {
+    claims: Arc<Claims>,
+    name: String,
+}
+
+impl Claim {
+    fn new(claims: &Arc<Claims>, name: &str, pid: i32) -> Option<Self> {
+        let mut map = claims.lock();
+        match map.get_mut(name) {
+            Some((owner, n)) if *owner == pid => *n += 1,
+            Some(_) => return None,
+            None => {
+                map.insert(name.to_owned(), (pid, 1));
+            }
+        }
+        Some(Self {
+            claims: claims.clone(),
+            name: name.to_owned(),
+        })
+    }
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        let mut map = self.claims.lock();
+        if let Some((_, n)) = map.get_mut(&self.name) {
+            *n -= 1;
+            if *n == 0 {
+                map.remove(&self.name);
+            }
+        }
+    }
+}
+
 /// The target's side of the handshake: the authenticated dialer's name and its link guard,
 /// or `None` (after telling the dialer why, where that helps it) when the connection must
 /// close. At most `PRE_AUTH_MAX` bytes are read, within `PRE_AUTH_DEADLINE`.
@@ -420,18 +464,17 @@ fn admit(
     stream: &UnixStream,
     host: &Host,
     token: Option<&Token>,
-) -> Option<(String, crate::engine::LinkGuard)> {
+    claims: &Arc<Claims>,
+) -> Option<(String, (Claim, crate::engine::LinkGuard))> {
     let refuse = |code: u8| {
         let mut out = Vec::new();
         frame(&mut out, REFUSED, |b| b.push(code));
         let _ = send_all(stream, &out);
     };
-    if token.is_none() {
-        let uid = handshake::unix_peer_uid(stream.as_raw_fd()).ok()?;
-        if uid != handshake::euid() {
-            refuse(handshake::REFUSED_UID);
-            return None;
-        }
+    let (pid, uid) = handshake::unix_peer_cred(stream.as_raw_fd()).ok()?;
+    if token.is_none() && uid != handshake::euid() {
+        refuse(handshake::REFUSED_UID);
+        return None;
     }
     let deadline = Instant::now() + PRE_AUTH_DEADLINE;
     let mut budget = PRE_AUTH_MAX;
@@ -464,10 +507,11 @@ fn admit(
         refuse(handshake::REFUSED_PROOF);
         return None;
     }
-    let Some(guard) = host.claim_link(&name) else {
+    let Some(claim) = Claim::new(claims, &name, pid) else {
         refuse(handshake::REFUSED_NAME_IN_USE);
         return None;
     };
+    let guard = (claim, host.link_open(&name));
     out.clear();
     frame(&mut out, HELLO_ACK, |_| {});
     send_all(stream, &out).ok()?;
@@ -940,9 +984,10 @@ fn accept_loop(inner: Arc<Inner>, listener: UnixListener) {
         let stream = Arc::new(stream);
         inner.track(&stream);
         let token = inner.token.get().cloned();
+        let claims = inner.claims.clone();
         let spawned = std::thread::Builder::new()
             .name("shm-target".into())
-            .spawn(move || serve(host, stream, token));
+            .spawn(move || serve(host, stream, token, claims));
         if spawned.is_err() {
             continue;
         }
@@ -951,12 +996,12 @@ fn accept_loop(inner: Arc<Inner>, listener: UnixListener) {
 
 /// Serves one initiator until it disconnects. Grants live here, so a dead initiator's pins
 /// are released when this returns.
-fn serve(host: Host, stream: Arc<UnixStream>, token: Option<Token>) {
+fn serve(host: Host, stream: Arc<UnixStream>, token: Option<Token>, claims: Arc<Claims>) {
     // Nothing but the handshake is read from a peer that has not authenticated. The peer
     // counts as able to write into this agent's memory from then on until its socket closed
     // and its grants are gone (below). Its own mapping of our memory is not ours to see: an
     // initiator process that outlives its socket could still copy.
-    let Some((peer, open)) = admit(&stream, &host, token.as_ref()) else {
+    let Some((peer, open)) = admit(&stream, &host, token.as_ref(), &claims) else {
         let _ = stream.shutdown(std::net::Shutdown::Both);
         return;
     };

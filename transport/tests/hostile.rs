@@ -394,13 +394,57 @@ fn mismatched_tokens_fail_add_remote_clearly() {
     }
 }
 
+/// Selects, in a re-executed copy of this binary, an shm agent named `client` adding the
+/// metadata (hex) in the variable.
+const IMPOSTOR_VAR: &str = "TESSERA_HOSTILE_IMPOSTOR";
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(h: &str) -> Vec<u8> {
+    (0..h.len() / 2)
+        .map(|i| u8::from_str_radix(&h[2 * i..2 * i + 2], 16).unwrap())
+        .collect()
+}
+
+/// Runs this binary's test `name` with `var` set to `value`; returns the text after
+/// `marker` on its output.
+fn rerun(name: &str, var: &str, value: &str, marker: &str) -> String {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", name, "--nocapture", "--test-threads", "1"])
+        .env(var, value)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    text.lines()
+        .find_map(|l| l.split_once(marker).map(|(_, m)| m.to_owned()))
+        .unwrap_or_else(|| panic!("no {marker} from the child: {text}"))
+}
+
+#[test]
+fn impostor_child() {
+    let Ok(meta) = std::env::var(IMPOSTOR_VAR) else {
+        return;
+    };
+    let a = Agent::new("client", Shm::new()).unwrap();
+    match a.add_remote(&unhex(&meta)) {
+        Ok(_) => println!("IMPOSTOR added"),
+        Err(e) => println!("IMPOSTOR {e}"),
+    }
+}
+
 /// Finding 2: an agent that authenticates under the name of a peer with a live link is
-/// refused (`name in use`), and the peer's link keeps working.
+/// refused (`name in use`), and the peer's link keeps working. On tcp the impostor is an
+/// agent of this process; on shm, where a name belongs to a process, one of another.
 #[test]
 fn a_hello_under_a_live_peers_name_leaves_its_link_working() {
-    for make in [
-        (|n: &str| Agent::new(n, Tcp::new()).unwrap()) as fn(&str) -> Agent,
-        |n: &str| Agent::new(n, Shm::new()).unwrap(),
+    for (make, shm) in [
+        (
+            (|n: &str| Agent::new(n, Tcp::new()).unwrap()) as fn(&str) -> Agent,
+            false,
+        ),
+        (|n: &str| Agent::new(n, Shm::new()).unwrap(), true),
     ] {
         let unit = make("unit");
         let client = make("client");
@@ -420,16 +464,31 @@ fn a_hello_under_a_live_peers_name_leaves_its_link_working() {
             .wait_timeout(HANG_GUARD)
         };
         write(1).unwrap();
-        let impostor = make("client");
-        let err = impostor
-            .add_remote(&unit.metadata())
-            .unwrap_err()
-            .to_string();
+        let err = if shm {
+            rerun(
+                "impostor_child",
+                IMPOSTOR_VAR,
+                &hex(&unit.metadata()),
+                "IMPOSTOR ",
+            )
+        } else {
+            let impostor = make("client");
+            impostor
+                .add_remote(&unit.metadata())
+                .unwrap_err()
+                .to_string()
+        };
         assert!(err.contains("name in use"), "{err}");
         write(2).unwrap();
         let mut got = vec![0u8; 4096];
         ru.read_at(0, &mut got).unwrap();
         assert_eq!(got, pattern(2, 4096));
+        // The process that holds the name may connect again under it (a dropped handle).
+        if shm {
+            drop(peer);
+            let again = client.add_remote(&unit.metadata());
+            assert!(again.is_ok(), "{again:?}");
+        }
     }
 }
 
@@ -741,38 +800,14 @@ fn inproc_child() {
         return;
     }
     let a = Agent::new("unit", Inproc::new()).unwrap();
-    println!(
-        "META {}",
-        a.metadata()
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect::<String>()
-    );
+    println!("META {}", hex(&a.metadata()));
 }
 
 /// Finding 8: inproc metadata from another process fails `add_remote`, naming both processes,
 /// even when an agent of this process has the same address.
 #[test]
 fn inproc_peers_of_another_process_are_refused() {
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "inproc_child",
-            "--nocapture",
-            "--test-threads",
-            "1",
-        ])
-        .env(INPROC_VAR, "1")
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    let hex = text
-        .lines()
-        .find_map(|l| l.split_once("META ").map(|(_, m)| m))
-        .expect("the child's metadata");
-    let meta: Vec<u8> = (0..hex.len() / 2)
-        .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap())
-        .collect();
+    let meta = unhex(&rerun("inproc_child", INPROC_VAR, "1", "META "));
     // Agents of this process, so the child's agent number is likely taken here too.
     let _here: Vec<Agent> = (0..8)
         .map(|i| Agent::new(&format!("x{i}"), Inproc::new()).unwrap())

@@ -144,24 +144,6 @@ impl Host {
     }
 }
 
-impl Host {
-    /// Like [`Host::link_open`], for a peer that claims its name: `None` when a link from
-    /// a peer of that name is open already (an agent name belongs to the one peer that
-    /// authenticated as it first, until its links closed).
-    pub fn claim_link(&self, peer: &str) -> Option<LinkGuard> {
-        let mut map = self.shared.inbound.lock();
-        if map.contains_key(peer) {
-            return None;
-        }
-        map.insert(peer.to_owned(), 1);
-        drop(map);
-        Some(LinkGuard {
-            host: self.clone(),
-            peer: peer.to_owned(),
-        })
-    }
-}
-
 /// An open inbound link, counted until dropped (see [`Host::link_open`]).
 #[must_use = "the link counts as closed as soon as the guard drops"]
 pub struct LinkGuard {
