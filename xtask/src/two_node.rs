@@ -239,6 +239,8 @@ impl Node {
             .env("UCX_TLS", "tcp")
             .env("UCX_NET_DEVICES", dev)
             .env("TESSERA_PEER_TCP_BIND", format!("{addr}:0"))
+            // tcp off loopback needs a token (shm and tcp peers prove it to each other).
+            .env("TESSERA_TOKEN", "tessera-two-node-test")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
