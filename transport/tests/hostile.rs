@@ -820,3 +820,67 @@ fn inproc_peers_of_another_process_are_refused() {
     );
     assert!(err.contains(&std::process::id().to_string()), "{err}");
 }
+
+/// A raw shm client with the token: authenticates as `name` and returns the stream.
+fn shm_authenticated(sock: &[u8], target: &str, name: &str, token: &Token) -> UnixStream {
+    let addr = SocketAddr::from_abstract_name(sock).unwrap();
+    let mut s = UnixStream::connect_addr(&addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let nonce = auth::nonce();
+    let mut hello = nonce.to_vec();
+    hello.push(name.len() as u8);
+    hello.extend_from_slice(name.as_bytes());
+    s.write_all(&shm_frame(1, &hello)).unwrap();
+    let mut challenge = [0u8; 8 + 64];
+    s.read_exact(&mut challenge).unwrap();
+    assert_eq!(challenge[0], 10, "CHALLENGE");
+    let theirs = &challenge[8..40];
+    assert!(token.verify(
+        "tessera-shm target",
+        &[&nonce, theirs, target.as_bytes()],
+        &challenge[40..]
+    ));
+    let proof = token.mac(
+        "tessera-shm dialer",
+        &[&nonce, theirs, name.as_bytes(), b""],
+    );
+    s.write_all(&shm_frame(11, &proof)).unwrap();
+    let mut ack = [0u8; 8];
+    s.read_exact(&mut ack).unwrap();
+    assert_eq!(ack[0], 12, "HELLO_ACK");
+    s
+}
+
+/// After authentication, an shm message announcing 60 MiB that never comes makes no room
+/// for it: the reader's buffer grows only as bytes arrive.
+#[test]
+fn shm_reader_grows_only_as_bytes_arrive() {
+    let t = token();
+    let target = Agent::new("target", Shm::new().with_token(t.clone())).unwrap();
+    let sock = address(&target.metadata());
+    let before = GLOBAL.bytes();
+    let mut s = shm_authenticated(&sock, "target", "raw", &t);
+    let mut header = vec![5u8, 0, 0, 0]; // XFER
+    header.extend_from_slice(&(60u32 << 20).to_le_bytes());
+    s.write_all(&header).unwrap();
+    s.write_all(&[0u8; 1000]).unwrap();
+    drop(s);
+    let deadline = Instant::now() + HANG_GUARD;
+    while target.peer_link("raw") != tessera_transport::LinkState::Closed {
+        assert!(Instant::now() < deadline, "the link never closed");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(GLOBAL.bytes(), before, "the announced body was allocated");
+}
+
+/// tcp without a token listens only on loopback.
+#[test]
+fn tcp_without_a_token_refuses_to_listen_off_loopback() {
+    let err = Agent::new("x", Tcp::bind("0.0.0.0:0".parse().unwrap())).unwrap_err();
+    assert!(err.to_string().contains("without a token"), "{err}");
+    let ok = Agent::new(
+        "y",
+        Tcp::bind("0.0.0.0:0".parse().unwrap()).with_token(token()),
+    );
+    assert!(ok.is_ok(), "{ok:?}");
+}
