@@ -208,6 +208,12 @@ impl Scope {
 
 /// A range of a registration that one peer may touch with some operations, until this is
 /// dropped. It also reports how many of its bytes completed WRITEs covered.
+///
+/// On a scoped registration a peer's request is granted only inside an exposure to its
+/// (authenticated) name for that operation. `tcp` checks each descriptor and `inproc` its
+/// grant; `shm` checks its grant, but maps the whole memfd for the initiator, so a malicious
+/// authenticated peer can bypass it; the one-sided `ucx` and `nixl` engines cannot enforce it
+/// (the target never sees the request). See the crate README's trust model.
 #[must_use = "dropping an exposure revokes it"]
 pub struct Exposure {
     /// What the exposure keeps alive (a pool block stays leased while it is exposed).
