@@ -162,7 +162,8 @@ fn suite(report: &mut Report, s: &Settings) -> Result<()> {
         let started = Instant::now();
         let attack = Attack::start(&kind, &target, Some(pin_attack));
         // The attackers open their sockets and sessions first.
-        std::thread::sleep(Duration::from_millis(300).min(phase / 4));
+        attack.wait_warm(Duration::from_secs(10));
+        std::thread::sleep(Duration::from_millis(300));
         let (times, errs) = rt.block_on(probe.run_for(phase));
         let counters = (
             attack

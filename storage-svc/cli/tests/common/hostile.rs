@@ -158,6 +158,8 @@ pub struct Attack {
     stop: Arc<AtomicBool>,
     threads: Vec<JoinHandle<()>>,
     pub counters: Arc<Counters>,
+    /// Connections to open before the attack is at full strength.
+    warm: u64,
 }
 
 /// An attack thread's work: until the flag is set, counting into the counters.
@@ -219,11 +221,24 @@ impl Attack {
                 spawn(Box::new(move |s, c| payload_preauth(&t, n, s, c)));
             }
         }
+        let warm = match kind {
+            Kind::Idle(n) | Kind::Slowloris(n) | Kind::PayloadPreauth(n) => *n as u64,
+            _ => 0,
+        };
         Attack {
             name: kind.name(),
             stop,
             threads,
             counters,
+            warm,
+        }
+    }
+
+    /// Waits, at most `max`, until the attack has opened all its connections.
+    pub fn wait_warm(&self, max: Duration) {
+        let end = Instant::now() + max;
+        while self.counters.ops.load(Ordering::Relaxed) < self.warm && Instant::now() < end {
+            std::thread::sleep(Duration::from_millis(20));
         }
     }
 
@@ -445,11 +460,10 @@ fn block_on(f: impl std::future::Future<Output = ()>) {
 
 async fn missing_gets(cfg: ClientConfig, chunk: usize, stop: &AtomicBool, c: &Counters) {
     let timeout = cfg.timeout;
-    let Ok(client) = Client::connect(cfg).await else {
-        c.refused.fetch_add(1, Ordering::Relaxed);
+    let Some(client) = session(cfg, stop, c).await else {
         return;
     };
-    let chunk = chunk.clamp(1, 1 << 20);
+    let mut chunk = chunk.clamp(1, 1 << 20);
     let mut base = 1u64 << 40;
     while !stop.load(Ordering::SeqCst) {
         // 2^20 missing keys per round, every chunk in flight at once.
@@ -467,23 +481,31 @@ async fn missing_gets(cfg: ClientConfig, chunk: usize, stop: &AtomicBool, c: &Co
         let Some(answers) = until_stopped(stop, join_all(reqs.collect())).await else {
             return;
         };
+        let mut refused = false;
         for r in answers {
             c.ops.fetch_add(1, Ordering::Relaxed);
             match r {
                 Ok(Err(ClientError::Remote { source, .. }))
                     if source.kind == ErrorKind::Missing => {}
+                // A unit that takes fewer keys per request (`max_keys`) gets more requests.
+                Ok(Err(ClientError::Remote { .. })) => {
+                    c.refused.fetch_add(1, Ordering::Relaxed);
+                    refused = true;
+                }
                 _ => {
                     c.refused.fetch_add(1, Ordering::Relaxed);
                 }
             }
+        }
+        if refused && chunk > 1024 {
+            chunk /= 2;
         }
     }
 }
 
 async fn prepare_flood(cfg: ClientConfig, i: usize, bytes: usize, stop: &AtomicBool, c: &Counters) {
     let timeout = cfg.timeout;
-    let Ok(client) = Client::connect(cfg).await else {
-        c.refused.fetch_add(1, Ordering::Relaxed);
+    let Some(client) = session(cfg, stop, c).await else {
         return;
     };
     // Only the meta frame travels: the PUT asks for a receive block and is never written.
@@ -515,6 +537,17 @@ async fn prepare_flood(cfg: ClientConfig, i: usize, bytes: usize, stop: &AtomicB
         if !ok {
             c.refused.fetch_add(1, Ordering::Relaxed);
             tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// A session of `cfg`, or `None` when it fails or `stop` is set first.
+async fn session(cfg: ClientConfig, stop: &AtomicBool, c: &Counters) -> Option<Client> {
+    match until_stopped(stop, Client::connect(cfg)).await? {
+        Ok(client) => Some(client),
+        Err(_) => {
+            c.refused.fetch_add(1, Ordering::Relaxed);
+            None
         }
     }
 }
