@@ -478,12 +478,12 @@ async fn missing_gets(cfg: ClientConfig, chunk: usize, stop: &AtomicBool, c: &Co
         let reqs = keys.iter().map(|k| async move {
             tokio::time::timeout(timeout, client.get("missing-flood", k, &["v"])).await
         });
+        c.ops.fetch_add(keys.len() as u64, Ordering::Relaxed);
         let Some(answers) = until_stopped(stop, join_all(reqs.collect())).await else {
             return;
         };
         let mut refused = false;
         for r in answers {
-            c.ops.fetch_add(1, Ordering::Relaxed);
             match r {
                 Ok(Err(ClientError::Remote { source, .. }))
                     if source.kind == ErrorKind::Missing => {}
