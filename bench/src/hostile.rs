@@ -227,6 +227,18 @@ fn suite(report: &mut Report, s: &Settings) -> Result<()> {
             PROBE_TIMEOUT.as_secs()
         ),
     );
+    // Alone again: whether the attacks left the unit slower once they stopped.
+    std::thread::sleep(s.settle);
+    let (after, after_errors) = rt.block_on(probe.run_for(phase));
+    report.put(
+        "probe_p99_alone_after_us",
+        crate::timing::us(quantile(&after, 0.99)),
+        format!(
+            "probe_p99_alone_us measured again once every attack has stopped, {} round trips, \
+             {after_errors} failed",
+            after.len()
+        ),
+    );
     drop(probe);
 
     std::thread::sleep(s.settle);
@@ -376,7 +388,8 @@ impl UnitProc {
             .arg(backend.name())
             .arg("--config")
             .arg(&config)
-            .args(["--token", TOKEN, "--log-level", "error"]);
+            .args(load::serve_token_args(TOKEN))
+            .args(["--log-level", "error"]);
         if let Some(p) = payload {
             cmd.arg("--payload-addr").arg(p.to_string());
         }

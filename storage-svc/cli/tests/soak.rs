@@ -3,7 +3,7 @@
 //! cleared) against a unit process with a token, beside attackers: idle connections,
 //! slowloris, garbage frames, unauthenticated payload-engine connections and a missing-key
 //! GET flood. Nothing may be lost or corrupted and every session request must succeed.
-//! `TESSERA_SOAK_SECS` lengthens the run (default 20 s of workload).
+//! `TESSERA_SOAK_SECS` lengthens the run (default 15 s of workload).
 
 mod common;
 #[path = "common/hostile.rs"]
@@ -21,12 +21,14 @@ fn soak_secs() -> u64 {
     std::env::var("TESSERA_SOAK_SECS")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(20)
+        .unwrap_or(15)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn soak_beside_attackers_loses_and_corrupts_nothing() {
-    let unit = UnitProcess::start(Backend::Shm, &["--token", TOKEN]);
+    let token = hostile::serve_token_args(TOKEN);
+    let args: Vec<&str> = token.iter().map(String::as_str).collect();
+    let unit = UnitProcess::start(Backend::Shm, &args);
     let target = Target {
         control: unit.addr.clone(),
         pid: unit.child.id(),

@@ -6,8 +6,9 @@
 //! cleared).
 //!
 //! Protocol-specific parts, to update when the wire changes, are all in [`wire`] (raw
-//! control-plane and payload-engine bytes) and [`client_config`] (how a session presents
-//! the unit's token).
+//! control-plane and payload-engine bytes), [`serve_token_args`] and [`client_config`] (how
+//! a unit is given its token and how a session presents it), and the `Request::Put` the
+//! prepare flood sends through `Client::raw`.
 
 #![allow(dead_code, unreachable_pub)]
 
@@ -72,6 +73,11 @@ pub mod wire {
         out.dedup();
         out
     }
+}
+
+/// The `tessera-storage serve` arguments that make a unit require `token`.
+pub fn serve_token_args(token: &str) -> [String; 2] {
+    ["--token".into(), token.into()]
 }
 
 /// A session's configuration for a unit at `addr` requiring `token`.
