@@ -175,6 +175,7 @@ fn suite(report: &mut Report, s: &Settings) -> Result<()> {
                 .refused
                 .load(std::sync::atomic::Ordering::Relaxed),
         );
+        let refusal = attack.counters.first_refusal.lock().unwrap().take();
         attack.stop();
         let growth = watch.finish().saturating_sub(before) as f64 / (1 << 20) as f64;
         let name = kind.name();
@@ -190,6 +191,9 @@ fn suite(report: &mut Report, s: &Settings) -> Result<()> {
             counters.1,
             started.elapsed().as_secs_f64()
         );
+        if let Some(why) = refusal {
+            eprintln!("hostile: {name}: first refusal: {why}");
+        }
         report.put(
             &format!("probe_p99_under_{name}_us"),
             crate::timing::us(p99a),

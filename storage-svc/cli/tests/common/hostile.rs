@@ -155,6 +155,18 @@ pub struct Counters {
     pub ops: AtomicU64,
     /// Connections the unit refused or closed, or requests it failed.
     pub refused: AtomicU64,
+    /// The first answer of the unit that refused a session attack's request.
+    pub first_refusal: Mutex<Option<String>>,
+}
+
+impl Counters {
+    fn refuse(&self, why: impl FnOnce() -> String) {
+        self.refused.fetch_add(1, Ordering::Relaxed);
+        let mut first = self.first_refusal.lock().unwrap();
+        if first.is_none() {
+            *first = Some(why());
+        }
+    }
 }
 
 /// A running attack: its threads stop and close everything they opened when it is stopped
@@ -494,13 +506,11 @@ async fn missing_gets(cfg: ClientConfig, chunk: usize, stop: &AtomicBool, c: &Co
                 Ok(Err(ClientError::Remote { source, .. }))
                     if source.kind == ErrorKind::Missing => {}
                 // A unit that takes fewer keys per request (`max_keys`) gets more requests.
-                Ok(Err(ClientError::Remote { .. })) => {
-                    c.refused.fetch_add(1, Ordering::Relaxed);
+                Ok(Err(e @ ClientError::Remote { .. })) => {
+                    c.refuse(|| e.to_string());
                     refused = true;
                 }
-                _ => {
-                    c.refused.fetch_add(1, Ordering::Relaxed);
-                }
+                other => c.refuse(|| format!("{other:?}")),
             }
         }
         if refused && chunk > 1024 {
@@ -536,12 +546,11 @@ async fn prepare_flood(cfg: ClientConfig, i: usize, bytes: usize, stop: &AtomicB
         else {
             return;
         };
-        let ok = matches!(
+        if !matches!(
             answer,
             Ok(Ok(tessera_storage::proto::Response::PutReady { .. }))
-        );
-        if !ok {
-            c.refused.fetch_add(1, Ordering::Relaxed);
+        ) {
+            c.refuse(|| format!("{answer:?}"));
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
@@ -551,8 +560,8 @@ async fn prepare_flood(cfg: ClientConfig, i: usize, bytes: usize, stop: &AtomicB
 async fn session(cfg: ClientConfig, stop: &AtomicBool, c: &Counters) -> Option<Client> {
     match until_stopped(stop, Client::connect(cfg)).await? {
         Ok(client) => Some(client),
-        Err(_) => {
-            c.refused.fetch_add(1, Ordering::Relaxed);
+        Err(e) => {
+            c.refuse(|| format!("connect: {e}"));
             None
         }
     }
