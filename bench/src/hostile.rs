@@ -128,7 +128,7 @@ fn suite(report: &mut Report, s: &Settings) -> Result<()> {
         PROBE_TIMEOUT,
     ))?;
     // Warm-up: mappings, first touch of both pools.
-    rt.block_on(probe.run_for(Duration::from_secs(1)));
+    rt.block_on(probe.run_for(Duration::from_secs(2)));
     let (alone, alone_errors) = rt.block_on(probe.run_for(phase));
     let p50 = quantile(&alone, 0.5);
     let p99 = quantile(&alone, 0.99);
