@@ -4,6 +4,10 @@
 pub mod alloc;
 pub mod codec;
 mod cpu;
+pub mod hostile;
+/// The attacks, probe and soak workload the `hostile` suite shares with the soak test.
+#[path = "../../storage-svc/cli/tests/common/hostile.rs"]
+mod hostile_load;
 pub mod plot;
 pub mod pool;
 pub mod report;
@@ -23,4 +27,5 @@ pub const SUITES: &[Suite] = &[
     ("transport", transport::run),
     ("pool", pool::run),
     ("storage", storage::run),
+    ("hostile", hostile::run),
 ];

@@ -305,6 +305,22 @@ fn bench(root: &Path, suites: &[String]) -> Result<()> {
             }
         }
     }
+    if suites.is_empty() || suites.iter().any(|s| s == "hostile") {
+        // The hostile suite runs the unit as the `tessera-storage` binary, found next to the
+        // harness.
+        step(
+            "building the tessera-storage binary",
+            cargo(&[
+                "build",
+                "--release",
+                "--locked",
+                "-p",
+                "tessera-storage-cli",
+                "--bin",
+                "tessera-storage",
+            ]),
+        )?;
+    }
     cmd.arg("--");
     cmd.args(suites);
     if suites.is_empty() || suites.iter().any(|s| s == "transport") {
