@@ -10,8 +10,9 @@ use serde_bytes::ByteBuf;
 use tessera_framecodec::{encode, Tensor, Value};
 use tessera_storage::core::{Output, TornDown, Unit, UnitConfig};
 use tessera_storage::proto::{PullSource, Request, Response};
-use tessera_storage::testing::VecMem;
+use tessera_storage::testing::{handshake, VecMem};
 use tessera_storage::ErrorKind;
+use tessera_transport::auth::Token;
 use tessera_transport::{RemoteDesc, TransferError};
 
 struct Harness {
@@ -30,15 +31,7 @@ impl Harness {
         let mut unit = Unit::new(cfg, mem);
         unit.open_session(S);
         let now = Instant::now();
-        let out = unit.handle(
-            now,
-            S,
-            0,
-            Request::Hello {
-                token: None,
-                agent: vec![],
-            },
-        );
+        let out = handshake::open(&mut unit, now, S, 0, vec![], None);
         assert!(matches!(out[..], [Output::Accept { .. }]));
         unit.session_ready(S);
         Self {
@@ -221,6 +214,22 @@ fn batch(fields: usize, vals: Vec<Value>) -> Value {
     Value::List((0..fields).map(|_| Value::List(vals.clone())).collect())
 }
 
+/// A copy of a reply output.
+fn clone_reply(o: &Output) -> Output {
+    match o {
+        Output::Reply {
+            session,
+            id,
+            response,
+        } => Output::Reply {
+            session: *session,
+            id: *id,
+            response: response.clone(),
+        },
+        other => panic!("not a reply: {other:?}"),
+    }
+}
+
 fn kind(r: &Response) -> Option<ErrorKind> {
     match r {
         Response::Error(e) => Some(e.kind),
@@ -231,7 +240,7 @@ fn kind(r: &Response) -> Option<ErrorKind> {
 #[test]
 fn hello_first_and_token() {
     let cfg = UnitConfig {
-        token: Some("s3cret".into()),
+        token: Some(Token::new("s3cret").unwrap()),
         ..UnitConfig::default()
     };
     let mut unit = Unit::new(cfg, VecMem::new(0));
@@ -241,25 +250,25 @@ fn hello_first_and_token() {
         kind(&single(unit.handle(now, 7, 1, Request::Stats))),
         Some(ErrorKind::NoSession)
     );
-    let out = unit.handle(
-        now,
-        7,
-        2,
-        Request::Hello {
-            token: Some("wrong".into()),
-            agent: vec![],
-        },
+    // Auth before Hello is out of turn: refused, and the session ends.
+    let auth = Request::Auth {
+        proof: ByteBuf::from(vec![0u8; 32]),
+    };
+    let out = unit.handle(now, 7, 1, auth);
+    assert!(matches!(out[1], Output::Close { session: 7 }), "{out:?}");
+    unit.close_session(7, now, TornDown::Grace);
+    unit.open_session(7);
+    let wrong = Token::new("wrong").unwrap();
+    let out = handshake::open(&mut unit, now, 7, 2, vec![], Some(&wrong));
+    assert!(
+        matches!(&out[0], Output::Reply { response: Response::Error(e), .. } if e.kind == ErrorKind::Unauthorized),
+        "{out:?}"
     );
     assert!(matches!(out[1], Output::Close { session: 7 }));
-    let out = unit.handle(
-        now,
-        7,
-        3,
-        Request::Hello {
-            token: Some("s3cret".into()),
-            agent: vec![],
-        },
-    );
+    unit.close_session(7, now, TornDown::Grace);
+    unit.open_session(8);
+    let right = Token::new("s3cret").unwrap();
+    let out = handshake::open(&mut unit, now, 8, 3, vec![], Some(&right));
     assert!(matches!(out[..], [Output::Accept { .. }]));
 }
 
@@ -391,7 +400,12 @@ fn prepared_put_lifecycle_cancel_ttl_quarantine() {
     let (_, _) = prep(&mut h);
     assert_eq!(h.unit.poll_timeout(), Some(h.now + ttl));
     let out = h.unit.handle_timeout(h.now + ttl);
-    assert_eq!(kind(&single(out)), Some(ErrorKind::PeerFailed));
+    // The failed session is closed too, so its quarantine can be released.
+    assert!(matches!(out[1], Output::Close { session: S }), "{out:?}");
+    assert_eq!(
+        kind(&single(out[..1].iter().map(clone_reply).collect())),
+        Some(ErrorKind::PeerFailed)
+    );
     assert_eq!(kind(&h.req(Request::Stats).1), Some(ErrorKind::PeerFailed));
     assert_eq!(h.unit.stats().pending_puts, 0);
     // The session ends: its quarantine stays until its client's link is torn down, then the
@@ -460,12 +474,8 @@ fn close_after_ready_keeps_the_block_until_the_link_is_torn_down() {
     assert_eq!(h.unit.stats().pool.used, exposed);
     // Another session's PUT is leased elsewhere; beyond the quarantine limit PUTs are refused.
     h.unit.open_session(2);
-    let hello = Request::Hello {
-        token: None,
-        agent: vec![],
-    };
     assert!(matches!(
-        h.unit.handle(h.now, 2, 0, hello)[..],
+        handshake::open(&mut h.unit, h.now, 2, 0, vec![], None)[..],
         [Output::Accept { .. }]
     ));
     h.unit.session_ready(2);
