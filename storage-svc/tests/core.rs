@@ -943,3 +943,50 @@ fn pulled_put_lifecycle() {
         (0, 0, 0, 0)
     );
 }
+
+/// A GET looked up in slices (the driver's path for many keys) answers what one GET does:
+/// the same values, or the same keys missing, with at most `slice_keys` keys per step.
+#[test]
+fn a_get_in_slices_answers_as_one_get() {
+    let mut h = Harness::new(UnitConfig {
+        slice_keys: 10,
+        ..UnitConfig::default()
+    });
+    let idx: Vec<u64> = (0..95).collect();
+    let vals = (0..95).map(Value::U64).collect::<Vec<_>>();
+    let strs = (0..95)
+        .map(|i| Value::Str(format!("s{i}")))
+        .collect::<Vec<_>>();
+    let value = Value::List(vec![Value::List(vals), Value::List(strs)]);
+    assert_eq!(h.put_inline("p", &idx, &["a", "b"], &value), Response::Done);
+    let fields = vec!["b".to_string(), "a".to_string()];
+    let sliced = |h: &mut Harness, indexes: Vec<u64>| {
+        let mut g = h
+            .unit
+            .get_begin(S, 50, "p".into(), indexes, fields.clone())
+            .unwrap_or_else(|_| panic!("refused"));
+        let mut steps = 1;
+        while !h.unit.get_step(&mut g) {
+            steps += 1;
+        }
+        let encoded = g
+            .into_columns()
+            .and_then(|c| tessera_storage::core::encode_get(h.unit.config(), c));
+        (steps, h.unit.get_finish(h.now, S, 50, encoded))
+    };
+    let (steps, out) = sliced(&mut h, idx.clone());
+    assert_eq!(steps, 19, "5 indexes x 2 fields per step");
+    let Response::Values { meta, frames } = single(out) else {
+        panic!("not inline")
+    };
+    let got = tessera_storage::core::decode_inline(&meta, frames).unwrap();
+    assert_eq!(got, h.get("p", &idx, &["b", "a"]).unwrap());
+    // Missing keys: all counted, at most 1,000 named, as one GET names them.
+    let (_, out) = sliced(&mut h, (90..200).collect());
+    let Response::Error(e) = single(out) else {
+        panic!("not an error")
+    };
+    assert_eq!(e.kind, ErrorKind::Missing);
+    assert!(e.message.starts_with("210 key(s)"), "{e:?}");
+    assert_eq!(e.missing.len(), 210);
+}
