@@ -200,8 +200,8 @@ async fn a_wrong_token_is_unauthorized_and_learns_nothing() {
 }
 
 /// Finding: an unauthenticated connection could announce a frame of `max_message` (256 MiB)
-/// and hold it. Before the handshake completed, a frame over 4 KiB is refused and the
-/// connection closed.
+/// and hold it. Before the handshake completed, a frame over `preauth_message_bytes` (64 KiB)
+/// is refused and the connection closed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unauthenticated_connection_cannot_send_a_large_frame() {
     let server = server(ServerConfig::default()).await;

@@ -338,7 +338,10 @@ async fn session(
                 let why = if authed {
                     e.to_string()
                 } else {
-                    format!("{e} (before the session is authenticated)")
+                    format!(
+                        "{e} before the session is authenticated (preauth_message_bytes; a \
+                         Hello carries the client's agent metadata)"
+                    )
                 };
                 send(&shared, sid, 0, &Response::error(ErrorKind::TooLarge, why));
                 break;

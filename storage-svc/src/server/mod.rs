@@ -61,7 +61,10 @@ pub struct ServerConfig {
     /// before allocating).
     pub max_message_bytes: u64,
     /// Largest control message accepted before the session is authenticated (its Hello and
-    /// Auth), in bytes.
+    /// Auth), in bytes. A Hello carries the client's agent metadata, which for `nixl` (NIXL's
+    /// keys of every registration) and `ucx` (the worker address and rkeys) runs to kilobytes:
+    /// 64 KiB by default, so 4096 unauthenticated connections hold at most 256 MiB, each for at
+    /// most `handshake_timeout`.
     pub preauth_message_bytes: u64,
     /// A connection that has not completed its handshake (Hello, Challenge, Auth) this long
     /// after it was accepted is closed.
@@ -130,7 +133,7 @@ impl Default for ServerConfig {
             pool_chunk_bytes: 256 << 20,
             idle_pool_bytes: 512 << 20,
             max_message_bytes: 256 << 20,
-            preauth_message_bytes: 4 << 10,
+            preauth_message_bytes: 64 << 10,
             handshake_timeout: Duration::from_secs(5),
             frame_timeout: Duration::from_secs(30),
             max_connections: 4096,
@@ -312,6 +315,13 @@ impl Server {
                 "transfer_queue ({}) must be at least 1 and reply_queue ({}) at least \
                  transfer_queue + 3",
                 cfg.transfer_queue, cfg.reply_queue
+            )));
+        }
+        if cfg.max_connections == 0 || cfg.max_peer_adds == 0 || cfg.preauth_message_bytes < 256 {
+            return Err(ServerError::Config(format!(
+                "max_connections ({}) and max_peer_adds ({}) must be at least 1, \
+                 preauth_message_bytes ({}) at least 256",
+                cfg.max_connections, cfg.max_peer_adds, cfg.preauth_message_bytes
             )));
         }
         let backend = cfg.backend;
