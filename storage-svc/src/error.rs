@@ -153,6 +153,14 @@ pub enum ClientError {
         /// What came.
         what: String,
     },
+    /// The unit did not prove that it holds the client's token (or the client has none and
+    /// the unit has one): the session is not opened, nothing was sent but a nonce and the
+    /// client's agent metadata.
+    #[error("unit {unit}: the unit did not prove it holds the token (wrong or missing token)")]
+    Unauthenticated {
+        /// Which unit.
+        unit: usize,
+    },
     /// The unit's payload backend is not this client's; there is never a fallback.
     #[error("unit {unit}: transport: unit uses backend {theirs}, client {ours}; no fallback")]
     BackendMismatch {
@@ -379,10 +387,12 @@ impl ClientError {
         }
     }
 
-    /// The unit's error kind, if the unit answered with an error.
+    /// The unit's error kind, if the unit answered with an error; [`ErrorKind::Unauthorized`]
+    /// too when the unit did not prove it holds the token ([`ClientError::Unauthenticated`]).
     pub fn kind(&self) -> Option<ErrorKind> {
         match self {
             ClientError::Remote { source, .. } => Some(source.kind),
+            ClientError::Unauthenticated { .. } => Some(ErrorKind::Unauthorized),
             _ => None,
         }
     }

@@ -24,3 +24,4 @@ pub use crate::error::{ClientError, ErrorKind, MemoryError, PayloadError, Remote
 pub use crate::plane::{Backend, BackendExt, ParseBackendError};
 pub use crate::server::{Server, ServerConfig, ServerError};
 pub use tessera_framecodec::{DType, Tensor, Value};
+pub use tessera_transport::auth::Token;

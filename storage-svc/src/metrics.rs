@@ -46,3 +46,11 @@ pub(crate) fn record_stats(s: &Stats) {
     metrics::gauge!("tessera_storage_bytes_out").set(s.bytes_out as f64);
     metrics::gauge!("tessera_storage_sessions").set(s.sessions as f64);
 }
+
+pub(crate) fn refused_connection() {
+    metrics::counter!("tessera_storage_refused_connections_total").increment(1);
+}
+
+pub(crate) fn accept_error() {
+    metrics::counter!("tessera_storage_accept_errors_total").increment(1);
+}

@@ -9,8 +9,14 @@ use tessera_transport::RemoteDesc;
 use crate::error::{ErrorKind, MemoryError, WireError};
 
 /// Protocol version carried by every envelope. Version 2: a PUT may carry the sources of its
-/// payload for the unit to READ ([`Request::Put::pull`]).
-pub const PROTOCOL_VERSION: u16 = 3;
+/// payload for the unit to READ ([`Request::Put::pull`]). Version 4: the session opens with a
+/// challenge-response (`Hello`, `Challenge`, `Auth`, `Welcome`); the token never travels.
+pub const PROTOCOL_VERSION: u16 = 4;
+
+/// Label of the unit's proof in [`Response::Challenge`].
+pub const UNIT_PROOF: &str = "tessera-storage-unit-v4";
+/// Label of the client's proof in [`Request::Auth`].
+pub const CLIENT_PROOF: &str = "tessera-storage-client-v4";
 
 /// Bytes of the length prefix.
 pub const LEN_PREFIX: usize = 4;
@@ -19,14 +25,22 @@ pub const LEN_PREFIX: usize = 4;
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[non_exhaustive]
 pub enum Request {
-    /// First message of a session: the token (if the unit wants one) and the client's
-    /// transport metadata, so the unit can WRITE into the client's receive blocks.
+    /// First message of a session: a fresh client nonce and the client's transport metadata
+    /// (so the unit can WRITE into the client's receive blocks once the session is open). The
+    /// unit answers [`Response::Challenge`]; nothing of the unit's is shown before [`Request::Auth`]
+    /// proved the client holds the token.
     Hello {
-        /// Shared secret, checked when the unit is configured with one.
-        token: Option<String>,
+        /// The client's fresh nonce (`tessera_transport::auth::NONCE_LEN` bytes).
+        nonce: ByteBuf,
         /// The client's agent metadata (`Agent::metadata`).
         #[serde(with = "serde_bytes")]
         agent: Vec<u8>,
+    },
+    /// Second message of a session: the client's proof ([`CLIENT_PROOF`] over the client's
+    /// nonce, the unit's nonce and the client's agent metadata) that it holds the token.
+    Auth {
+        /// HMAC-SHA256 (`tessera_transport::auth::prove`).
+        proof: ByteBuf,
     },
     /// Store `values` (a framecodec list of one list per field, one value per index).
     Put {
@@ -106,7 +120,16 @@ pub struct PullSource {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[non_exhaustive]
 pub enum Response {
-    /// Session accepted.
+    /// The answer to `Hello`: the unit's fresh nonce and its proof ([`UNIT_PROOF`] over the
+    /// client's nonce, the unit's nonce and the client's agent metadata) that it holds the
+    /// token. The client checks it before it sends its own proof ([`Request::Auth`]).
+    Challenge {
+        /// The unit's fresh nonce.
+        nonce: ByteBuf,
+        /// HMAC-SHA256 (`tessera_transport::auth::prove`).
+        proof: ByteBuf,
+    },
+    /// Session accepted (the answer to `Auth`).
     Welcome {
         /// The unit's agent metadata.
         #[serde(with = "serde_bytes")]
@@ -212,6 +235,12 @@ pub fn decode_body<T: for<'de> Deserialize<'de>>(buf: &[u8]) -> Result<(u64, T),
     let env: Envelope<T> =
         rmp_serde::from_slice(buf).map_err(|e| (head.id, WireError::Decode(e)))?;
     Ok((env.id, env.body))
+}
+
+/// What both proofs of a session's handshake cover, in order: the client's nonce, the unit's
+/// nonce, the client's agent metadata.
+pub fn handshake_parts<'a>(client: &'a [u8], unit: &'a [u8], agent: &'a [u8]) -> [&'a [u8]; 3] {
+    [client, unit, agent]
 }
 
 impl Response {

@@ -97,3 +97,75 @@ impl Memory for VecMem {
         }
     }
 }
+
+/// The client's side of a session's handshake, for tests that speak the protocol by hand.
+pub mod handshake {
+    use serde_bytes::ByteBuf;
+    use tessera_transport::auth::{self, Nonce, Token};
+
+    use crate::proto::{handshake_parts, Request, Response, CLIENT_PROOF, UNIT_PROOF};
+
+    /// A client's half-done handshake: its nonce and agent metadata.
+    pub struct Hello {
+        nonce: Nonce,
+        agent: Vec<u8>,
+    }
+
+    impl Hello {
+        /// A fresh Hello naming `agent`.
+        pub fn new(agent: Vec<u8>) -> Self {
+            Self {
+                nonce: auth::nonce(),
+                agent,
+            }
+        }
+
+        /// The Hello to send.
+        pub fn request(&self) -> Request {
+            Request::Hello {
+                nonce: ByteBuf::from(self.nonce.to_vec()),
+                agent: self.agent.clone(),
+            }
+        }
+
+        /// The Auth answering the unit's `Challenge`, proving `token` (the unit's proof is
+        /// not checked: tests may play a client that ignores it). Panics on another answer.
+        pub fn auth(&self, challenge: &Response, token: Option<&Token>) -> Request {
+            let Response::Challenge { nonce, .. } = challenge else {
+                panic!("no challenge: {challenge:?}");
+            };
+            let parts = handshake_parts(&self.nonce, nonce, &self.agent);
+            Request::Auth {
+                proof: ByteBuf::from(auth::prove(token, CLIENT_PROOF, &parts).to_vec()),
+            }
+        }
+
+        /// Whether the unit's `Challenge` proves `token`.
+        pub fn unit_proves(&self, challenge: &Response, token: Option<&Token>) -> bool {
+            let Response::Challenge { nonce, proof } = challenge else {
+                return false;
+            };
+            let parts = handshake_parts(&self.nonce, nonce, &self.agent);
+            auth::check(token, UNIT_PROOF, &parts, proof)
+        }
+    }
+
+    /// Says Hello and Auth (request ids `first`, `first + 1`) to session `session` of `unit`
+    /// and returns what the unit answered the Auth (an `Accept` when `token` is right).
+    pub fn open<M: crate::core::Memory>(
+        unit: &mut crate::core::Unit<M>,
+        now: std::time::Instant,
+        session: crate::core::SessionId,
+        first: u64,
+        agent: Vec<u8>,
+        token: Option<&Token>,
+    ) -> Vec<crate::core::Output<M::Dest>> {
+        let h = Hello::new(agent);
+        let out = unit.handle(now, session, first, h.request());
+        let challenge = match out.as_slice() {
+            [crate::core::Output::Reply { response, .. }] => response.clone(),
+            _ => return out,
+        };
+        unit.handle(now, session, first + 1, h.auth(&challenge, token))
+    }
+}

@@ -43,11 +43,14 @@ impl Pair {
             next: 0,
             block: Vec::new(),
         };
-        let hello = Request::Hello {
-            token: None,
-            agent: b"client".to_vec(),
-        };
-        let out = p.unit.handle(p.now, S, 0, hello);
+        let out = tessera_storage::testing::handshake::open(
+            &mut p.unit,
+            p.now,
+            S,
+            0,
+            b"client".to_vec(),
+            None,
+        );
         assert!(matches!(
             out.as_slice(),
             [Output::Accept { session: S, .. }]

@@ -10,8 +10,9 @@ use serde_bytes::ByteBuf;
 use tessera_framecodec::{encode, Tensor, Value};
 use tessera_storage::core::{Output, TornDown, Unit, UnitConfig};
 use tessera_storage::proto::{PullSource, Request, Response};
-use tessera_storage::testing::VecMem;
+use tessera_storage::testing::{handshake, VecMem};
 use tessera_storage::ErrorKind;
+use tessera_transport::auth::Token;
 use tessera_transport::{RemoteDesc, TransferError};
 
 struct Harness {
@@ -30,15 +31,7 @@ impl Harness {
         let mut unit = Unit::new(cfg, mem);
         unit.open_session(S);
         let now = Instant::now();
-        let out = unit.handle(
-            now,
-            S,
-            0,
-            Request::Hello {
-                token: None,
-                agent: vec![],
-            },
-        );
+        let out = handshake::open(&mut unit, now, S, 0, vec![], None);
         assert!(matches!(out[..], [Output::Accept { .. }]));
         unit.session_ready(S);
         Self {
@@ -221,6 +214,22 @@ fn batch(fields: usize, vals: Vec<Value>) -> Value {
     Value::List((0..fields).map(|_| Value::List(vals.clone())).collect())
 }
 
+/// A copy of a reply output.
+fn clone_reply(o: &Output) -> Output {
+    match o {
+        Output::Reply {
+            session,
+            id,
+            response,
+        } => Output::Reply {
+            session: *session,
+            id: *id,
+            response: response.clone(),
+        },
+        other => panic!("not a reply: {other:?}"),
+    }
+}
+
 fn kind(r: &Response) -> Option<ErrorKind> {
     match r {
         Response::Error(e) => Some(e.kind),
@@ -231,7 +240,7 @@ fn kind(r: &Response) -> Option<ErrorKind> {
 #[test]
 fn hello_first_and_token() {
     let cfg = UnitConfig {
-        token: Some("s3cret".into()),
+        token: Some(Token::new("s3cret").unwrap()),
         ..UnitConfig::default()
     };
     let mut unit = Unit::new(cfg, VecMem::new(0));
@@ -241,25 +250,25 @@ fn hello_first_and_token() {
         kind(&single(unit.handle(now, 7, 1, Request::Stats))),
         Some(ErrorKind::NoSession)
     );
-    let out = unit.handle(
-        now,
-        7,
-        2,
-        Request::Hello {
-            token: Some("wrong".into()),
-            agent: vec![],
-        },
+    // Auth before Hello is out of turn: refused, and the session ends.
+    let auth = Request::Auth {
+        proof: ByteBuf::from(vec![0u8; 32]),
+    };
+    let out = unit.handle(now, 7, 1, auth);
+    assert!(matches!(out[1], Output::Close { session: 7 }), "{out:?}");
+    unit.close_session(7, now, TornDown::Grace);
+    unit.open_session(7);
+    let wrong = Token::new("wrong").unwrap();
+    let out = handshake::open(&mut unit, now, 7, 2, vec![], Some(&wrong));
+    assert!(
+        matches!(&out[0], Output::Reply { response: Response::Error(e), .. } if e.kind == ErrorKind::Unauthorized),
+        "{out:?}"
     );
     assert!(matches!(out[1], Output::Close { session: 7 }));
-    let out = unit.handle(
-        now,
-        7,
-        3,
-        Request::Hello {
-            token: Some("s3cret".into()),
-            agent: vec![],
-        },
-    );
+    unit.close_session(7, now, TornDown::Grace);
+    unit.open_session(8);
+    let right = Token::new("s3cret").unwrap();
+    let out = handshake::open(&mut unit, now, 8, 3, vec![], Some(&right));
     assert!(matches!(out[..], [Output::Accept { .. }]));
 }
 
@@ -391,7 +400,12 @@ fn prepared_put_lifecycle_cancel_ttl_quarantine() {
     let (_, _) = prep(&mut h);
     assert_eq!(h.unit.poll_timeout(), Some(h.now + ttl));
     let out = h.unit.handle_timeout(h.now + ttl);
-    assert_eq!(kind(&single(out)), Some(ErrorKind::PeerFailed));
+    // The failed session is closed too, so its quarantine can be released.
+    assert!(matches!(out[1], Output::Close { session: S }), "{out:?}");
+    assert_eq!(
+        kind(&single(out[..1].iter().map(clone_reply).collect())),
+        Some(ErrorKind::PeerFailed)
+    );
     assert_eq!(kind(&h.req(Request::Stats).1), Some(ErrorKind::PeerFailed));
     assert_eq!(h.unit.stats().pending_puts, 0);
     // The session ends: its quarantine stays until its client's link is torn down, then the
@@ -460,12 +474,8 @@ fn close_after_ready_keeps_the_block_until_the_link_is_torn_down() {
     assert_eq!(h.unit.stats().pool.used, exposed);
     // Another session's PUT is leased elsewhere; beyond the quarantine limit PUTs are refused.
     h.unit.open_session(2);
-    let hello = Request::Hello {
-        token: None,
-        agent: vec![],
-    };
     assert!(matches!(
-        h.unit.handle(h.now, 2, 0, hello)[..],
+        handshake::open(&mut h.unit, h.now, 2, 0, vec![], None)[..],
         [Output::Accept { .. }]
     ));
     h.unit.session_ready(2);
@@ -932,4 +942,51 @@ fn pulled_put_lifecycle() {
         (s.leased_bytes, s.pool.used, s.keys, s.pending_puts),
         (0, 0, 0, 0)
     );
+}
+
+/// A GET looked up in slices (the driver's path for many keys) answers what one GET does:
+/// the same values, or the same keys missing, with at most `slice_keys` keys per step.
+#[test]
+fn a_get_in_slices_answers_as_one_get() {
+    let mut h = Harness::new(UnitConfig {
+        slice_keys: 10,
+        ..UnitConfig::default()
+    });
+    let idx: Vec<u64> = (0..95).collect();
+    let vals = (0..95).map(Value::U64).collect::<Vec<_>>();
+    let strs = (0..95)
+        .map(|i| Value::Str(format!("s{i}")))
+        .collect::<Vec<_>>();
+    let value = Value::List(vec![Value::List(vals), Value::List(strs)]);
+    assert_eq!(h.put_inline("p", &idx, &["a", "b"], &value), Response::Done);
+    let fields = vec!["b".to_string(), "a".to_string()];
+    let sliced = |h: &mut Harness, indexes: Vec<u64>| {
+        let mut g = h
+            .unit
+            .get_begin(S, 50, "p".into(), indexes, fields.clone())
+            .unwrap_or_else(|_| panic!("refused"));
+        let mut steps = 1;
+        while !h.unit.get_step(&mut g) {
+            steps += 1;
+        }
+        let encoded = g
+            .into_columns()
+            .and_then(|c| tessera_storage::core::encode_get(h.unit.config(), c));
+        (steps, h.unit.get_finish(h.now, S, 50, encoded))
+    };
+    let (steps, out) = sliced(&mut h, idx.clone());
+    assert_eq!(steps, 19, "5 indexes x 2 fields per step");
+    let Response::Values { meta, frames } = single(out) else {
+        panic!("not inline")
+    };
+    let got = tessera_storage::core::decode_inline(&meta, frames).unwrap();
+    assert_eq!(got, h.get("p", &idx, &["b", "a"]).unwrap());
+    // Missing keys: all counted, at most 1,000 named, as one GET names them.
+    let (_, out) = sliced(&mut h, (90..200).collect());
+    let Response::Error(e) = single(out) else {
+        panic!("not an error")
+    };
+    assert_eq!(e.kind, ErrorKind::Missing);
+    assert!(e.message.starts_with("210 key(s)"), "{e:?}");
+    assert_eq!(e.missing.len(), 210);
 }

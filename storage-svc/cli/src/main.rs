@@ -10,7 +10,9 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{Args, Parser, Subcommand};
-use tessera_storage::{Backend, BusyPoll, Client, ClientConfig, Server, ServerConfig, Value};
+use tessera_storage::{
+    Backend, BusyPoll, Client, ClientConfig, Server, ServerConfig, Token, Value,
+};
 
 #[derive(Parser)]
 #[command(
@@ -87,11 +89,49 @@ struct Conn {
     unit: Vec<String>,
     #[arg(long, value_parser = backend_parser(), default_value = "shm")]
     backend: Backend,
-    #[arg(long)]
-    token: Option<String>,
+    #[command(flatten)]
+    token: TokenArgs,
     /// tcp backend: this host's address for the client's payload engine (default 127.0.0.1).
     #[arg(long)]
     payload_addr: Option<std::net::SocketAddr>,
+}
+
+/// Where the shared token comes from: `--token-file`, `TESSERA_TOKEN`, or `--token`.
+#[derive(Args)]
+struct TokenArgs {
+    /// Shared token, given on the command line. Other users of this host can read it in
+    /// /proc/PID/cmdline: prefer --token-file or TESSERA_TOKEN.
+    #[arg(long, conflicts_with = "token_file")]
+    token: Option<String>,
+    /// File holding the shared token (without its trailing newline; it must not be readable by
+    /// group or others). Default: the TESSERA_TOKEN environment variable, if set.
+    #[arg(long, value_name = "PATH")]
+    token_file: Option<PathBuf>,
+}
+
+impl TokenArgs {
+    /// The token: from the file, else the flag, else `TESSERA_TOKEN`, else none.
+    fn token(&self) -> Result<Option<Token>> {
+        if let Some(path) = &self.token_file {
+            return Ok(Some(Token::from_file(path)?));
+        }
+        if let Some(t) = &self.token {
+            return Ok(Some(Token::new(t).context("--token")?));
+        }
+        Ok(Token::from_env("TESSERA_TOKEN")?)
+    }
+}
+
+/// The binary runs units and clients in separate processes: `inproc` moves payloads within
+/// one process only, so across processes it would hand back memory it never wrote.
+fn refuse_inproc(backend: Backend) -> Result<()> {
+    if backend == Backend::Inproc {
+        bail!(
+            "--backend inproc works within one process only; the tessera-storage binary's \
+             unit and clients are separate processes: use shm (this host) or tcp"
+        );
+    }
+    Ok(())
 }
 
 #[derive(Args)]
@@ -141,8 +181,14 @@ struct Serve {
     /// GET WRITEs queued per client, at most.
     #[arg(long)]
     transfer_queue: Option<usize>,
+    /// Control connections served at once, at most (kept below the open-file limit).
     #[arg(long)]
-    token: Option<String>,
+    max_connections: Option<usize>,
+    /// Stored keys, at most.
+    #[arg(long)]
+    max_stored_keys: Option<u64>,
+    #[command(flatten)]
+    token: TokenArgs,
     /// Serve Prometheus metrics on this address.
     #[arg(long)]
     metrics: Option<std::net::SocketAddr>,
@@ -197,10 +243,12 @@ fn tracing_init(level: Option<&str>) -> Result<()> {
 }
 
 async fn client(c: Conn) -> Result<Client> {
+    refuse_inproc(c.backend)?;
+    let token = c.token.token()?;
     Ok(Client::connect(ClientConfig {
         units: c.unit,
         backend: c.backend,
-        token: c.token,
+        token,
         payload_addr: c.payload_addr,
         ..ClientConfig::default()
     })
@@ -329,9 +377,16 @@ async fn serve(s: Serve, poll: Option<BusyPoll>) -> Result<()> {
     if let Some(v) = s.transfer_queue {
         cfg.transfer_queue = v;
     }
-    if s.token.is_some() {
-        cfg.unit.token = s.token;
+    if let Some(v) = s.max_connections {
+        cfg.max_connections = v;
     }
+    if let Some(v) = s.max_stored_keys {
+        cfg.unit.max_stored_keys = v;
+    }
+    if let Some(t) = s.token.token()? {
+        cfg.unit.token = Some(t);
+    }
+    refuse_inproc(cfg.backend)?;
     cfg.busy_poll = poll;
     if s.print_config {
         print!("{}", toml::to_string(&cfg)?);

@@ -144,12 +144,10 @@ async fn session_lost_after_prepare_releases_its_block() {
     let agent = Backend::Shm.role_agent("raw").unwrap();
     let other = unit.client().await;
     let mut s = std::net::TcpStream::connect(&unit.addr).unwrap();
-    let hello = Request::Hello {
-        token: None,
-        agent: agent.metadata(),
-    };
+    let hello = tessera_storage::testing::handshake::Hello::new(agent.metadata());
     let (mut s, welcome) = tokio::task::spawn_blocking(move || {
-        let r = roundtrip(&mut s, 0, &hello);
+        let challenge = roundtrip(&mut s, 0, &hello.request());
+        let r = roundtrip(&mut s, 0, &hello.auth(&challenge, None));
         (s, r)
     })
     .await

@@ -34,13 +34,13 @@ async fn token_and_backend_mismatch_are_refused() {
         .expect("no token");
     assert_eq!(err.kind(), Some(ErrorKind::Unauthorized));
     let ok = tessera_storage::Client::connect(ClientConfig {
-        token: Some("s3cret".into()),
+        token: Some("s3cret".parse().unwrap()),
         ..unit.config()
     })
     .await;
     assert!(ok.is_ok());
     let err = tessera_storage::Client::connect(ClientConfig {
-        token: Some("s3cret".into()),
+        token: Some("s3cret".parse().unwrap()),
         backend: Backend::Tcp,
         ..unit.config()
     })

@@ -1,6 +1,9 @@
 //! Arbitrary bytes as control messages: framing, envelope decoding and the protocol core
 //! must answer with errors, never panic. Each input is split into frames by its own length
-//! prefixes and fed to one session of a unit over vector memory.
+//! prefixes and fed to one session of a unit over vector memory. The handshake's messages
+//! (Hello, Auth) are decoded and handled like any other; since no input can forge a proof
+//! over the unit's fresh nonce, inputs whose first byte has bit 0x40 set start on a session
+//! already opened by a proper handshake, so the requests after it are reached too.
 #![no_main]
 
 use std::time::Instant;
@@ -54,6 +57,12 @@ fuzz_target!(|data: &[u8]| {
     unit.set_pull_puts(data.first().is_some_and(|b| b & 0x80 != 0));
     unit.open_session(1);
     let now = Instant::now();
+    if data.first().is_some_and(|b| b & 0x40 != 0) {
+        let out = tessera_storage::testing::handshake::open(&mut unit, now, 1, 0, vec![], None);
+        if out.iter().any(|o| matches!(o, Output::Accept { .. })) {
+            unit.session_ready(1);
+        }
+    }
     let mut rest = data;
     while rest.len() >= 4 {
         let Ok(len) = frame_len(rest[..4].try_into().unwrap(), 1 << 16) else {
@@ -63,13 +72,17 @@ fuzz_target!(|data: &[u8]| {
         let body = &rest[..len.min(rest.len())];
         rest = &rest[body.len()..];
         if let Ok((id, req)) = decode_body::<Request>(body) {
-            let hello = matches!(req, Request::Hello { .. });
+            let mut accepted = false;
             for out in unit.handle(now, 1, id, req) {
-                if let Output::Read { put, .. } = out {
-                    let _ = unit.read_done(1, put, Ok(()));
+                match out {
+                    Output::Read { put, .. } => {
+                        let _ = unit.read_done(1, put, Ok(()));
+                    }
+                    Output::Accept { .. } => accepted = true,
+                    _ => {}
                 }
             }
-            if hello {
+            if accepted {
                 unit.session_ready(1);
             }
         }

@@ -7,13 +7,14 @@ use std::time::Duration;
 use tessera_sync::atomic::{AtomicU64, Ordering};
 use tessera_sync::{Arc, Mutex};
 
-use tessera_transport::{Agent, Peer};
+use serde_bytes::ByteBuf;
+use tessera_transport::{auth, Agent, Peer};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, oneshot};
 
 use super::ClientConfig;
 use crate::busy_poll::{BusyPoll, Waiting};
-use crate::error::ClientError;
+use crate::error::{ClientError, ErrorKind};
 use crate::plane::BackendExt;
 use crate::proto::{self, Request, Response};
 
@@ -21,6 +22,10 @@ use crate::proto::{self, Request, Response};
 struct Pending {
     /// Set once the connection is gone: later calls fail at once instead of waiting.
     closed: bool,
+    /// Set once the unit answered that the session failed (`peer_failed`, a transfer whose
+    /// outcome is unknown, an internal failure): the client opens a new session for the
+    /// next request.
+    failed: bool,
     map: HashMap<u64, oneshot::Sender<Result<Response, ClientError>>>,
     /// Polled for answers while one is awaited (`ClientConfig::busy_poll`).
     poll: Option<BusyPoll>,
@@ -77,11 +82,32 @@ impl Conn {
         }));
         tokio::spawn(write_loop(w, rx));
         tokio::spawn(read_loop(unit, r, waiters.clone(), cfg.max_message_bytes));
+        // Challenge-response: the token never travels. The unit proves it holds the token
+        // first (over both nonces and what this client sent), then this client.
+        let client_nonce = auth::nonce();
+        let md_ours = agent.metadata();
         let hello = Request::Hello {
-            token: cfg.token.clone(),
-            agent: agent.metadata(),
+            nonce: ByteBuf::from(client_nonce.to_vec()),
+            agent: md_ours.clone(),
         };
         let (_, resp) = call_raw(unit, &tx, &waiters, 0, hello, cfg.timeout).await?;
+        let Response::Challenge { nonce, proof } = resp else {
+            return Err(ClientError::Unexpected {
+                unit,
+                what: format!("{resp:?}").chars().take(200).collect(),
+            });
+        };
+        let parts = proto::handshake_parts(&client_nonce, &nonce, &md_ours);
+        if nonce.len() != auth::NONCE_LEN
+            || !auth::check(cfg.token.as_ref(), proto::UNIT_PROOF, &parts, &proof)
+        {
+            return Err(ClientError::Unauthenticated { unit });
+        }
+        let proof = auth::prove(cfg.token.as_ref(), proto::CLIENT_PROOF, &parts);
+        let auth_req = Request::Auth {
+            proof: ByteBuf::from(proof.to_vec()),
+        };
+        let (_, resp) = call_raw(unit, &tx, &waiters, 1, auth_req, cfg.timeout).await?;
         let Response::Welcome {
             agent: md,
             backend,
@@ -91,7 +117,7 @@ impl Conn {
         else {
             return Err(ClientError::Unexpected {
                 unit,
-                what: format!("{resp:?}"),
+                what: format!("{resp:?}").chars().take(200).collect(),
             });
         };
         if backend != cfg.backend.name() {
@@ -109,13 +135,19 @@ impl Conn {
             unit,
             tx,
             waiters,
-            next: AtomicU64::new(1),
+            next: AtomicU64::new(2),
             peer,
             inline_max,
             align,
             timeout: cfg.timeout,
             pull: cfg.backend.pulls_puts(),
         })
+    }
+
+    /// Whether this session is over (its connection closed, or the unit failed it).
+    pub(super) fn ended(&self) -> bool {
+        let w = self.waiters.lock();
+        w.closed || w.failed
     }
 
     pub(super) async fn call(&self, req: Request) -> Result<(u64, Response), ClientError> {
@@ -243,20 +275,63 @@ impl Answer<'_> {
         } = self;
         // A unit that never answers (stopped, or a session task that died) must not hold the
         // caller forever.
-        let Ok(answer) = tokio::time::timeout(timeout, rx).await else {
-            waiters.lock().map.remove(&id);
-            return Err(ClientError::Timeout {
-                unit,
-                after: timeout,
-            });
+        let answer = match deadline_or_answer(rx, timeout).await {
+            Some(answer) => answer,
+            None => {
+                waiters.lock().map.remove(&id);
+                return Err(ClientError::Timeout {
+                    unit,
+                    after: timeout,
+                });
+            }
         };
         match answer {
-            Ok(Ok(Response::Error(source))) => Err(ClientError::Remote { unit, source }),
-            Ok(Ok(r)) => Ok((id, r)),
-            Ok(Err(e)) => Err(e),
-            Err(_) => Err(connection_closed(unit)),
+            Some(Ok(Response::Error(source))) => {
+                if session_fatal(source.kind) {
+                    waiters.lock().failed = true;
+                }
+                Err(ClientError::Remote { unit, source })
+            }
+            Some(Ok(r)) => Ok((id, r)),
+            Some(Err(e)) => Err(e),
+            None => Err(connection_closed(unit)),
         }
     }
+}
+
+/// Whether an answer of this kind means the unit ended the session.
+fn session_fatal(kind: ErrorKind) -> bool {
+    matches!(
+        kind,
+        ErrorKind::PeerFailed | ErrorKind::Transfer | ErrorKind::Internal
+    )
+}
+
+/// How long a waiter whose deadline passed still gives the connection's reader to hand over
+/// an answer that is already there (a process resumed after SIGSTOP sees its timers and
+/// its sockets ready at once, in no particular order).
+const LATE_ANSWER_GRACE: Duration = Duration::from_millis(200);
+
+/// The answer on `rx` (`Some(None)` when its sender went away), or `None` once `timeout`
+/// passed without one. When the deadline fires, an answer that has arrived meanwhile is taken
+/// first: the reader is given a moment to deliver what the socket already holds before the
+/// wait counts as a timeout.
+pub(super) async fn deadline_or_answer<T>(
+    mut rx: oneshot::Receiver<T>,
+    timeout: Duration,
+) -> Option<Option<T>> {
+    if let Ok(a) = tokio::time::timeout(timeout, &mut rx).await {
+        return Some(a.ok());
+    }
+    match rx.try_recv() {
+        Ok(a) => return Some(Some(a)),
+        Err(oneshot::error::TryRecvError::Closed) => return Some(None),
+        Err(oneshot::error::TryRecvError::Empty) => {}
+    }
+    tokio::time::timeout(LATE_ANSWER_GRACE.min(timeout), &mut rx)
+        .await
+        .ok()
+        .map(Result::ok)
 }
 
 /// A request for the connection's writer, and whom to tell once it is on the socket.

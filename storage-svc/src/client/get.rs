@@ -17,7 +17,8 @@ impl Client {
         indexes: Vec<u64>,
         fields: Vec<String>,
     ) -> Result<Vec<Vec<Value>>, ClientError> {
-        let conn = &self.conns[unit];
+        let conn = self.conn(unit).await?;
+        let conn = &*conn;
         let (mut op, mut step) = GetOp::new(
             unit,
             partition,
@@ -40,9 +41,10 @@ impl Client {
                     return r;
                 }
                 GetStep::Send(req @ Request::GetInto { .. }) => {
-                    match tokio::time::timeout(self.timeout, conn.call(req)).await {
-                        Ok(answer) => op.on_answer(answer),
-                        Err(_) => op.on_timeout(self.timeout),
+                    // The answer's own deadline (which first takes an answer already there).
+                    match conn.call(req).await {
+                        Err(ClientError::Timeout { .. }) => op.on_timeout(self.timeout),
+                        answer => op.on_answer(answer),
                     }
                 }
                 GetStep::Send(req) => op.on_answer(conn.call(req).await),

@@ -50,8 +50,9 @@ pub struct ClientConfig {
     /// advertises to units (port 0 picks one). Unset: 127.0.0.1, for units on this host.
     /// `ucx` and `nixl` refuse it (UCX takes its interfaces from `UCX_NET_DEVICES`).
     pub payload_addr: Option<std::net::SocketAddr>,
-    /// Shared secret, if the units require one.
-    pub token: Option<String>,
+    /// Shared secret, if the units require one: the client proves it holds it and checks that
+    /// the unit does too (challenge-response; it never travels and `Debug` never shows it).
+    pub token: Option<tessera_transport::auth::Token>,
     /// Bytes of the client's registered receive pool (GETs land here).
     pub recv_pool_bytes: u64,
     /// Largest control message accepted from a unit.
@@ -82,7 +83,9 @@ impl Default for ClientConfig {
 
 /// A client of one or more units. Cheap to share behind an `Arc`; requests are pipelined.
 pub struct Client {
-    conns: Vec<Conn>,
+    conns: Vec<Slot>,
+    /// What new sessions are opened with (after a session-fatal error).
+    cfg: ClientConfig,
     placement: Box<dyn Placement>,
     agent: Arc<Agent>,
     pool: RegisteredPool,
@@ -120,10 +123,12 @@ impl Client {
         .await??;
         let mut conns = Vec::with_capacity(cfg.units.len());
         for (unit, addr) in cfg.units.iter().enumerate() {
-            conns.push(Conn::open(unit, addr, &cfg, &agent).await?);
+            let conn = Conn::open(unit, addr, &cfg, &agent).await?;
+            conns.push(Slot(tokio::sync::Mutex::new(Arc::new(conn))));
         }
         Ok(Client {
             conns,
+            cfg: cfg.clone(),
             placement,
             agent,
             pool,
@@ -136,6 +141,23 @@ impl Client {
             quarantine: Mutex::new(Vec::new()),
             held_sources: Mutex::new(Vec::new()),
         })
+    }
+
+    /// The session with `unit`: the current one, or a new one when the current one ended
+    /// (its connection closed, or the unit failed it: `peer_failed`). The request that met
+    /// the failure was not retried; its error was returned to its caller.
+    async fn conn(&self, unit: usize) -> Result<Arc<Conn>, ClientError> {
+        let slot = self
+            .conns
+            .get(unit)
+            .ok_or_else(|| ClientError::ApiMisuse(format!("no unit {unit}")))?;
+        let mut cur = slot.0.lock().await;
+        if cur.ended() {
+            let addr = &self.cfg.units[unit];
+            tracing::debug!(unit, %addr, "session ended; opening a new one");
+            *cur = Arc::new(Conn::open(unit, addr, &self.cfg, &self.agent).await?);
+        }
+        Ok(cur.clone())
     }
 
     /// Number of units.
@@ -249,7 +271,7 @@ impl Client {
             if positions.is_empty() {
                 continue;
             }
-            let conn = &self.conns[unit];
+            let conn = self.conn(unit).await?;
             let req = Request::Clear {
                 partition: partition.to_owned(),
                 indexes: positions.iter().map(|p| indexes[*p]).collect(),
@@ -265,7 +287,8 @@ impl Client {
 
     /// Removes a partition from every unit. Idempotent.
     pub async fn drop_partition(&self, partition: &str) -> Result<(), ClientError> {
-        for conn in &self.conns {
+        for unit in 0..self.conns.len() {
+            let conn = self.conn(unit).await?;
             let req = Request::DropPartition {
                 partition: partition.to_owned(),
             };
@@ -280,7 +303,8 @@ impl Client {
     /// Statistics of every unit, in unit order.
     pub async fn stats(&self) -> Result<Vec<Stats>, ClientError> {
         let mut out = Vec::with_capacity(self.conns.len());
-        for conn in &self.conns {
+        for unit in 0..self.conns.len() {
+            let conn = self.conn(unit).await?;
             match conn.call(Request::Stats).await?.1 {
                 Response::Stats(s) => out.push(s),
                 other => return Err(conn.unexpected(other)),
@@ -291,13 +315,13 @@ impl Client {
 
     /// Sends one raw request to a unit and returns its response (for tools and tests).
     pub async fn raw(&self, unit: usize, req: Request) -> Result<Response, ClientError> {
-        let conn = self
-            .conns
-            .get(unit)
-            .ok_or_else(|| ClientError::ApiMisuse(format!("no unit {unit}")))?;
+        let conn = self.conn(unit).await?;
         Ok(conn.call(req).await?.1)
     }
 }
+
+/// A unit's session, replaced by a new one once it ended.
+struct Slot(tokio::sync::Mutex<Arc<Conn>>);
 
 /// Runs `futs` concurrently on the current task and returns their outputs in order.
 async fn join_all<F: std::future::Future>(futs: Vec<F>) -> Vec<F::Output> {

@@ -21,7 +21,8 @@ impl Client {
         fields: Vec<String>,
         value: &Value,
     ) -> Result<(), ClientError> {
-        let conn = &self.conns[unit];
+        let conn = self.conn(unit).await?;
+        let conn = &*conn;
         let frames = encode(value)?;
         let inline = PutOp::is_inline(&frames, conn.inline_max);
         if !inline && conn.pull {

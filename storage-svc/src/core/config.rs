@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+use tessera_transport::auth::Token;
 
 /// Configuration of the protocol core.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -22,8 +23,22 @@ pub struct UnitConfig {
     pub max_meta_bytes: u64,
     /// Bytes of registered memory leased to prepared PUTs, at most.
     pub leased_limit: u64,
+    /// Bytes of registered memory leased to the prepared PUTs of one session, at most.
+    pub session_leased_limit: u64,
     /// Bytes of quarantined registered memory, at most; PUTs are refused beyond it.
     pub quarantine_limit: u64,
+    /// Bytes of quarantined registered memory of one open session, at most; that session's
+    /// PUTs that need a block are refused beyond it (other sessions are not).
+    pub session_quarantine_limit: u64,
+    /// What a stored key costs against `capacity_bytes` besides its value: this many bytes,
+    /// plus the key's length (its field name and 8 bytes of index). An empty value is not
+    /// free.
+    pub key_overhead_bytes: u64,
+    /// Stored (field, index) keys, at most.
+    pub max_stored_keys: u64,
+    /// Keys a multi-key request (GET, CLEAR) handles per hold of the unit's shared state; the
+    /// driver yields to other sessions between slices.
+    pub slice_keys: u64,
     /// A prepared PUT or GET that sees no COMMIT within this time expires.
     #[serde(with = "millis")]
     pub prepare_ttl: Duration,
@@ -35,8 +50,21 @@ pub struct UnitConfig {
     pub late_write_grace: Duration,
     /// Compact a receive block when this fraction of it is dead (0 disables compaction).
     pub compact_dead_fraction: f64,
-    /// Shared secret a Hello must carry.
-    pub token: Option<String>,
+    /// Shared secret the client must prove it holds (challenge-response; the token never
+    /// travels). Read from a string in configuration files; never serialized or printed.
+    #[serde(skip_serializing, deserialize_with = "token::deserialize")]
+    pub token: Option<Token>,
+}
+
+mod token {
+    use serde::{Deserialize, Deserializer};
+    use tessera_transport::auth::Token;
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Token>, D::Error> {
+        match Option::<String>::deserialize(d)? {
+            None => Ok(None),
+            Some(s) => Token::new(s).map(Some).map_err(serde::de::Error::custom),
+        }
+    }
 }
 
 mod millis {
@@ -60,7 +88,12 @@ impl Default for UnitConfig {
             max_payload_bytes: 16 << 30,
             max_meta_bytes: 64 << 20,
             leased_limit: 16 << 30,
+            session_leased_limit: 4 << 30,
             quarantine_limit: 1 << 30,
+            session_quarantine_limit: 256 << 20,
+            key_overhead_bytes: 64,
+            max_stored_keys: 1 << 22,
+            slice_keys: 4096,
             prepare_ttl: Duration::from_secs(30),
             late_write_grace: Duration::from_secs(30),
             compact_dead_fraction: 0.75,

@@ -73,6 +73,61 @@ impl Gets {
     }
 }
 
+/// A GET looked up in slices ([`Unit::get_begin`]).
+pub struct SlicedGet {
+    session: SessionId,
+    id: u64,
+    partition: String,
+    indexes: Vec<u64>,
+    fields: Vec<String>,
+    /// The first index not looked up yet.
+    next: usize,
+    columns: Vec<Vec<Value>>,
+    missing: Vec<(String, u64)>,
+    missing_count: u64,
+}
+
+impl SlicedGet {
+    /// The session and request id.
+    pub fn id(&self) -> (SessionId, u64) {
+        (self.session, self.id)
+    }
+
+    /// The partition.
+    pub fn partition(&self) -> &str {
+        &self.partition
+    }
+
+    /// The values looked up, one list per field, or the keys missing.
+    pub fn into_columns(self) -> Result<Vec<Value>, RemoteError> {
+        if self.missing_count > 0 {
+            return Err(super::store::missing_error(
+                &self.partition,
+                self.missing_count,
+                self.missing,
+            ));
+        }
+        Ok(self.columns.into_iter().map(Value::List).collect())
+    }
+}
+
+/// A GET's answer encoded (its payload checked against `max_payload_bytes`).
+pub struct EncodedGet(tessera_framecodec::Frames);
+
+/// Encodes a GET's columns as `cfg` allows. Pure: a driver may run it without the unit.
+pub fn encode_get(cfg: &super::UnitConfig, columns: Vec<Value>) -> Result<EncodedGet, RemoteError> {
+    let frames = Encoder::new()
+        .encode(&Value::List(columns))
+        .map_err(|e| err(ErrorKind::TooLarge, format!("encode: {e}")))?;
+    if frames.payload_bytes() > cfg.max_payload_bytes {
+        return Err(err(
+            ErrorKind::TooLarge,
+            "GET payload above max_payload_bytes",
+        ));
+    }
+    Ok(EncodedGet(frames))
+}
+
 impl<M: Memory> Unit<M> {
     pub(super) fn get(
         &mut self,
@@ -85,16 +140,87 @@ impl<M: Memory> Unit<M> {
     ) -> Result<Response, RemoteError> {
         self.check_keys(indexes, fields)?;
         let columns = self.store.lookup(partition, indexes, fields)?;
-        let frames = Encoder::new()
-            .encode(&Value::List(columns))
-            .map_err(|e| err(ErrorKind::TooLarge, format!("encode: {e}")))?;
-        let payload = frames.payload_bytes();
-        if payload > self.cfg.max_payload_bytes {
-            return Err(err(
-                ErrorKind::TooLarge,
-                "GET payload above max_payload_bytes",
-            ));
+        let encoded = encode_get(&self.cfg, columns)?;
+        self.answer_get(now, session, id, encoded)
+    }
+
+    /// Starts a GET that the driver looks up in slices ([`Unit::get_step`]) so that no hold of
+    /// the unit's shared state grows with its key count; then it encodes the answer
+    /// ([`encode_get`], without the unit) and ends it ([`Unit::get_finish`]). The caller
+    /// checked the keys first ([`check_keys`](super::check_keys), also without the unit).
+    /// Refused (the answer to send) in a session state that refuses requests.
+    pub fn get_begin(
+        &self,
+        session: SessionId,
+        id: u64,
+        partition: String,
+        indexes: Vec<u64>,
+        fields: Vec<String>,
+    ) -> Result<SlicedGet, Vec<Output<M::Dest>>> {
+        if let Some((kind, why)) = self.refused_by_state(session, super::session::Step::Other) {
+            return Err(vec![Output::Reply {
+                session,
+                id,
+                response: Response::error(kind, why),
+            }]);
         }
+        Ok(SlicedGet {
+            session,
+            id,
+            columns: fields.iter().map(|_| Vec::new()).collect(),
+            partition,
+            indexes,
+            fields,
+            next: 0,
+            missing: Vec::new(),
+            missing_count: 0,
+        })
+    }
+
+    /// Looks up the next slice of GET `g` (about `slice_keys` keys); whether it is complete.
+    pub fn get_step(&self, g: &mut SlicedGet) -> bool {
+        let per = (self.cfg.slice_keys.max(1) as usize / g.fields.len().max(1)).max(1);
+        let end = (g.next + per).min(g.indexes.len());
+        self.store.lookup_into(
+            &g.partition,
+            &g.indexes[g.next..end],
+            &g.fields,
+            &mut g.columns,
+            &mut g.missing,
+            &mut g.missing_count,
+        );
+        g.next = end;
+        g.next == g.indexes.len()
+    }
+
+    /// Ends a GET looked up in slices: its answer (`encoded` from [`SlicedGet::into_columns`]
+    /// through [`encode_get`], or the keys missing).
+    pub fn get_finish(
+        &mut self,
+        now: Instant,
+        session: SessionId,
+        id: u64,
+        encoded: Result<EncodedGet, RemoteError>,
+    ) -> Vec<Output<M::Dest>> {
+        let response = encoded
+            .and_then(|e| self.answer_get(now, session, id, e))
+            .unwrap_or_else(Response::Error);
+        vec![Output::Reply {
+            session,
+            id,
+            response,
+        }]
+    }
+
+    fn answer_get(
+        &mut self,
+        now: Instant,
+        session: SessionId,
+        id: u64,
+        encoded: EncodedGet,
+    ) -> Result<Response, RemoteError> {
+        let EncodedGet(frames) = encoded;
+        let payload = frames.payload_bytes();
         let meta = ByteBuf::from(frames.meta.to_vec());
         if payload <= self.cfg.inline_max {
             return Ok(Response::Values {

@@ -38,14 +38,16 @@ use tessera_framecodec::{decode, DecodeError, Decoder, Limits, Value};
 use tessera_transport::RemoteDesc;
 
 pub use self::config::UnitConfig;
+pub use self::get::{encode_get, EncodedGet, SlicedGet};
 pub use self::stats::{PartitionStats, PoolStats, Stats};
 
 use self::get::Gets;
 use self::put::{PutNext, PutRequest, Puts};
-use self::session::Sessions;
+use self::session::{Handshake, SessionState, Sessions, Step};
 use self::store::{Compaction, Store};
 use crate::error::{ErrorKind, MemoryError, PayloadError, RemoteError};
-use crate::proto::{Request, Response};
+use crate::proto::{handshake_parts, Request, Response, CLIENT_PROOF, UNIT_PROOF};
+use tessera_transport::auth;
 
 /// Identifies a control connection (a session). A client that reconnects is a new session.
 pub type SessionId = u64;
@@ -91,11 +93,13 @@ pub enum Output<D = RemoteDesc> {
         /// The response.
         response: Response,
     },
-    /// The session said a valid Hello: connect to its agent, then answer `Welcome`.
+    /// The session proved it holds the token (`Auth`): connect to its agent, then call
+    /// [`Unit::session_ready`] and answer `Welcome` (or close the session when its agent
+    /// cannot be added).
     Accept {
         /// Session.
         session: SessionId,
-        /// Request id of the Hello.
+        /// Request id of the Auth.
         id: u64,
         /// The client's agent metadata.
         agent: Vec<u8>,
@@ -249,6 +253,15 @@ impl<M: Memory> Unit<M> {
                     id,
                     response: Response::error(ErrorKind::PeerFailed, "prepared PUT expired"),
                 });
+                // The failed session is closed, so what it holds in quarantine is released
+                // once its client's link is torn down instead of piling up while it stays
+                // connected.
+                if !out
+                    .iter()
+                    .any(|o| matches!(o, Output::Close { session: s } if *s == session))
+                {
+                    out.push(Output::Close { session });
+                }
             }
         }
         self.gets.expire(now);
@@ -269,19 +282,73 @@ impl<M: Memory> Unit<M> {
             id,
             response,
         };
-        let hello = matches!(req, Request::Hello { .. });
-        if let Some((kind, why)) = self.refused_by_state(session, hello) {
+        let step = match req {
+            Request::Hello { .. } => Step::Hello,
+            Request::Auth { .. } => Step::Auth,
+            _ => Step::Other,
+        };
+        if let Some((kind, why)) = self.refused_by_state(session, step) {
+            // A handshake message out of turn ends an unauthenticated session; other requests
+            // are only refused (the driver's handshake deadline ends a session that never
+            // authenticates).
+            if !self.authenticated(session) && !matches!(step, Step::Other) {
+                return vec![reply(Response::error(kind, why)), Output::Close { session }];
+            }
             return vec![reply(Response::error(kind, why))];
         }
         let result = match req {
-            Request::Hello { token, agent } => {
-                if self.cfg.token.is_some() && token != self.cfg.token {
+            Request::Hello { nonce, agent } => {
+                if nonce.len() != auth::NONCE_LEN {
                     return vec![
-                        reply(Response::error(ErrorKind::Unauthorized, "bad token")),
+                        reply(Response::error(
+                            ErrorKind::Protocol,
+                            format!("a Hello's nonce has {} bytes", auth::NONCE_LEN),
+                        )),
                         Output::Close { session },
                     ];
                 }
-                return vec![Output::Accept { session, id, agent }];
+                let unit_nonce = auth::nonce();
+                let proof = auth::prove(
+                    self.cfg.token.as_ref(),
+                    UNIT_PROOF,
+                    &handshake_parts(&nonce, &unit_nonce, &agent),
+                );
+                self.sessions.set_state(
+                    session,
+                    SessionState::Challenged(Box::new(Handshake {
+                        client_nonce: nonce.into_vec(),
+                        unit_nonce: unit_nonce.to_vec(),
+                        agent,
+                    })),
+                );
+                Ok(Response::Challenge {
+                    nonce: ByteBuf::from(unit_nonce.to_vec()),
+                    proof: ByteBuf::from(proof.to_vec()),
+                })
+            }
+            Request::Auth { proof } => {
+                let Some(h) = self.sessions.take_handshake(session) else {
+                    return vec![
+                        reply(Response::error(ErrorKind::BadRequest, "Auth out of turn")),
+                        Output::Close { session },
+                    ];
+                };
+                let parts = handshake_parts(&h.client_nonce, &h.unit_nonce, &h.agent);
+                if !auth::check(self.cfg.token.as_ref(), CLIENT_PROOF, &parts, &proof) {
+                    self.sessions.set_state(session, SessionState::Failed);
+                    return vec![
+                        reply(Response::error(
+                            ErrorKind::Unauthorized,
+                            "the client did not prove it holds the unit's token",
+                        )),
+                        Output::Close { session },
+                    ];
+                }
+                return vec![Output::Accept {
+                    session,
+                    id,
+                    agent: h.agent,
+                }];
             }
             Request::Put {
                 partition,
@@ -329,25 +396,7 @@ impl<M: Memory> Unit<M> {
     }
 
     fn check_keys(&self, indexes: &[u64], fields: &[String]) -> Result<(), RemoteError> {
-        if fields.is_empty() {
-            return Err(err(ErrorKind::BadRequest, "no fields"));
-        }
-        let keys = (indexes.len() as u64).saturating_mul(fields.len() as u64);
-        if keys > self.cfg.max_keys {
-            return Err(err(
-                ErrorKind::TooLarge,
-                format!("{keys} keys exceed the maximum of {}", self.cfg.max_keys),
-            ));
-        }
-        let mut seen = HashSet::with_capacity(indexes.len());
-        if indexes.iter().any(|i| !seen.insert(*i)) {
-            return Err(err(ErrorKind::BadRequest, "duplicate index"));
-        }
-        let mut seen = HashSet::with_capacity(fields.len());
-        if fields.iter().any(|f| !seen.insert(f.as_str())) {
-            return Err(err(ErrorKind::BadRequest, "duplicate field"));
-        }
-        Ok(())
+        check_keys(&self.cfg, indexes, fields)
     }
 
     fn clear(
@@ -391,6 +440,10 @@ impl<M: Memory> Unit<M> {
             bytes_in: self.puts.bytes_in(),
             bytes_out: self.gets.bytes_out(),
             sessions: self.sessions.len() as u64,
+            charged_bytes: self.store.used() + self.store.overhead(),
+            connections: 0,
+            refused_connections: 0,
+            accept_errors: 0,
         }
     }
 
@@ -402,6 +455,30 @@ impl<M: Memory> Unit<M> {
         self.sessions.clear();
         self.store.clear_all();
     }
+}
+
+/// Checks the keys of a PUT or GET against `cfg` (fields given, `max_keys`, no duplicates).
+/// Pure: a driver may run it before it takes the unit's shared state.
+pub fn check_keys(cfg: &UnitConfig, indexes: &[u64], fields: &[String]) -> Result<(), RemoteError> {
+    if fields.is_empty() {
+        return Err(err(ErrorKind::BadRequest, "no fields"));
+    }
+    let keys = (indexes.len() as u64).saturating_mul(fields.len() as u64);
+    if keys > cfg.max_keys {
+        return Err(err(
+            ErrorKind::TooLarge,
+            format!("{keys} keys exceed the maximum of {}", cfg.max_keys),
+        ));
+    }
+    let mut seen = HashSet::with_capacity(indexes.len());
+    if indexes.iter().any(|i| !seen.insert(*i)) {
+        return Err(err(ErrorKind::BadRequest, "duplicate index"));
+    }
+    let mut seen = HashSet::with_capacity(fields.len());
+    if fields.iter().any(|f| !seen.insert(f.as_str())) {
+        return Err(err(ErrorKind::BadRequest, "duplicate field"));
+    }
+    Ok(())
 }
 
 /// Decodes an inline GET answer.

@@ -72,6 +72,8 @@ pub(super) struct Puts {
     pending: HashMap<(SessionId, u64), PendingPut>,
     /// Bytes of the blocks leased to them.
     leased: u64,
+    /// The same per session (sessions with none are absent).
+    session_leased: HashMap<SessionId, u64>,
     /// Logical bytes of capacity they reserve.
     reserved: u64,
     /// Payload bytes received through the payload plane (stored PUTs).
@@ -81,6 +83,11 @@ pub(super) struct Puts {
 impl Puts {
     pub(super) fn leased(&self) -> u64 {
         self.leased
+    }
+
+    /// Bytes of the blocks leased to the PUTs of `session`.
+    pub(super) fn session_leased(&self, session: SessionId) -> u64 {
+        self.session_leased.get(&session).copied().unwrap_or(0)
     }
 
     pub(super) fn reserved(&self) -> u64 {
@@ -103,6 +110,7 @@ impl Puts {
     fn insert(&mut self, key: (SessionId, u64), p: PendingPut) {
         self.leased += p.block_len;
         self.reserved += p.reserved;
+        *self.session_leased.entry(key.0).or_default() += p.block_len;
         self.pending.insert(key, p);
     }
 
@@ -112,6 +120,12 @@ impl Puts {
         let p = self.pending.remove(&(session, put))?;
         self.leased -= p.block_len;
         self.reserved -= p.reserved;
+        if let Some(l) = self.session_leased.get_mut(&session) {
+            *l -= p.block_len;
+            if *l == 0 {
+                self.session_leased.remove(&session);
+            }
+        }
         Some(p)
     }
 
@@ -156,6 +170,7 @@ impl Puts {
     /// Drops every pending PUT (teardown); the bytes received stay counted.
     pub(super) fn clear(&mut self) {
         self.pending.clear();
+        self.session_leased.clear();
         self.leased = 0;
         self.reserved = 0;
     }
@@ -209,19 +224,39 @@ impl<M: Memory> Unit<M> {
         let layout = table
             .layout(self.cfg.align)
             .map_err(|e| err(ErrorKind::Protocol, format!("layout: {e}")))?;
-        // Reserve the whole block: the stored values are never larger than it, plus scalars.
-        let incoming = layout.size + meta.len() as u64;
-        let credit = self.store.replaced_bytes(&partition, &indexes, &fields);
-        let used = self.store.used();
+        // Reserve the whole block: the stored values are never larger than it, plus scalars;
+        // and what each new key costs besides its value (an empty value is not free).
+        let overhead = self.cfg.key_overhead_bytes;
+        let replaced = self.store.replaced(&partition, &indexes, &fields, overhead);
+        let keys_cost: u64 = fields
+            .iter()
+            .map(|f| super::store::key_cost(overhead, f))
+            .sum::<u64>()
+            .saturating_mul(indexes.len() as u64);
+        let new_keys = (indexes.len() as u64 * fields.len() as u64) - replaced.keys;
+        let incoming = layout.size + meta.len() as u64 + keys_cost;
+        let credit = replaced.bytes + replaced.overhead;
+        let used = self.store.used() + self.store.overhead();
         let reserved = self.puts.reserved();
         let need = (used + reserved + incoming).saturating_sub(credit);
         if need > self.cfg.capacity_bytes {
             return Err(err(
                 ErrorKind::Capacity,
                 format!(
-                    "PUT of {incoming} bytes exceeds capacity: {used} of {} bytes stored, \
-                     {reserved} reserved",
+                    "PUT of {incoming} bytes (keys included) exceeds capacity: {used} of {} \
+                     bytes stored (keys included), {reserved} reserved",
                     self.cfg.capacity_bytes
+                ),
+            ));
+        }
+        let stored = self.store.keys();
+        if stored + new_keys > self.cfg.max_stored_keys {
+            return Err(err(
+                ErrorKind::Capacity,
+                format!(
+                    "PUT of {new_keys} new keys exceeds the stored-key limit: {stored} of {} \
+                     keys stored",
+                    self.cfg.max_stored_keys
                 ),
             ));
         }
@@ -277,8 +312,29 @@ impl<M: Memory> Unit<M> {
         if self.puts.pending.contains_key(&(session, id)) {
             return Err(err(ErrorKind::BadRequest, "request id already prepared"));
         }
+        let mine = self.sessions.session_quarantined(session);
+        if mine >= self.cfg.session_quarantine_limit {
+            return Err(err(
+                ErrorKind::OutOfMemory,
+                format!(
+                    "this session's quarantine is full ({mine} of {} bytes); reconnect to \
+                     release it",
+                    self.cfg.session_quarantine_limit
+                ),
+            ));
+        }
         if self.sessions.quarantined() > self.cfg.quarantine_limit {
             return Err(err(ErrorKind::OutOfMemory, "quarantine limit reached"));
+        }
+        let mine = self.puts.session_leased(session);
+        if mine + layout.size > self.cfg.session_leased_limit {
+            return Err(err(
+                ErrorKind::OutOfMemory,
+                format!(
+                    "session leased limit: {mine} of {} bytes leased, {} asked",
+                    self.cfg.session_leased_limit, layout.size
+                ),
+            ));
         }
         if self.puts.leased() + layout.size > self.cfg.leased_limit {
             return Err(err(

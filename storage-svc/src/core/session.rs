@@ -9,13 +9,34 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::Instant;
 
 use super::{Memory, PartitionStats, SessionId, TornDown, Unit};
+
+/// Which kind of request a session's state is checked for.
+#[derive(Clone, Copy)]
+pub(super) enum Step {
+    Hello,
+    Auth,
+    Other,
+}
 use crate::error::ErrorKind;
 
 #[derive(PartialEq, Eq)]
 pub(super) enum SessionState {
+    /// Waiting for `Hello`.
     New,
+    /// `Challenge` sent; waiting for the client's proof.
+    Challenged(Box<Handshake>),
+    /// Authenticated; the driver connects to the client's agent.
+    Accepting,
     Open,
     Failed,
+}
+
+/// What a session's handshake said, for the client's proof to cover.
+#[derive(PartialEq, Eq)]
+pub(super) struct Handshake {
+    pub(super) client_nonce: Vec<u8>,
+    pub(super) unit_nonce: Vec<u8>,
+    pub(super) agent: Vec<u8>,
 }
 
 /// A quarantined block: the block (kept only so that it is not reused), its length and its
@@ -26,6 +47,8 @@ struct Session {
     state: SessionState,
     /// Blocks that a late WRITE could still reach, until the session is torn down.
     quarantine: Vec<Quarantined>,
+    /// Their bytes.
+    quarantined: u64,
 }
 
 /// What a closed session exposed, quarantined until its client's transfers are torn down.
@@ -58,6 +81,30 @@ impl Sessions {
         self.quarantined
     }
 
+    /// Bytes quarantined with open session `session`.
+    pub(super) fn session_quarantined(&self, session: SessionId) -> u64 {
+        self.open.get(&session).map_or(0, |s| s.quarantined)
+    }
+
+    pub(super) fn set_state(&mut self, session: SessionId, state: SessionState) {
+        if let Some(s) = self.open.get_mut(&session) {
+            s.state = state;
+        }
+    }
+
+    /// Takes the handshake of a challenged session (it is then `Accepting` until the proof is
+    /// checked and the state set again).
+    pub(super) fn take_handshake(&mut self, session: SessionId) -> Option<Handshake> {
+        let s = self.open.get_mut(&session)?;
+        match std::mem::replace(&mut s.state, SessionState::Accepting) {
+            SessionState::Challenged(h) => Some(*h),
+            other => {
+                s.state = other;
+                None
+            }
+        }
+    }
+
     fn fail(&mut self, session: SessionId) {
         if let Some(s) = self.open.get_mut(&session) {
             s.state = SessionState::Failed;
@@ -75,6 +122,7 @@ impl Sessions {
     ) {
         if let Some(s) = self.open.get_mut(&session) {
             self.quarantined += len;
+            s.quarantined += len;
             s.quarantine.push((block, len, partition));
         }
     }
@@ -168,17 +216,27 @@ impl<M: Memory> Unit<M> {
             Session {
                 state: SessionState::New,
                 quarantine: Vec::new(),
+                quarantined: 0,
             },
         );
     }
 
-    /// The driver connected to the session's agent; it may now use the payload plane.
+    /// The driver connected to the session's agent (after [`Output::Accept`](super::Output));
+    /// it may now use the payload plane.
     pub fn session_ready(&mut self, session: SessionId) {
         if let Some(s) = self.sessions.open.get_mut(&session) {
-            if s.state == SessionState::New {
+            if s.state == SessionState::Accepting {
                 s.state = SessionState::Open;
             }
         }
+    }
+
+    /// Whether `session` is open and authenticated (its Hello's proof checked).
+    pub fn authenticated(&self, session: SessionId) -> bool {
+        matches!(
+            self.sessions.state(session),
+            Some(SessionState::Accepting | SessionState::Open | SessionState::Failed)
+        )
     }
 
     /// Marks a session failed: every later request is refused until it reconnects.
@@ -227,19 +285,26 @@ impl<M: Memory> Unit<M> {
     pub(super) fn refused_by_state(
         &self,
         session: SessionId,
-        hello: bool,
+        step: Step,
     ) -> Option<(ErrorKind, &'static str)> {
         let Some(state) = self.sessions.state(session) else {
             return Some((ErrorKind::NoSession, "unknown session"));
         };
-        match (hello, state) {
-            (true, SessionState::New) => None,
-            (true, _) => Some((ErrorKind::BadRequest, "second Hello")),
-            (false, SessionState::New) => Some((ErrorKind::NoSession, "say Hello first")),
-            (false, SessionState::Failed) => {
+        match (step, state) {
+            (Step::Hello, SessionState::New) => None,
+            (Step::Hello, _) => Some((ErrorKind::BadRequest, "second Hello")),
+            (Step::Auth, SessionState::Challenged(_)) => None,
+            (Step::Auth, _) => Some((ErrorKind::BadRequest, "Auth out of turn")),
+            (Step::Other, SessionState::New | SessionState::Challenged(_)) => {
+                Some((ErrorKind::NoSession, "say Hello first"))
+            }
+            (Step::Other, SessionState::Accepting) => {
+                Some((ErrorKind::NoSession, "the session is not open yet"))
+            }
+            (Step::Other, SessionState::Failed) => {
                 Some((ErrorKind::PeerFailed, "session failed; reconnect"))
             }
-            (false, SessionState::Open) => None,
+            (Step::Other, SessionState::Open) => None,
         }
     }
 }

@@ -70,4 +70,17 @@ pub struct Stats {
     pub bytes_out: u64,
     /// Open sessions.
     pub sessions: u64,
+    /// Stored bytes charged against `capacity_bytes`: `bytes` plus what each key costs
+    /// (`UnitConfig::key_overhead_bytes` and the key's length).
+    #[serde(default)]
+    pub charged_bytes: u64,
+    /// Control connections being served (the server's; 0 from the core alone).
+    #[serde(default)]
+    pub connections: u64,
+    /// Connections refused at `ServerConfig::max_connections`.
+    #[serde(default)]
+    pub refused_connections: u64,
+    /// Accepts that failed (`EMFILE`, `ENFILE`, ...).
+    #[serde(default)]
+    pub accept_errors: u64,
 }

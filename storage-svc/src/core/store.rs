@@ -42,6 +42,24 @@ pub(super) struct Store {
     used: u64,
     /// Bytes copied by compaction since start.
     compacted: u64,
+    /// Stored keys, of every partition.
+    keys: u64,
+    /// What the stored keys cost besides their values (`key_cost` of each).
+    overhead: u64,
+}
+
+/// What one stored key of `field` costs against the capacity besides its value: `overhead`
+/// plus the key's length (the field name and 8 bytes of index).
+pub(super) fn key_cost(overhead: u64, field: &str) -> u64 {
+    overhead + field.len() as u64 + 8
+}
+
+/// What a PUT would replace: the logical bytes and the number of the keys already stored.
+pub(super) struct Replaced {
+    pub(super) bytes: u64,
+    pub(super) keys: u64,
+    /// Their `key_cost`s.
+    pub(super) overhead: u64,
 }
 
 /// How compaction copies survivors out: the memory to copy into, its alignment, and the dead
@@ -50,6 +68,8 @@ pub(super) struct Compaction<'a, M> {
     pub(super) mem: &'a mut M,
     pub(super) align: u64,
     pub(super) dead_fraction: f64,
+    /// `UnitConfig::key_overhead_bytes`.
+    pub(super) key_overhead: u64,
 }
 
 impl<'a, M> Compaction<'a, M> {
@@ -59,6 +79,7 @@ impl<'a, M> Compaction<'a, M> {
             mem,
             align: cfg.align,
             dead_fraction: cfg.compact_dead_fraction,
+            key_overhead: cfg.key_overhead_bytes,
         }
     }
 
@@ -68,6 +89,7 @@ impl<'a, M> Compaction<'a, M> {
             mem: &mut *self.mem,
             align: self.align,
             dead_fraction: self.dead_fraction,
+            key_overhead: self.key_overhead,
         }
     }
 }
@@ -83,22 +105,41 @@ impl Store {
         self.compacted
     }
 
-    /// Logical bytes of the stored keys that a PUT of these would replace.
-    pub(super) fn replaced_bytes(
+    /// Stored keys.
+    pub(super) fn keys(&self) -> u64 {
+        self.keys
+    }
+
+    /// What the stored keys cost besides their values.
+    pub(super) fn overhead(&self) -> u64 {
+        self.overhead
+    }
+
+    /// What a PUT of these keys would replace.
+    pub(super) fn replaced(
         &self,
         partition: &str,
         indexes: &[u64],
         fields: &[String],
-    ) -> u64 {
-        let Some(p) = self.partitions.get(partition) else {
-            return 0;
+        key_overhead: u64,
+    ) -> Replaced {
+        let mut r = Replaced {
+            bytes: 0,
+            keys: 0,
+            overhead: 0,
         };
-        fields
-            .iter()
-            .filter_map(|f| p.fields.get(f))
-            .flat_map(|m| indexes.iter().filter_map(|i| m.get(i)))
-            .map(|e| e.bytes)
-            .sum()
+        let Some(p) = self.partitions.get(partition) else {
+            return r;
+        };
+        for f in fields {
+            let Some(m) = p.fields.get(f) else { continue };
+            for e in indexes.iter().filter_map(|i| m.get(i)) {
+                r.bytes += e.bytes;
+                r.keys += 1;
+                r.overhead += key_cost(key_overhead, f);
+            }
+        }
+        r
     }
 
     /// A fresh receive block of `size` bytes of `partition`, for the values of one PUT.
@@ -156,6 +197,7 @@ impl Store {
         }
         let mut added = 0u64;
         let mut new_keys = 0u64;
+        let mut new_overhead = 0u64;
         // What the replaced entries accounted for, per block they came from (the values of one
         // earlier PUT share its block, so runs are merged as they come); their values drop as
         // they are replaced.
@@ -176,11 +218,16 @@ impl Store {
                         Some((b, sum)) if *b == prev.block => *sum += prev.bytes,
                         _ => old.push((prev.block, prev.bytes)),
                     },
-                    None => new_keys += 1,
+                    None => {
+                        new_keys += 1;
+                        new_overhead += key_cost(c.key_overhead, field);
+                    }
                 }
             }
         }
         part.keys += new_keys;
+        self.keys += new_keys;
+        self.overhead += new_overhead;
         part.bytes += added;
         self.used += added;
         if let Some(b) = block.and_then(|b| self.blocks.get_mut(&b)) {
@@ -205,36 +252,53 @@ impl Store {
         indexes: &[u64],
         fields: &[String],
     ) -> Result<Vec<Value>, RemoteError> {
-        let part = self.partitions.get(partition);
+        let mut columns: Vec<Vec<Value>> = fields
+            .iter()
+            .map(|_| Vec::with_capacity(indexes.len()))
+            .collect();
         let mut missing = Vec::new();
-        let mut columns = Vec::with_capacity(fields.len());
-        for f in fields {
+        let mut count = 0;
+        self.lookup_into(
+            partition,
+            indexes,
+            fields,
+            &mut columns,
+            &mut missing,
+            &mut count,
+        );
+        if count > 0 {
+            return Err(missing_error(partition, count, missing));
+        }
+        Ok(columns.into_iter().map(Value::List).collect())
+    }
+
+    /// Appends the stored values of `fields` x `indexes` to `columns` (one per field), and
+    /// the keys missing to `missing` (at most 1,000 named), counting them in `count`.
+    pub(super) fn lookup_into(
+        &self,
+        partition: &str,
+        indexes: &[u64],
+        fields: &[String],
+        columns: &mut [Vec<Value>],
+        missing: &mut Vec<(String, u64)>,
+        count: &mut u64,
+    ) {
+        let part = self.partitions.get(partition);
+        for (f, items) in fields.iter().zip(columns.iter_mut()) {
             let map = part.and_then(|p| p.fields.get(f));
-            let mut items = Vec::with_capacity(indexes.len());
             for i in indexes {
                 match map.and_then(|m| m.get(i)) {
-                    Some(e) => items.push(e.value.clone()),
+                    Some(e) if *count == 0 => items.push(e.value.clone()),
+                    Some(_) => {}
                     None => {
+                        *count += 1;
                         if missing.len() < 1000 {
                             missing.push((f.clone(), *i));
                         }
                     }
                 }
             }
-            columns.push(Value::List(items));
         }
-        if !missing.is_empty() {
-            let mut e = err(
-                ErrorKind::Missing,
-                format!(
-                    "{} key(s) not stored in partition {partition:?}",
-                    missing.len()
-                ),
-            );
-            e.missing = missing;
-            return Err(e);
-        }
-        Ok(columns)
     }
 
     /// Removes `indexes` of `fields` (every field when `None`) from `partition`.
@@ -249,16 +313,20 @@ impl Store {
             return;
         };
         let mut gone = Vec::new();
+        let mut overhead = 0;
         for (name, map) in part.fields.iter_mut() {
             if fields.is_some_and(|fs| !fs.iter().any(|f| f == name)) {
                 continue;
             }
             for i in indexes {
                 if let Some(e) = map.remove(i) {
+                    overhead += key_cost(c.key_overhead, name);
                     gone.push(e);
                 }
             }
         }
+        self.keys -= gone.len() as u64;
+        self.overhead -= overhead;
         part.fields.retain(|_, m| !m.is_empty());
         for e in &gone {
             part.keys -= 1;
@@ -273,6 +341,10 @@ impl Store {
     /// Removes every value of `partition`.
     pub(super) fn drop_partition<M: Memory>(&mut self, partition: &str, c: Compaction<'_, M>) {
         if let Some(p) = self.partitions.remove(partition) {
+            for (name, m) in &p.fields {
+                self.keys -= m.len() as u64;
+                self.overhead -= key_cost(c.key_overhead, name) * m.len() as u64;
+            }
             let gone: Vec<Entry> = p
                 .fields
                 .into_values()
@@ -358,7 +430,23 @@ impl Store {
         self.partitions.clear();
         self.blocks.clear();
         self.used = 0;
+        self.keys = 0;
+        self.overhead = 0;
     }
+}
+
+/// The answer naming the keys missing of `partition`: `count` of them, `missing` named.
+pub(super) fn missing_error(
+    partition: &str,
+    count: u64,
+    missing: Vec<(String, u64)>,
+) -> RemoteError {
+    let mut e = err(
+        ErrorKind::Missing,
+        format!("{count} key(s) not stored in partition {partition:?}"),
+    );
+    e.missing = missing;
+    e
 }
 
 /// Why a value could not be copied out of its block (it then stays where it is).

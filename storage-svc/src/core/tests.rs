@@ -41,6 +41,7 @@ fn loom_session_executor_and_timer_release_everything() {
         let mut unit = Unit::new(cfg.clone(), leased.clone());
         let now = Instant::now();
         unit.open_session(1);
+        let _ = crate::testing::handshake::open(&mut unit, now, 1, 0, vec![], None);
         unit.session_ready(1);
         // A prepared PUT that expires, one cancelled after exposure (quarantined), a
         // stored value and a GET of it being written.
@@ -142,6 +143,7 @@ fn loom_pulled_put_read_teardown_and_timer() {
         unit.set_pull_puts(true);
         let now = Instant::now();
         unit.open_session(1);
+        let _ = crate::testing::handshake::open(&mut unit, now, 1, 0, vec![], None);
         unit.session_ready(1);
         let t = tessera_framecodec::Tensor::from_slice(&[256], &[0u8; 256]).unwrap();
         let v = Value::List(vec![Value::List(vec![Value::Tensor(t)])]);

@@ -30,6 +30,9 @@ pub(super) async fn accept_loop(
     listener: Listener,
     mut stop: watch::Receiver<bool>,
 ) {
+    let mut accept_backoff = Duration::from_millis(10);
+    let mut refusals_logged = RateLimit::default();
+    let mut accept_logged = RateLimit::default();
     loop {
         let conn = tokio::select! {
             _ = stop.changed() => break,
@@ -55,22 +58,99 @@ pub(super) async fn accept_loop(
         };
         match conn {
             Ok((r, w, from)) => {
+                accept_backoff = Duration::from_millis(10);
+                if shared.connections.load(Ordering::Relaxed) >= shared.connection_cap {
+                    let n = shared.refused.fetch_add(1, Ordering::Relaxed) + 1;
+                    crate::metrics::refused_connection();
+                    if refusals_logged.allow() {
+                        tracing::warn!(
+                            refused = n,
+                            cap = shared.connection_cap,
+                            "connection limit reached; refusing new connections"
+                        );
+                    }
+                    let s = shared.clone();
+                    shared.tasks.lock().spawn(refuse(s, w));
+                    drop(r);
+                    continue;
+                }
+                shared.connections.fetch_add(1, Ordering::Relaxed);
+                let served = Served(shared.clone());
                 let sid = shared.next_session.fetch_add(1, Ordering::Relaxed);
                 let s = shared.clone();
                 let span = tracing::info_span!("session", id = sid, %from);
-                shared
-                    .tasks
-                    .lock()
-                    .spawn(guarded_session(s, sid, r, w).instrument(span));
+                shared.tasks.lock().spawn(
+                    async move {
+                        guarded_session(s, sid, r, w).await;
+                        drop(served);
+                    }
+                    .instrument(span),
+                );
             }
             Err(e) => {
-                tracing::warn!(error = %e, "accept failed");
-                tokio::time::sleep(Duration::from_millis(10)).await;
+                let n = shared.accept_errors.fetch_add(1, Ordering::Relaxed) + 1;
+                crate::metrics::accept_error();
+                if accept_logged.allow() {
+                    tracing::warn!(error = %e, failed = n, "accept failed; backing off");
+                }
+                // Out of descriptors (EMFILE, ENFILE) or another transient failure: back off,
+                // longer while it lasts, instead of spinning on a listener that stays ready.
+                tokio::select! {
+                    _ = stop.changed() => break,
+                    _ = tokio::time::sleep(accept_backoff) => {}
+                }
+                accept_backoff = (accept_backoff * 2).min(Duration::from_secs(1));
             }
         }
     }
     if let Listener::Unix(_, path) = &listener {
         let _ = std::fs::remove_file(path);
+    }
+}
+
+/// Allows one log line a second.
+#[derive(Default)]
+struct RateLimit(Option<Instant>);
+
+impl RateLimit {
+    fn allow(&mut self) -> bool {
+        let now = Instant::now();
+        if self
+            .0
+            .is_some_and(|t| now.duration_since(t) < Duration::from_secs(1))
+        {
+            return false;
+        }
+        self.0 = Some(now);
+        true
+    }
+}
+
+/// Answers a connection beyond the cap with a `Busy` error frame (best effort, bounded in
+/// time) and closes it.
+async fn refuse(shared: Arc<Shared>, mut w: Box<dyn AsyncWrite + Send + Unpin>) {
+    let resp = Response::error(
+        ErrorKind::Busy,
+        format!(
+            "the unit serves {} connections at most; retry later",
+            shared.connection_cap
+        ),
+    );
+    if let Ok(buf) = proto::encode_frame(0, &resp) {
+        let _ = tokio::time::timeout(Duration::from_secs(1), async {
+            let _ = w.write_all(&buf).await;
+            let _ = w.shutdown().await;
+        })
+        .await;
+    }
+}
+
+/// Counts a served connection until dropped.
+struct Served(Arc<Shared>);
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        self.0.connections.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -163,7 +243,8 @@ async fn session(
         }
         let _ = w.shutdown().await;
     });
-    let max = shared.cfg.max_message_bytes;
+    let handshake_deadline = Instant::now() + shared.cfg.handshake_timeout;
+    let mut authed = false;
     loop {
         // Backpressure: read the next request only once its answers fit in the reply queue
         // beside those the executor still owes (each queued GET and the one in flight), and
@@ -191,36 +272,105 @@ async fn session(
         if !waited {
             break;
         }
+        // Before the session is authenticated its frames are small and the whole handshake
+        // has a deadline; after, a request may be up to `max_message_bytes`. Either way, a
+        // request whose first byte came must arrive whole within `frame_timeout`.
+        if !authed {
+            authed = shared.unit.lock().authenticated(sid);
+        }
+        let (max, first_byte_by) = if authed {
+            (shared.cfg.max_message_bytes, None)
+        } else {
+            (shared.cfg.preauth_message_bytes, Some(handshake_deadline))
+        };
         let mut prefix = [0u8; proto::LEN_PREFIX];
+        let first = async {
+            match first_byte_by {
+                Some(t) => tokio::time::timeout_at(t.into(), r.read_exact(&mut prefix[..1]))
+                    .await
+                    .map_err(|_| ()),
+                None => Ok(r.read_exact(&mut prefix[..1]).await),
+            }
+        };
         let read = tokio::select! {
             _ = close_rx.changed() => break,
-            r = r.read_exact(&mut prefix) => r,
+            r = first => r,
         };
-        if read.is_err() {
-            break;
+        match read {
+            Ok(Ok(_)) => {}
+            Ok(Err(_)) => break,
+            Err(()) => {
+                tracing::debug!("handshake not completed in time; closing");
+                crate::metrics::error(ErrorKind::Unauthorized);
+                send(
+                    &shared,
+                    sid,
+                    0,
+                    &Response::error(
+                        ErrorKind::Unauthorized,
+                        format!(
+                            "the handshake was not completed within {:?}",
+                            shared.cfg.handshake_timeout
+                        ),
+                    ),
+                );
+                break;
+            }
+        }
+        let frame_by = Instant::now() + shared.cfg.frame_timeout;
+        let rest = tokio::select! {
+            _ = close_rx.changed() => break,
+            r = tokio::time::timeout_at(frame_by.into(), r.read_exact(&mut prefix[1..])) => r,
+        };
+        match rest {
+            Ok(Ok(_)) => {}
+            Ok(Err(_)) => break,
+            Err(_) => {
+                slow_frame(&shared, sid);
+                break;
+            }
         }
         let len = match proto::frame_len(prefix, max) {
             Ok(len) => len,
             Err(e) => {
                 // The stream cannot be resynchronised without reading the announced bytes.
                 crate::metrics::error(ErrorKind::TooLarge);
-                send(
-                    &shared,
-                    sid,
-                    0,
-                    &Response::error(ErrorKind::TooLarge, e.to_string()),
-                );
+                let why = if authed {
+                    e.to_string()
+                } else {
+                    format!(
+                        "{e} before the session is authenticated (preauth_message_bytes; a \
+                         Hello carries the client's agent metadata)"
+                    )
+                };
+                send(&shared, sid, 0, &Response::error(ErrorKind::TooLarge, why));
                 break;
             }
         };
         let mut buf = vec![0u8; len];
-        if r.read_exact(&mut buf).await.is_err() {
-            break;
+        let body = tokio::select! {
+            _ = close_rx.changed() => break,
+            r = tokio::time::timeout_at(frame_by.into(), r.read_exact(&mut buf)) => r,
+        };
+        match body {
+            Ok(Ok(_)) => {}
+            Ok(Err(_)) => break,
+            Err(_) => {
+                slow_frame(&shared, sid);
+                break;
+            }
         }
         match proto::decode_body::<Request>(&buf) {
             Ok((id, req)) => {
                 let op = op_name(&req);
                 let span = tracing::debug_span!("request", id, op);
+                let req = match sliced(&shared, sid, id, req).instrument(span.clone()).await {
+                    Ok(out) => {
+                        dispatch(&shared, out);
+                        continue;
+                    }
+                    Err(req) => req,
+                };
                 let _g = span.enter();
                 let started = Instant::now();
                 let handled = {
@@ -230,7 +380,16 @@ async fn session(
                     catch_unwind(AssertUnwindSafe(|| {
                         #[cfg(test)]
                         fault::before_handle(sid, id, &req);
+                        #[cfg(test)]
+                        let watched = match &req {
+                            Request::Get { partition, .. } => Some(partition.clone()),
+                            _ => None,
+                        };
                         let out = unit.handle(started, sid, id, req);
+                        #[cfg(test)]
+                        if let Some(p) = watched {
+                            fault::get_done(&p);
+                        }
                         unit.trim_memory();
                         out
                     }))
@@ -284,9 +443,134 @@ async fn session(
     tracing::debug!("session closed");
 }
 
+/// A GET or CLEAR of more than `slice_keys` keys, handled in slices: the keys are checked and
+/// the answer encoded without the unit's lock, and each hold of it looks up or clears one
+/// slice, yielding to other sessions between slices. Any other request comes back.
+async fn sliced(
+    shared: &Arc<Shared>,
+    sid: SessionId,
+    id: u64,
+    req: Request,
+) -> Result<Vec<crate::core::Output<tessera_transport::LocalDesc>>, Request> {
+    let cfg = &shared.cfg.unit;
+    let slice = cfg.slice_keys.max(1) as usize;
+    match req {
+        Request::Get {
+            partition,
+            indexes,
+            fields,
+        } if indexes.len().saturating_mul(fields.len().max(1)) > slice => {
+            let started = Instant::now();
+            if let Err(e) = crate::core::check_keys(cfg, &indexes, &fields) {
+                return Ok(vec![crate::core::Output::Reply {
+                    session: sid,
+                    id,
+                    response: Response::Error(e),
+                }]);
+            }
+            let begun = {
+                let unit = shared.unit.lock();
+                #[cfg(test)]
+                fault::before_sliced(sid, id, &partition);
+                unit.get_begin(sid, id, partition, indexes, fields)
+            };
+            let mut g = match begun {
+                Ok(g) => g,
+                Err(out) => return Ok(out),
+            };
+            loop {
+                let done = shared.unit.lock().get_step(&mut g);
+                if done {
+                    break;
+                }
+                tokio::task::yield_now().await;
+            }
+            #[cfg(test)]
+            let g_partition = g.partition().to_owned();
+            let encoded = g
+                .into_columns()
+                .and_then(|cols| crate::core::encode_get(cfg, cols));
+            #[cfg(test)]
+            let partition = g_partition;
+            let out = {
+                let mut unit = shared.unit.lock();
+                let out = unit.get_finish(Instant::now(), sid, id, encoded);
+                #[cfg(test)]
+                fault::get_done(&partition);
+                out
+            };
+            crate::metrics::request("get", started.elapsed(), &out);
+            Ok(out)
+        }
+        Request::Clear {
+            partition,
+            indexes,
+            fields,
+        } if indexes.len() > slice => {
+            let started = Instant::now();
+            if indexes.len() as u64 > cfg.max_keys {
+                return Ok(vec![crate::core::Output::Reply {
+                    session: sid,
+                    id,
+                    response: Response::error(ErrorKind::TooLarge, "too many indexes"),
+                }]);
+            }
+            let mut chunks = indexes.chunks(slice).peekable();
+            while let Some(chunk) = chunks.next() {
+                let req = Request::Clear {
+                    partition: partition.clone(),
+                    indexes: chunk.to_vec(),
+                    fields: fields.clone(),
+                };
+                let out = {
+                    let mut unit = shared.unit.lock();
+                    let out = unit.handle(Instant::now(), sid, id, req);
+                    unit.trim_memory();
+                    out
+                };
+                let failed = out.iter().any(|o| {
+                    matches!(
+                        o,
+                        crate::core::Output::Reply {
+                            response: Response::Error(_),
+                            ..
+                        }
+                    )
+                });
+                if failed || chunks.peek().is_none() {
+                    crate::metrics::request("clear", started.elapsed(), &out);
+                    return Ok(out);
+                }
+                tokio::task::yield_now().await;
+            }
+            Ok(Vec::new())
+        }
+        other => Err(other),
+    }
+}
+
+/// A request that did not arrive whole within `frame_timeout`: the connection is closed.
+fn slow_frame(shared: &Shared, sid: SessionId) {
+    tracing::debug!("request not received in time; closing");
+    crate::metrics::error(ErrorKind::Protocol);
+    send(
+        shared,
+        sid,
+        0,
+        &Response::error(
+            ErrorKind::Protocol,
+            format!(
+                "a request did not arrive whole within {:?}",
+                shared.cfg.frame_timeout
+            ),
+        ),
+    );
+}
+
 fn op_name(req: &Request) -> &'static str {
     match req {
         Request::Hello { .. } => "hello",
+        Request::Auth { .. } => "auth",
         Request::Put {
             inline: Some(_), ..
         } => "put_inline",
@@ -327,27 +611,41 @@ pub(super) fn send(shared: &Shared, sid: SessionId, id: u64, resp: &Response) {
 /// Connects to the client's agent (a blocking connect for some engines), then starts the
 /// session's executor: WRITEs to one peer run one at a time, peers run concurrently.
 pub(super) async fn accept_peer(shared: Arc<Shared>, sid: SessionId, id: u64, md: Vec<u8>) {
-    let agent = shared.agent.clone();
-    let peer = tokio::task::spawn_blocking(move || agent.add_remote(&md)).await;
-    let peer = match peer {
-        Ok(Ok(p)) => p,
-        Ok(Err(e)) => {
-            send(
-                &shared,
-                sid,
-                id,
-                &Response::error(ErrorKind::Transfer, e.to_string()),
-            );
-            return;
+    let timeout = shared.cfg.peer_add_timeout;
+    let fail = |why: String| {
+        tracing::warn!(session = sid, error = %why, "cannot add the client's agent; closing the session");
+        send(&shared, sid, id, &Response::error(ErrorKind::Transfer, why));
+        shared.unit.lock().fail_session(sid);
+        if let Some(h) = shared.sessions.lock().get(&sid) {
+            let _ = h.close.send(true);
         }
-        Err(e) => {
-            send(
-                &shared,
-                sid,
-                id,
-                &Response::error(ErrorKind::Transfer, e.to_string()),
-            );
-            return;
+    };
+    // At most `max_peer_adds` at once, each within `peer_add_timeout`: a client whose agent
+    // cannot be reached holds one permit (the blocking call keeps it until it returns), never
+    // the unit's blocking threads or other sessions' handshakes for long.
+    let permit = match tokio::time::timeout(timeout, shared.peer_adds.clone().acquire_owned()).await
+    {
+        Ok(Ok(p)) => p,
+        _ => {
+            return fail(format!(
+                "too many clients' agents are being connected to; none became free within \
+                 {timeout:?}"
+            ))
+        }
+    };
+    let agent = shared.agent.clone();
+    let add = tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        agent.add_remote(&md)
+    });
+    let peer = match tokio::time::timeout(timeout, add).await {
+        Ok(Ok(Ok(p))) => p,
+        Ok(Ok(Err(e))) => return fail(format!("cannot connect to the client's agent: {e}")),
+        Ok(Err(e)) => return fail(format!("connecting to the client's agent failed: {e}")),
+        Err(_) => {
+            return fail(format!(
+                "the client's agent could not be connected to within {timeout:?}"
+            ))
         }
     };
     let (tx, rx) = mpsc::channel(shared.cfg.transfer_queue);

@@ -40,6 +40,7 @@ fn armed(req: &Request) -> Option<Fault> {
 }
 
 pub(crate) fn before_handle(sid: SessionId, id: u64, req: &Request) {
+    watched_handle(req);
     match armed(req) {
         Some(Fault::Handle) => panic!("injected fault while handling request {id}"),
         Some(Fault::Session) => SESSION.with(|s| s.set(true)),
@@ -57,5 +58,76 @@ pub(crate) fn after_handle(op: &str) {
 pub(crate) fn before_write(sid: SessionId, get: u64) {
     if WRITES.lock().contains(&(sid, get)) {
         panic!("injected fault writing GET {get}");
+    }
+}
+
+/// Watched partitions: whose GET is under way (the unit's state taken for it, in slices or
+/// whole), and whether a request of another kind on the same partition was handled while it
+/// was.
+static WATCHED: StaticMutex<Vec<Watch>> = StaticMutex::new(Vec::new());
+
+struct Watch {
+    partition: String,
+    started: std::sync::mpsc::Sender<()>,
+    under_way: bool,
+    served_during: bool,
+}
+
+/// Watches GETs of `partition`: `started` hears when one starts being handled.
+pub(crate) fn watch_get(partition: &str, started: std::sync::mpsc::Sender<()>) {
+    WATCHED.lock().push(Watch {
+        partition: partition.to_owned(),
+        started,
+        under_way: false,
+        served_during: false,
+    });
+}
+
+/// Whether another request on `partition` was handled while its GET was under way.
+pub(crate) fn served_during_get(partition: &str) -> bool {
+    WATCHED
+        .lock()
+        .iter()
+        .any(|w| w.partition == partition && w.served_during)
+}
+
+fn watched_handle(req: &Request) {
+    let (partition, get) = match req {
+        Request::Get { partition, .. } => (partition, true),
+        Request::Put { partition, .. } | Request::Clear { partition, .. } => (partition, false),
+        _ => return,
+    };
+    for w in WATCHED.lock().iter_mut() {
+        if &w.partition != partition {
+            continue;
+        }
+        if get {
+            get_started(w);
+        } else if w.under_way {
+            w.served_during = true;
+        }
+    }
+}
+
+fn get_started(w: &mut Watch) {
+    w.under_way = true;
+    let _ = w.started.send(());
+}
+
+/// A GET of `partition` starts being handled in slices (the unit locked).
+pub(crate) fn before_sliced(_sid: SessionId, _id: u64, partition: &str) {
+    for w in WATCHED.lock().iter_mut() {
+        if w.partition == partition {
+            get_started(w);
+        }
+    }
+}
+
+/// A GET of `partition` was answered (the unit still locked).
+pub(crate) fn get_done(partition: &str) {
+    for w in WATCHED.lock().iter_mut() {
+        if w.partition == partition {
+            w.under_way = false;
+        }
     }
 }

@@ -20,9 +20,7 @@ use crate::core::{SessionId, Stats, Unit, UnitConfig};
 use crate::error::MemoryError;
 use crate::plane::BackendExt;
 use crate::plane::{Backend, PoolMemory};
-use tessera_sync::atomic::AtomicU64;
-#[cfg(test)]
-use tessera_sync::atomic::Ordering;
+use tessera_sync::atomic::{AtomicU64, Ordering};
 
 mod connection;
 #[cfg(test)]
@@ -59,8 +57,34 @@ pub struct ServerConfig {
     /// Idle registered memory (registered, not leased) kept at most: chunks that are entirely
     /// free are deregistered, newest first, while the idle bytes exceed it.
     pub idle_pool_bytes: u64,
-    /// Largest control message accepted, in bytes (checked before allocating).
+    /// Largest control message accepted from an authenticated session, in bytes (checked
+    /// before allocating).
     pub max_message_bytes: u64,
+    /// Largest control message accepted before the session is authenticated (its Hello and
+    /// Auth), in bytes. A Hello carries the client's agent metadata, which for `nixl` (NIXL's
+    /// keys of every registration) and `ucx` (the worker address and rkeys) runs to kilobytes:
+    /// 64 KiB by default, so 4096 unauthenticated connections hold at most 256 MiB, each for at
+    /// most `handshake_timeout`.
+    pub preauth_message_bytes: u64,
+    /// A connection that has not completed its handshake (Hello, Challenge, Auth) this long
+    /// after it was accepted is closed.
+    #[serde(with = "secs")]
+    pub handshake_timeout: Duration,
+    /// Once the first byte of a request arrived, the whole request must arrive within this
+    /// time, or the connection is closed (a client that trickles bytes holds nothing long).
+    #[serde(with = "secs")]
+    pub frame_timeout: Duration,
+    /// Control connections served at once, at most. Beyond it a new connection is answered
+    /// with a `Busy` error frame and closed (counted in `Stats::refused_connections`). At start
+    /// the soft `RLIMIT_NOFILE` is raised to the hard limit, and the cap is kept 64 below it.
+    pub max_connections: usize,
+    /// Connections to clients' agents (`add_remote`, a blocking connect for some engines) in
+    /// progress at once, at most.
+    pub max_peer_adds: usize,
+    /// A client's agent that cannot be added within this time fails its session (with a
+    /// `Transfer` error; other sessions are not affected).
+    #[serde(with = "secs")]
+    pub peer_add_timeout: Duration,
     /// A WRITE that has not completed after this long fails its session.
     #[serde(with = "secs")]
     pub transfer_timeout: Duration,
@@ -109,6 +133,12 @@ impl Default for ServerConfig {
             pool_chunk_bytes: 256 << 20,
             idle_pool_bytes: 512 << 20,
             max_message_bytes: 256 << 20,
+            preauth_message_bytes: 64 << 10,
+            handshake_timeout: Duration::from_secs(5),
+            frame_timeout: Duration::from_secs(30),
+            max_connections: 4096,
+            max_peer_adds: 16,
+            peer_add_timeout: Duration::from_secs(10),
             transfer_timeout: Duration::from_secs(60),
             reply_queue: 1024,
             transfer_queue: 64,
@@ -182,6 +212,57 @@ struct Shared {
     lingering: Mutex<HashMap<SessionId, String>>,
     next_session: AtomicU64,
     tasks: Mutex<JoinSet<()>>,
+    /// Control connections being served.
+    connections: AtomicU64,
+    /// `max_connections`, kept below the open-file limit.
+    connection_cap: u64,
+    /// Connections refused at the cap.
+    refused: AtomicU64,
+    /// Failed accepts (`EMFILE`, `ENFILE`, ...).
+    accept_errors: AtomicU64,
+    /// Bounds the `add_remote` calls in progress.
+    peer_adds: Arc<tokio::sync::Semaphore>,
+}
+
+impl Shared {
+    /// The core's statistics with the driver's counters.
+    fn stats(&self) -> Stats {
+        let mut s = self.unit.lock().stats();
+        self.add_counters(&mut s);
+        s
+    }
+
+    fn add_counters(&self, s: &mut Stats) {
+        s.connections = self.connections.load(Ordering::Relaxed);
+        s.refused_connections = self.refused.load(Ordering::Relaxed);
+        s.accept_errors = self.accept_errors.load(Ordering::Relaxed);
+    }
+}
+
+/// Raises the soft `RLIMIT_NOFILE` to the hard limit; returns the soft limit then in force.
+fn raise_nofile() -> u64 {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes into the local `rlimit` it is given and nothing else.
+    #[allow(unsafe_code)]
+    let got = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0;
+    if !got {
+        return u64::MAX;
+    }
+    if lim.rlim_cur < lim.rlim_max {
+        let raised = libc::rlimit {
+            rlim_cur: lim.rlim_max,
+            rlim_max: lim.rlim_max,
+        };
+        // SAFETY: setrlimit reads the local `rlimit` it is given.
+        #[allow(unsafe_code)]
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+            lim.rlim_cur = lim.rlim_max;
+        }
+    }
+    lim.rlim_cur
 }
 
 /// A running unit. Dropping it does not stop it; call [`Server::shutdown`].
@@ -191,6 +272,34 @@ pub struct Server {
     stop: watch::Sender<bool>,
     accept: tokio::task::JoinHandle<()>,
     timer: tokio::task::JoinHandle<()>,
+}
+
+/// Removes the file at `path` only if it is a stale socket (a socket no one accepts on):
+/// never a regular file, a directory or a live socket.
+fn remove_stale_socket(path: &str) -> std::io::Result<()> {
+    use std::os::unix::fs::FileTypeExt;
+    let meta = match std::fs::symlink_metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    if !meta.file_type().is_socket() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::AlreadyExists,
+            format!("{path} exists and is not a socket; not removing it"),
+        ));
+    }
+    match std::os::unix::net::UnixStream::connect(path) {
+        Ok(_) => Err(std::io::Error::new(
+            std::io::ErrorKind::AddrInUse,
+            format!("{path} is a live socket (another process accepts on it)"),
+        )),
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => std::fs::remove_file(path),
+        Err(e) => Err(std::io::Error::new(
+            e.kind(),
+            format!("{path}: cannot tell whether the socket is stale: {e}"),
+        )),
+    }
 }
 
 enum Listener {
@@ -208,6 +317,13 @@ impl Server {
                 cfg.transfer_queue, cfg.reply_queue
             )));
         }
+        if cfg.max_connections == 0 || cfg.max_peer_adds == 0 || cfg.preauth_message_bytes < 256 {
+            return Err(ServerError::Config(format!(
+                "max_connections ({}) and max_peer_adds ({}) must be at least 1, \
+                 preauth_message_bytes ({}) at least 256",
+                cfg.max_connections, cfg.max_peer_adds, cfg.preauth_message_bytes
+            )));
+        }
         let backend = cfg.backend;
         let payload_addr = cfg.payload_addr;
         let limits = ChunkLimits {
@@ -222,7 +338,10 @@ impl Server {
         })
         .await??;
         let (listener, addr) = if let Some(path) = cfg.bind.strip_prefix("unix:") {
-            let _ = std::fs::remove_file(path);
+            remove_stale_socket(path).map_err(|source| ServerError::Bind {
+                addr: cfg.bind.clone(),
+                source,
+            })?;
             let l = UnixListener::bind(path).map_err(|source| ServerError::Bind {
                 addr: cfg.bind.clone(),
                 source,
@@ -241,6 +360,17 @@ impl Server {
             })?;
             (Listener::Tcp(l), a.to_string())
         };
+        let nofile = raise_nofile();
+        let connection_cap = (cfg.max_connections as u64).min(nofile.saturating_sub(64).max(1));
+        if connection_cap < cfg.max_connections as u64 {
+            tracing::warn!(
+                max_connections = cfg.max_connections,
+                nofile,
+                cap = connection_cap,
+                "max_connections lowered below the open-file limit"
+            );
+        }
+        let peer_adds = Arc::new(tokio::sync::Semaphore::new(cfg.max_peer_adds.max(1)));
         let generation = pool.generation();
         let mut unit = Unit::new(cfg.unit.clone(), PoolMemory { pool });
         unit.set_pull_puts(backend.pulls_puts());
@@ -253,6 +383,11 @@ impl Server {
             lingering: Mutex::new(HashMap::new()),
             next_session: AtomicU64::new(1),
             tasks: Mutex::new(JoinSet::new()),
+            connections: AtomicU64::new(0),
+            connection_cap,
+            refused: AtomicU64::new(0),
+            accept_errors: AtomicU64::new(0),
+            peer_adds,
         });
         let (stop, stop_rx) = watch::channel(false);
         let accept = tokio::spawn(accept_loop(shared.clone(), listener, stop_rx.clone()));
@@ -274,7 +409,7 @@ impl Server {
 
     /// Current statistics.
     pub fn stats(&self) -> Stats {
-        self.shared.unit.lock().stats()
+        self.shared.stats()
     }
 
     /// The unit's transport agent (its [`report`](Agent::report) counts the payload bytes

@@ -28,6 +28,9 @@ pub(super) fn dispatch(shared: &Arc<Shared>, out: Vec<Output<LocalDesc>>) {
                 if let Response::Error(e) = &response {
                     crate::metrics::error(e.kind);
                 }
+                if let Response::Stats(s) = &mut response {
+                    shared.add_counters(s);
+                }
                 if let Response::PutReady { agent, .. } = &mut response {
                     // Descriptors may name a chunk registered after this session last got
                     // the unit's metadata: send it along.

@@ -1,0 +1,625 @@
+//! Hostile clients and peers: what each may take from the unit is bounded, the token never
+//! travels, and a failure of one session stays with it. Every wait below is a hang guard, not
+//! a timing assertion.
+
+use std::time::{Duration, Instant};
+
+use serde_bytes::ByteBuf;
+use tessera_framecodec::{encode, Tensor, Value};
+use tessera_storage::core::{Output, Unit, UnitConfig};
+use tessera_storage::proto::{self, Request, Response};
+use tessera_storage::testing::handshake::{self, Hello};
+use tessera_storage::testing::VecMem;
+use tessera_storage::{
+    Backend, BackendExt, Client, ClientConfig, ClientError, ErrorKind, Server, ServerConfig, Token,
+};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+const GUARD: Duration = Duration::from_secs(60);
+
+async fn server(cfg: ServerConfig) -> Server {
+    Server::start(ServerConfig {
+        bind: "127.0.0.1:0".into(),
+        backend: Backend::Inproc,
+        pool_bytes: 32 << 20,
+        ..cfg
+    })
+    .await
+    .unwrap()
+}
+
+fn client_cfg(server: &Server) -> ClientConfig {
+    ClientConfig {
+        units: vec![server.addr().to_owned()],
+        backend: Backend::Inproc,
+        recv_pool_bytes: 16 << 20,
+        timeout: GUARD,
+        ..ClientConfig::default()
+    }
+}
+
+async fn read_response(s: &mut (impl AsyncRead + Unpin)) -> Option<(u64, Response)> {
+    let mut prefix = [0u8; proto::LEN_PREFIX];
+    s.read_exact(&mut prefix).await.ok()?;
+    let mut buf = vec![0u8; proto::frame_len(prefix, 1 << 30).ok()?];
+    s.read_exact(&mut buf).await.ok()?;
+    proto::decode_body::<Response>(&buf).ok()
+}
+
+/// The next answer, within the hang guard.
+async fn answer(s: &mut TcpStream) -> Option<(u64, Response)> {
+    tokio::time::timeout(GUARD, read_response(s))
+        .await
+        .expect("the unit neither answered nor closed the connection")
+}
+
+async fn call(s: &mut TcpStream, id: u64, req: &Request) -> Response {
+    s.write_all(&proto::encode_frame(id, req).unwrap())
+        .await
+        .unwrap();
+    answer(s).await.expect("an answer").1
+}
+
+/// Whether the unit closed the connection (reads end), within the hang guard.
+async fn closed(s: &mut TcpStream) -> bool {
+    let mut rest = Vec::new();
+    tokio::time::timeout(GUARD, s.read_to_end(&mut rest))
+        .await
+        .expect("the unit did not close the connection")
+        .is_ok()
+}
+
+fn error_kind(r: &Response) -> Option<ErrorKind> {
+    match r {
+        Response::Error(e) => Some(e.kind),
+        _ => None,
+    }
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    haystack.windows(needle.len()).any(|w| w == needle)
+}
+
+/// Relays one TCP connection to `to`, recording every byte either way.
+async fn recording_proxy(to: String) -> (String, tokio::task::JoinHandle<Vec<u8>>) {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let task = tokio::spawn(async move {
+        let (mut a, _) = l.accept().await.unwrap();
+        let mut b = TcpStream::connect(&to).await.unwrap();
+        let mut seen = Vec::new();
+        let (mut buf_a, mut buf_b) = (vec![0u8; 1 << 16], vec![0u8; 1 << 16]);
+        loop {
+            tokio::select! {
+                n = a.read(&mut buf_a) => match n {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => {
+                        seen.extend_from_slice(&buf_a[..n]);
+                        if b.write_all(&buf_a[..n]).await.is_err() { break; }
+                    }
+                },
+                n = b.read(&mut buf_b) => match n {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => {
+                        seen.extend_from_slice(&buf_b[..n]);
+                        if a.write_all(&buf_b[..n]).await.is_err() { break; }
+                    }
+                },
+            }
+        }
+        seen
+    });
+    (addr, task)
+}
+
+/// Finding: the token travelled in plaintext in HELLO. Now a client and a unit that share it
+/// open a session with nothing on the wire but nonces and proofs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_token_never_crosses_the_wire() {
+    let secret = "correct-horse-battery-staple";
+    let server = server(ServerConfig {
+        unit: UnitConfig {
+            token: Some(Token::new(secret).unwrap()),
+            ..UnitConfig::default()
+        },
+        ..ServerConfig::default()
+    })
+    .await;
+    let (via, seen) = recording_proxy(server.addr().to_owned()).await;
+    let cfg = ClientConfig {
+        units: vec![via],
+        token: Some(Token::new(secret).unwrap()),
+        ..client_cfg(&server)
+    };
+    assert!(
+        !format!("{cfg:?}").contains(secret),
+        "Debug shows the token"
+    );
+    let c = Client::connect(cfg).await.unwrap();
+    c.put("p", &[1], &[("x".into(), vec![Value::U64(1)])])
+        .await
+        .unwrap();
+    drop(c);
+    let seen = tokio::time::timeout(GUARD, seen).await.unwrap().unwrap();
+    assert!(!seen.is_empty());
+    assert!(
+        !contains(&seen, secret.as_bytes()),
+        "the token crossed the wire"
+    );
+    server.shutdown().await;
+}
+
+/// A wrong token: the client's proof is refused with `Unauthorized` and the connection
+/// closed; before it, the unit showed nothing of its own (no agent metadata, no backend).
+/// A client with the wrong token refuses the unit first (it cannot prove the token).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_token_is_unauthorized_and_learns_nothing() {
+    let server = server(ServerConfig {
+        unit: UnitConfig {
+            token: Some(Token::new("s3cret").unwrap()),
+            ..UnitConfig::default()
+        },
+        ..ServerConfig::default()
+    })
+    .await;
+    let agent = Backend::Inproc.role_agent("raw").unwrap();
+    let mut s = TcpStream::connect(server.addr()).await.unwrap();
+    let hello = Hello::new(agent.metadata());
+    let challenge = call(&mut s, 1, &hello.request()).await;
+    let Response::Challenge { nonce, proof } = &challenge else {
+        panic!("{challenge:?}")
+    };
+    assert_eq!((nonce.len(), proof.len()), (32, 32));
+    let wrong = Token::new("guess").unwrap();
+    assert!(!hello.unit_proves(&challenge, Some(&wrong)));
+    assert!(hello.unit_proves(&challenge, Some(&Token::new("s3cret").unwrap())));
+    let r = call(&mut s, 2, &hello.auth(&challenge, Some(&wrong))).await;
+    assert_eq!(error_kind(&r), Some(ErrorKind::Unauthorized), "{r:?}");
+    assert!(closed(&mut s).await);
+    // The same through the client, with no token and a wrong one.
+    for token in [None, Some(wrong)] {
+        let e = Client::connect(ClientConfig {
+            token,
+            ..client_cfg(&server)
+        })
+        .await
+        .err()
+        .expect("connected without the token");
+        assert!(matches!(e, ClientError::Unauthenticated { unit: 0 }), "{e}");
+        assert_eq!(e.kind(), Some(ErrorKind::Unauthorized));
+    }
+    // A replayed proof of another session is refused: the unit's nonce is new each time.
+    let mut t = TcpStream::connect(server.addr()).await.unwrap();
+    let good = Token::new("s3cret").unwrap();
+    let again = call(&mut t, 1, &hello.request()).await;
+    let r = call(&mut t, 2, &hello.auth(&challenge, Some(&good))).await;
+    assert_ne!(again, challenge);
+    assert_eq!(error_kind(&r), Some(ErrorKind::Unauthorized), "{r:?}");
+    server.shutdown().await;
+}
+
+/// Finding: an unauthenticated connection could announce a frame of `max_message` (256 MiB)
+/// and hold it. Before the handshake completed, a frame over `preauth_message_bytes` (64 KiB)
+/// is refused and the connection closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unauthenticated_connection_cannot_send_a_large_frame() {
+    let server = server(ServerConfig::default()).await;
+    let mut s = TcpStream::connect(server.addr()).await.unwrap();
+    s.write_all(&(1u32 << 20).to_le_bytes()).await.unwrap();
+    let (_, r) = answer(&mut s).await.expect("an error answer");
+    assert_eq!(error_kind(&r), Some(ErrorKind::TooLarge), "{r:?}");
+    assert!(closed(&mut s).await);
+    server.shutdown().await;
+}
+
+/// Finding: connections without a read deadline. One that never completes its handshake is
+/// closed after `handshake_timeout`; one that trickles a request is closed after
+/// `frame_timeout`; the unit keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_and_trickling_connections_are_closed() {
+    let server = server(ServerConfig {
+        handshake_timeout: Duration::from_millis(300),
+        frame_timeout: Duration::from_millis(300),
+        ..ServerConfig::default()
+    })
+    .await;
+    // Connected, says nothing.
+    let mut silent = TcpStream::connect(server.addr()).await.unwrap();
+    let (_, r) = answer(&mut silent).await.expect("an error answer");
+    assert_eq!(error_kind(&r), Some(ErrorKind::Unauthorized), "{r:?}");
+    assert!(closed(&mut silent).await);
+    // Says Hello, then trickles one byte of a request and stops.
+    let agent = Backend::Inproc.role_agent("raw").unwrap();
+    let mut slow = TcpStream::connect(server.addr()).await.unwrap();
+    let hello = Hello::new(agent.metadata());
+    let challenge = call(&mut slow, 1, &hello.request()).await;
+    let welcome = call(&mut slow, 2, &hello.auth(&challenge, None)).await;
+    assert!(matches!(welcome, Response::Welcome { .. }), "{welcome:?}");
+    let frame = proto::encode_frame(3, &Request::Stats).unwrap();
+    slow.write_all(&frame[..1]).await.unwrap();
+    let (_, r) = answer(&mut slow).await.expect("an error answer");
+    assert_eq!(error_kind(&r), Some(ErrorKind::Protocol), "{r:?}");
+    assert!(closed(&mut slow).await);
+    let c = Client::connect(client_cfg(&server)).await.unwrap();
+    c.stats().await.unwrap();
+    server.shutdown().await;
+}
+
+/// Finding: no connection cap. Beyond `max_connections` a connection gets a clear `Busy`
+/// frame and is closed, counted in STATS; the connections served are not disturbed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_beyond_the_cap_are_refused_clearly() {
+    let server = server(ServerConfig {
+        max_connections: 2,
+        ..ServerConfig::default()
+    })
+    .await;
+    let c = Client::connect(client_cfg(&server)).await.unwrap();
+    let _idle = TcpStream::connect(server.addr()).await.unwrap();
+    let mut refused = Vec::new();
+    for _ in 0..3 {
+        let mut s = TcpStream::connect(server.addr()).await.unwrap();
+        let (_, r) = answer(&mut s).await.expect("a refusal");
+        assert_eq!(error_kind(&r), Some(ErrorKind::Busy), "{r:?}");
+        assert!(closed(&mut s).await);
+        refused.push(s);
+    }
+    let st = &c.stats().await.unwrap()[0];
+    assert_eq!((st.connections, st.refused_connections), (2, 3), "{st:?}");
+    server.shutdown().await;
+}
+
+/// A unit over vector memory with one open session `1`.
+fn core_unit(cfg: UnitConfig) -> (Unit<VecMem>, Instant) {
+    let mut unit = Unit::new(cfg, VecMem::new(1 << 26));
+    let now = Instant::now();
+    for s in [1, 2] {
+        unit.open_session(s);
+        let out = handshake::open(&mut unit, now, s, 0, vec![], None);
+        assert!(matches!(out[..], [Output::Accept { .. }]), "{out:?}");
+        unit.session_ready(s);
+    }
+    (unit, now)
+}
+
+fn reply(out: &[Output]) -> &Response {
+    match out {
+        [Output::Reply { response, .. }, ..] => response,
+        other => panic!("{other:?}"),
+    }
+}
+
+fn empty_put(first: u64, n: u64) -> Request {
+    let value = Value::List(vec![Value::List(
+        (0..n).map(|_| Value::Bytes(Vec::new().into())).collect(),
+    )]);
+    let frames = encode(&value).unwrap();
+    Request::Put {
+        partition: "p".into(),
+        indexes: (first..first + n).collect(),
+        fields: vec!["x".into()],
+        meta: ByteBuf::from(frames.meta.to_vec()),
+        inline: Some(Vec::new()),
+        pull: None,
+    }
+}
+
+/// Finding: PUTs of empty values counted 0 bytes, so keys grew without bound. Each stored key
+/// now costs `key_overhead_bytes` plus its length, and `max_stored_keys` bounds them.
+#[test]
+fn empty_values_are_not_free() {
+    let (mut unit, now) = core_unit(UnitConfig {
+        capacity_bytes: 100_000,
+        ..UnitConfig::default()
+    });
+    let mut stored = 0;
+    let refused = loop {
+        let out = unit.handle(now, 1, stored + 10, empty_put(stored * 1000, 1000));
+        match reply(&out) {
+            Response::Done => stored += 1,
+            other => break other.clone(),
+        }
+        assert!(stored < 1000, "empty values are never refused");
+    };
+    assert_eq!(
+        error_kind(&refused),
+        Some(ErrorKind::Capacity),
+        "{refused:?}"
+    );
+    let st = unit.stats();
+    assert!(
+        st.charged_bytes <= 100_000 && st.charged_bytes >= st.keys * 64,
+        "{st:?}"
+    );
+    // The key count is bounded on its own too.
+    let (mut unit, now) = core_unit(UnitConfig {
+        max_stored_keys: 1500,
+        ..UnitConfig::default()
+    });
+    assert_eq!(
+        reply(&unit.handle(now, 1, 1, empty_put(0, 1000))),
+        &Response::Done
+    );
+    let r = reply(&unit.handle(now, 1, 2, empty_put(1000, 1000))).clone();
+    assert_eq!(error_kind(&r), Some(ErrorKind::Capacity), "{r:?}");
+    // Replacing stored keys adds none.
+    assert_eq!(
+        reply(&unit.handle(now, 1, 3, empty_put(0, 1000))),
+        &Response::Done
+    );
+}
+
+fn big_put(index: u64) -> Request {
+    let big = Value::Tensor(Tensor::from_slice(&[100_000], &vec![7u8; 100_000]).unwrap());
+    let frames = encode(&Value::List(vec![Value::List(vec![big])])).unwrap();
+    Request::Put {
+        partition: "q".into(),
+        indexes: vec![index],
+        fields: vec!["x".into()],
+        meta: ByteBuf::from(frames.meta.to_vec()),
+        inline: None,
+        pull: None,
+    }
+}
+
+/// Finding: quarantined blocks of open sessions piled up until every PUT of every client
+/// failed `out_of_memory`. A session whose quarantine is full fails its own PUTs; another
+/// session's PUTs go on. And a session failed by an expired PUT is closed, so its
+/// quarantine is released once its client's link is torn down.
+#[test]
+fn a_full_quarantine_fails_only_its_own_session() {
+    let (mut unit, now) = core_unit(UnitConfig {
+        session_quarantine_limit: 150_000,
+        quarantine_limit: 1 << 30,
+        prepare_ttl: Duration::from_secs(5),
+        ..UnitConfig::default()
+    });
+    for id in [1, 2] {
+        let out = unit.handle(now, 1, id, big_put(id));
+        assert!(matches!(reply(&out), Response::PutReady { .. }), "{out:?}");
+        let cancel = Request::Cancel {
+            of: id,
+            maybe_written: true,
+        };
+        assert_eq!(
+            reply(&unit.handle(now, 1, 10 + id, cancel)),
+            &Response::Done
+        );
+    }
+    let r = reply(&unit.handle(now, 1, 3, big_put(3))).clone();
+    assert_eq!(error_kind(&r), Some(ErrorKind::OutOfMemory), "{r:?}");
+    let Response::Error(e) = &r else { panic!() };
+    assert!(e.message.contains("this session's quarantine"), "{e:?}");
+    let out = unit.handle(now, 2, 1, big_put(4));
+    assert!(matches!(reply(&out), Response::PutReady { .. }), "{out:?}");
+    // Session 2's prepared PUT expires: it fails, and it is closed.
+    let out = unit.handle_timeout(now + Duration::from_secs(6));
+    assert_eq!(error_kind(reply(&out)), Some(ErrorKind::PeerFailed));
+    assert!(
+        out.iter()
+            .any(|o| matches!(o, Output::Close { session: 2 })),
+        "{out:?}"
+    );
+}
+
+/// Finding: the client never opened a new session after its connection was lost (or the
+/// unit failed it). The request that met the failure fails; the next one opens a new
+/// session transparently.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_client_opens_a_new_session_after_its_session_ended() {
+    let dir = tempfile::tempdir().unwrap();
+    let bind = format!("unix:{}", dir.path().join("unit.sock").display());
+    let cfg = || ServerConfig {
+        bind: bind.clone(),
+        backend: Backend::Shm,
+        pool_bytes: 16 << 20,
+        ..ServerConfig::default()
+    };
+    let first = Server::start(cfg()).await.unwrap();
+    let c = Client::connect(ClientConfig {
+        units: vec![bind.clone()],
+        backend: Backend::Shm,
+        recv_pool_bytes: 16 << 20,
+        timeout: GUARD,
+        ..ClientConfig::default()
+    })
+    .await
+    .unwrap();
+    c.put("p", &[1], &[("x".into(), vec![Value::U64(1)])])
+        .await
+        .unwrap();
+    first.shutdown().await;
+    let second = Server::start(cfg()).await.unwrap();
+    // Whether or not the client noticed the close before this request, a new session serves
+    // the next one at the latest.
+    let _ = c.stats().await;
+    let st = c.stats().await.expect("no new session was opened");
+    assert_eq!(st[0].keys, 0, "a new unit answers");
+    c.put("p", &[2], &[("x".into(), vec![Value::U64(2)])])
+        .await
+        .unwrap();
+    second.shutdown().await;
+}
+
+/// Rewrites the address in agent metadata (the transport's format: magic, version, name,
+/// kind, address, registrations).
+fn with_address(md: &[u8], address: &[u8]) -> Vec<u8> {
+    let mut at = 4 + 2;
+    at += 1 + md[at] as usize; // name
+    at += 1 + md[at] as usize; // kind
+    let len = u32::from_le_bytes(md[at..at + 4].try_into().unwrap()) as usize;
+    let mut out = md[..at].to_vec();
+    out.extend_from_slice(&(address.len() as u32).to_le_bytes());
+    out.extend_from_slice(address);
+    out.extend_from_slice(&md[at + 4 + len..]);
+    out
+}
+
+/// An abstract unix listener whose backlog is full: a connect to it blocks.
+struct FullBacklog {
+    fd: libc::c_int,
+    _filler: std::os::unix::net::UnixStream,
+}
+
+impl FullBacklog {
+    fn new(name: &str) -> Self {
+        use std::os::linux::net::SocketAddrExt;
+        use std::os::unix::net::{SocketAddr, UnixStream};
+        let mut sa: libc::sockaddr_un =
+            // SAFETY: sockaddr_un is plain data; all zeroes is a valid value.
+            unsafe { std::mem::zeroed() };
+        sa.sun_family = libc::AF_UNIX as libc::sa_family_t;
+        for (i, b) in name.bytes().enumerate() {
+            sa.sun_path[i + 1] = b as libc::c_char;
+        }
+        let len = (size_of::<libc::sa_family_t>() + 1 + name.len()) as libc::socklen_t;
+        // SAFETY: plain socket calls on a descriptor this function owns, with a sockaddr_un
+        // that outlives them.
+        let fd = unsafe {
+            let fd = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0);
+            assert!(fd >= 0);
+            assert_eq!(
+                libc::bind(fd, &sa as *const _ as *const libc::sockaddr, len),
+                0
+            );
+            assert_eq!(libc::listen(fd, 0), 0);
+            fd
+        };
+        let addr = SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+        let filler = UnixStream::connect_addr(&addr).unwrap();
+        Self {
+            fd,
+            _filler: filler,
+        }
+    }
+}
+
+impl Drop for FullBacklog {
+    fn drop(&mut self) {
+        // SAFETY: closes the descriptor this value owns, once; blocked connects then fail.
+        unsafe { libc::close(self.fd) };
+    }
+}
+
+/// Finding: HELLOs naming shm peers with a full listen backlog pinned the unit's blocking
+/// threads in `connect()` and locked out new clients. Each such session now fails with a
+/// clear `Transfer` error within `peer_add_timeout` and is closed; other clients connect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peers_that_cannot_be_reached_fail_only_their_session() {
+    let name = format!("tessera-hostile-{}", std::process::id());
+    let trap = FullBacklog::new(&name);
+    let server = Server::start(ServerConfig {
+        bind: "127.0.0.1:0".into(),
+        backend: Backend::Shm,
+        pool_bytes: 16 << 20,
+        peer_add_timeout: Duration::from_millis(500),
+        ..ServerConfig::default()
+    })
+    .await
+    .unwrap();
+    let agent = Backend::Shm.role_agent("hostile").unwrap();
+    let md = with_address(&agent.metadata(), name.as_bytes());
+    let mut hostile = Vec::new();
+    for _ in 0..8 {
+        let mut s = TcpStream::connect(server.addr()).await.unwrap();
+        let hello = Hello::new(md.clone());
+        let challenge = call(&mut s, 1, &hello.request()).await;
+        s.write_all(&proto::encode_frame(2, &hello.auth(&challenge, None)).unwrap())
+            .await
+            .unwrap();
+        hostile.push(s);
+    }
+    for s in &mut hostile {
+        let (id, r) = answer(s).await.expect("an answer to Auth");
+        assert_eq!(id, 2);
+        assert_eq!(error_kind(&r), Some(ErrorKind::Transfer), "{r:?}");
+        let Response::Error(e) = &r else { panic!() };
+        assert!(e.message.contains("within"), "{e:?}");
+        assert!(closed(s).await);
+    }
+    let c = Client::connect(ClientConfig {
+        units: vec![server.addr().to_owned()],
+        backend: Backend::Shm,
+        recv_pool_bytes: 16 << 20,
+        timeout: GUARD,
+        ..ClientConfig::default()
+    })
+    .await
+    .expect("a well-behaved client is locked out");
+    c.stats().await.unwrap();
+    drop(trap);
+    drop(c);
+    server.shutdown().await;
+}
+
+/// Finding: a client resumed after SIGSTOP reported a Timeout for an answer it had already
+/// received (its timer and its socket became ready together). When a deadline fires, an
+/// answer that is there (or that the reader is handing over) is taken first. Here a unit
+/// answers just after the client's deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_that_came_is_not_a_timeout() {
+    use tessera_transport::auth;
+    let timeout = Duration::from_millis(300);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let unit_agent = Backend::Inproc.role_agent("fake-unit").unwrap();
+    let md = unit_agent.metadata();
+    let unit = tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap();
+        let (id, req) = read_request(&mut s).await;
+        let Request::Hello { nonce, agent } = req else {
+            panic!("{req:?}")
+        };
+        let ours = auth::nonce();
+        let parts = proto::handshake_parts(&nonce, &ours, &agent);
+        let proof = auth::prove(None, proto::UNIT_PROOF, &parts);
+        let challenge = Response::Challenge {
+            nonce: ByteBuf::from(ours.to_vec()),
+            proof: ByteBuf::from(proof.to_vec()),
+        };
+        send(&mut s, id, &challenge).await;
+        let (id, _) = read_request(&mut s).await;
+        let welcome = Response::Welcome {
+            agent: md,
+            backend: "inproc".into(),
+            inline_max: 1024,
+            align: 64,
+        };
+        send(&mut s, id, &welcome).await;
+        // STATS is answered just after the client's deadline.
+        let (id, _) = read_request(&mut s).await;
+        tokio::time::sleep(timeout + Duration::from_millis(20)).await;
+        send(&mut s, id, &Response::Stats(Default::default())).await;
+        let mut rest = Vec::new();
+        let _ = s.read_to_end(&mut rest).await;
+    });
+    let c = Client::connect(ClientConfig {
+        units: vec![addr],
+        backend: Backend::Inproc,
+        recv_pool_bytes: 1 << 20,
+        timeout,
+        ..ClientConfig::default()
+    })
+    .await
+    .unwrap();
+    let st = c.stats().await.expect("the answer came, yet a timeout");
+    assert_eq!(st.len(), 1);
+    drop(c);
+    drop(unit_agent);
+    unit.await.unwrap();
+}
+
+async fn read_request(s: &mut TcpStream) -> (u64, Request) {
+    let mut prefix = [0u8; proto::LEN_PREFIX];
+    s.read_exact(&mut prefix).await.unwrap();
+    let mut buf = vec![0u8; proto::frame_len(prefix, 1 << 20).unwrap()];
+    s.read_exact(&mut buf).await.unwrap();
+    proto::decode_body::<Request>(&buf).unwrap()
+}
+
+async fn send(s: &mut TcpStream, id: u64, r: &Response) {
+    s.write_all(&proto::encode_frame(id, r).unwrap())
+        .await
+        .unwrap();
+}
