@@ -46,7 +46,9 @@ impl ChunkSource for Arc<Agent> {
     type Pool = RegisteredPool;
 
     fn register(&self, bytes: u64) -> Result<RegisteredPool, MemoryError> {
-        Ok(RegisteredPool::new(self, bytes)?)
+        // Scoped: a client reaches a block only while it is exposed to it (a pushed PUT's
+        // frames, see `PoolMemory::expose`), not the whole pool.
+        Ok(RegisteredPool::new_scoped(self, bytes)?)
     }
 }
 

@@ -9,10 +9,12 @@ use std::ptr::NonNull;
 use tessera_sync::Arc;
 
 use bytes::Bytes;
-use tessera_transport::{Agent, BackendError, LocalDesc, PoolBlock, Region, RemoteDesc};
+use tessera_transport::{
+    Agent, BackendError, Exposure, LocalDesc, Ops, PoolBlock, Region, RemoteDesc,
+};
 
 use crate::chunks::ChunkPool;
-use crate::core::{Memory, PoolStats};
+use crate::core::{Exposed, Memory, PoolStats, Written};
 use crate::error::MemoryError;
 use tessera_engines::{EngineError, EngineOptions};
 
@@ -53,7 +55,7 @@ pub trait BackendExt: Copy {
     /// A fresh agent for `role` with a name unique across hosts (host name, process id and a
     /// counter).
     fn role_agent(self, role: &str) -> Result<Agent, tessera_transport::AgentError> {
-        self.role_agent_at(role, None)
+        self.role_agent_at(role, None, None)
     }
 
     /// Like [`Self::role_agent`]; for `tcp`, the payload engine listens on and advertises
@@ -62,11 +64,16 @@ pub trait BackendExt: Copy {
     /// `nixl` refuse it: UCX chooses its interfaces itself, from `UCX_NET_DEVICES` (and its
     /// transports from `UCX_TLS`), so an address given here could not be honoured.
     ///
+    /// With `token`, the `shm` and `tcp` engines serve only peers that prove they hold it
+    /// (the unit's and its clients' token, the same as the control plane's); without one,
+    /// only processes of this user, and `tcp` refuses a non-loopback `payload_addr`.
+    ///
     /// A backend whose cargo feature is off fails with an error naming the feature.
     fn role_agent_at(
         self,
         role: &str,
         payload_addr: Option<std::net::SocketAddr>,
+        token: Option<&tessera_transport::auth::Token>,
     ) -> Result<Agent, tessera_transport::AgentError>;
 }
 
@@ -79,6 +86,7 @@ impl BackendExt for Backend {
         self,
         role: &str,
         payload_addr: Option<std::net::SocketAddr>,
+        token: Option<&tessera_transport::auth::Token>,
     ) -> Result<Agent, tessera_transport::AgentError> {
         if !self.available() {
             return Err(unavailable(self));
@@ -104,6 +112,7 @@ impl BackendExt for Backend {
         // Each engine reads only the options meant for it: `inproc` and `shm` ignore the address.
         let options = EngineOptions {
             tcp_bind: payload_addr,
+            token: token.cloned(),
             ..EngineOptions::default()
         };
         self.agent_with(&name, &options).map_err(|e| match e {
@@ -199,12 +208,37 @@ impl Memory for PoolMemory {
         freeze_written(block, data.len() as u64)
     }
 
+    fn expose(
+        &self,
+        block: &PoolBlock,
+        peer: &str,
+        ranges: &[(u64, u64)],
+    ) -> Result<Exposed, MemoryError> {
+        let reg = block.registration();
+        let exposures = ranges
+            .iter()
+            .map(|&(offset, len)| reg.expose(peer, block.offset() + offset, len, Ops::WRITE))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Arc::new(FramesExposed(exposures)))
+    }
+
     fn usage(&self) -> PoolStats {
         self.pool.usage()
     }
 
     fn trim(&mut self) -> u64 {
         self.pool.trim()
+    }
+}
+
+/// A pushed PUT's frames exposed to the client's agent, one exposure per run of touching
+/// frames: the unit's engine grants the client's WRITEs only inside them (where it sees every
+/// request, see tessera-transport's trust model) and records what landed.
+struct FramesExposed(Vec<Exposure>);
+
+impl Written for FramesExposed {
+    fn is_written(&self) -> bool {
+        self.0.iter().all(Exposure::is_fully_written)
     }
 }
 
@@ -605,7 +639,7 @@ mod tests {
     fn ucx_and_nixl_refuse_what_they_cannot_honour() {
         let addr = Some("127.0.0.1:0".parse().unwrap());
         for b in [Backend::Ucx, Backend::Nixl] {
-            let err = b.role_agent_at("t", addr).unwrap_err().to_string();
+            let err = b.role_agent_at("t", addr, None).unwrap_err().to_string();
             let expected = if b.available() {
                 "UCX_NET_DEVICES".to_owned()
             } else {

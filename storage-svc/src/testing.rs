@@ -5,9 +5,9 @@
 use bytes::Bytes;
 use tessera_transport::RemoteDesc;
 
-use crate::core::{Memory, PoolStats};
+use crate::core::{Exposed, Memory, PoolStats, Written};
 use crate::error::MemoryError;
-use tessera_sync::atomic::{AtomicU64, Ordering};
+use tessera_sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use tessera_sync::Arc;
 
 /// Heap memory that counts the bytes of its live blocks and refuses a lease past its
@@ -17,6 +17,8 @@ use tessera_sync::Arc;
 pub struct VecMem {
     live: Arc<AtomicU64>,
     cap: u64,
+    /// Whether exposed frames count as written (see [`VecMem::writes_land`]).
+    land: Arc<AtomicBool>,
 }
 
 impl VecMem {
@@ -25,7 +27,14 @@ impl VecMem {
         Self {
             live: Arc::new(AtomicU64::new(0)),
             cap,
+            land: Arc::new(AtomicBool::new(true)),
         }
+    }
+
+    /// Whether a pushed PUT's frames count as written when its COMMIT comes (true at first):
+    /// false plays a client that COMMITs without WRITEing. Clones share it.
+    pub fn writes_land(&self, land: bool) {
+        self.land.store(land, Ordering::SeqCst);
     }
 
     /// Bytes in blocks not yet dropped.
@@ -88,6 +97,14 @@ impl Memory for VecMem {
         let mut block = self.lease(data.len() as u64, align)?;
         block.buf.copy_from_slice(data);
         Ok(Bytes::from_owner(block))
+    }
+    fn expose(
+        &self,
+        _block: &VecBlock,
+        _peer: &str,
+        _ranges: &[(u64, u64)],
+    ) -> Result<Exposed, MemoryError> {
+        Ok(Arc::new(Landed(self.land.clone())))
     }
     fn usage(&self) -> PoolStats {
         PoolStats {
@@ -167,5 +184,14 @@ pub mod handshake {
             _ => return out,
         };
         unit.handle(now, session, first + 1, h.auth(&challenge, token))
+    }
+}
+
+/// A [`VecMem`] PUT's frames: written when the memory says WRITEs land.
+struct Landed(Arc<AtomicBool>);
+
+impl Written for Landed {
+    fn is_written(&self) -> bool {
+        self.0.load(Ordering::SeqCst)
     }
 }

@@ -55,7 +55,7 @@ impl Pair {
             out.as_slice(),
             [Output::Accept { session: S, .. }]
         ));
-        p.unit.session_ready(S);
+        p.unit.session_ready(S, "client");
         p
     }
 

@@ -33,7 +33,7 @@ impl Harness {
         let now = Instant::now();
         let out = handshake::open(&mut unit, now, S, 0, vec![], None);
         assert!(matches!(out[..], [Output::Accept { .. }]));
-        unit.session_ready(S);
+        unit.session_ready(S, "client");
         Self {
             unit,
             now,
@@ -478,7 +478,7 @@ fn close_after_ready_keeps_the_block_until_the_link_is_torn_down() {
         handshake::open(&mut h.unit, h.now, 2, 0, vec![], None)[..],
         [Output::Accept { .. }]
     ));
-    h.unit.session_ready(2);
+    h.unit.session_ready(2, "client");
     expose(&mut h.unit, h.now, 2, 1, "q");
     assert_eq!(h.unit.stats().pool.used, 2 * exposed);
     let cancel = Request::Cancel {

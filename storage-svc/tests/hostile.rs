@@ -278,7 +278,7 @@ fn core_unit(cfg: UnitConfig) -> (Unit<VecMem>, Instant) {
         unit.open_session(s);
         let out = handshake::open(&mut unit, now, s, 0, vec![], None);
         assert!(matches!(out[..], [Output::Accept { .. }]), "{out:?}");
-        unit.session_ready(s);
+        unit.session_ready(s, "client");
     }
     (unit, now)
 }
@@ -622,4 +622,174 @@ async fn send(s: &mut TcpStream, id: u64, r: &Response) {
     s.write_all(&proto::encode_frame(id, r).unwrap())
         .await
         .unwrap();
+}
+
+/// A session opened by hand for `agent` (Hello, Auth, Welcome: request ids 1 and 2); the
+/// stream and the unit's agent metadata.
+async fn raw_session(
+    server: &Server,
+    agent: &tessera_transport::Agent,
+    token: Option<&Token>,
+) -> (TcpStream, Vec<u8>) {
+    let mut s = TcpStream::connect(server.addr()).await.unwrap();
+    let hello = Hello::new(agent.metadata());
+    let challenge = call(&mut s, 1, &hello.request()).await;
+    let welcome = call(&mut s, 2, &hello.auth(&challenge, token)).await;
+    let Response::Welcome { agent: md, .. } = welcome else {
+        panic!("no welcome: {welcome:?}")
+    };
+    (s, md)
+}
+
+/// Finding 7: PREPARE a PUT, COMMIT without WRITE, GET it: the block's previous contents (a
+/// value another client had cleared) came back. Now such a COMMIT is refused and nothing is
+/// published; once the WRITE landed, the same PUT commits and reads back as written. On
+/// every engine where the unit is the target.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_without_its_write_publishes_nothing() {
+    const LEN: usize = 100_000; // `big_put`'s one frame
+    for backend in [Backend::Shm, Backend::Tcp, Backend::Inproc] {
+        let server = Server::start(ServerConfig {
+            bind: "127.0.0.1:0".into(),
+            backend,
+            pool_bytes: 4 << 20,
+            ..ServerConfig::default()
+        })
+        .await
+        .unwrap();
+        let victim = Client::connect(ClientConfig {
+            backend,
+            ..client_cfg(&server)
+        })
+        .await
+        .unwrap();
+        let secret = Value::Tensor(Tensor::from_slice(&[LEN as u64], &vec![0x5Au8; LEN]).unwrap());
+        victim
+            .put("q", &[1], &[("x".into(), vec![secret])])
+            .await
+            .unwrap();
+        victim.clear("q", &[1]).await.unwrap();
+
+        let agent = backend.role_agent("raw").unwrap();
+        let (mut s, md) = raw_session(&server, &agent, None).await;
+        let peer = agent.add_remote(&md).unwrap();
+        let ready = call(&mut s, 3, &big_put(2)).await;
+        let Response::PutReady { block, .. } = ready else {
+            panic!("{backend}: no READY: {ready:?}")
+        };
+        let refused = call(&mut s, 4, &Request::Commit { put: 3 }).await;
+        assert_eq!(
+            error_kind(&refused),
+            Some(ErrorKind::BadRequest),
+            "{backend}: a COMMIT without its WRITE: {refused:?}"
+        );
+        let got = victim.get("q", &[2], &["x"]).await;
+        assert!(
+            matches!(&got, Err(e) if e.kind() == Some(ErrorKind::Missing)),
+            "{backend}: an unwritten PUT was published: {got:?}"
+        );
+
+        let src = tessera_transport::Region::new(LEN as u64).unwrap();
+        src.write_at(0, &vec![0xC3u8; LEN]).unwrap();
+        let reg = agent.register(&src).unwrap();
+        let dst = tessera_transport::RemoteDesc::new(block.reg, block.offset, LEN as u64);
+        peer.write(&[reg.desc(0, LEN as u64).unwrap()], &[dst], None)
+            .unwrap()
+            .await
+            .unwrap();
+        let done = call(&mut s, 5, &Request::Commit { put: 3 }).await;
+        assert!(matches!(done, Response::Done), "{backend}: {done:?}");
+        let got = victim.get("q", &[2], &["x"]).await.unwrap();
+        let bytes = got[0][0].as_tensor().unwrap().as_slice::<u8>().unwrap();
+        assert!(
+            bytes.iter().all(|&b| b == 0xC3),
+            "{backend}: not what was written"
+        );
+        drop((got, peer, reg, agent, s, victim));
+        server.shutdown().await;
+    }
+}
+
+/// A unit and a client over `backend` sharing `token`, the client holding one stored value.
+async fn unit_with_a_value(backend: Backend, token: &Token) -> (Server, Client) {
+    let server = Server::start(ServerConfig {
+        bind: "127.0.0.1:0".into(),
+        backend,
+        pool_bytes: 4 << 20,
+        unit: UnitConfig {
+            token: Some(token.clone()),
+            ..UnitConfig::default()
+        },
+        ..ServerConfig::default()
+    })
+    .await
+    .unwrap();
+    let c = Client::connect(ClientConfig {
+        backend,
+        token: Some(token.clone()),
+        ..client_cfg(&server)
+    })
+    .await
+    .unwrap();
+    let v = Value::Tensor(Tensor::from_slice(&[4096], &vec![0x11u8; 4096]).unwrap());
+    c.put("p", &[1], &[("x".into(), vec![v])]).await.unwrap();
+    (server, c)
+}
+
+async fn still_intact(c: &Client) {
+    let got = c
+        .get("p", &[1], &["x"])
+        .await
+        .expect("the client's session survives");
+    let bytes = got[0][0].as_tensor().unwrap().as_slice::<u8>().unwrap();
+    assert!(bytes.iter().all(|&b| b == 0x11), "the stored value changed");
+}
+
+/// Finding 1: with `--token`, any local process mapped the unit's pool through the shm
+/// socket, or read and wrote it through the tcp payload port: the token guarded the control
+/// socket only. Now a payload peer without the token (or with another) is refused at its
+/// handshake, even holding the unit's full metadata (engine address, registration ids).
+/// Runs as the unit's own user: the transport's hostile tests add another uid.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn payload_peers_without_the_token_reach_nothing() {
+    use tessera_transport::{shm::Shm, tcp::Tcp, Agent};
+    let token = Token::new("payload-secret").unwrap();
+    let wrong = Token::new("guess").unwrap();
+    for backend in [Backend::Shm, Backend::Tcp] {
+        let (server, c) = unit_with_a_value(backend, &token).await;
+        let md = server.agent().metadata();
+        for attacker_token in [None, Some(wrong.clone())] {
+            let attacker = match (backend, attacker_token) {
+                (Backend::Shm, None) => Agent::new("attacker", Shm::new()),
+                (Backend::Shm, Some(t)) => Agent::new("attacker", Shm::new().with_token(t)),
+                (_, None) => Agent::new("attacker", Tcp::new()),
+                (_, Some(t)) => Agent::new("attacker", Tcp::new().with_token(t)),
+            }
+            .unwrap();
+            let added = attacker.add_remote(&md);
+            assert!(
+                added.is_err(),
+                "{backend}: a peer without the token was let in"
+            );
+        }
+        still_intact(&c).await;
+        drop(c);
+        server.shutdown().await;
+    }
+}
+
+/// Finding 2: a tcp payload HELLO under a client's agent name retired that client's link,
+/// and every later request of the client failed `peer_failed`. Now a name with a live link
+/// cannot be claimed by another peer, even one holding the token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hello_under_a_clients_name_leaves_its_session_alone() {
+    use tessera_transport::{tcp::Tcp, Agent};
+    let token = Token::new("payload-secret").unwrap();
+    let (server, c) = unit_with_a_value(Backend::Tcp, &token).await;
+    let impostor = Agent::new(c.agent().name(), Tcp::new().with_token(token.clone())).unwrap();
+    let claimed = impostor.add_remote(&server.agent().metadata());
+    assert!(claimed.is_err(), "another peer claimed the client's name");
+    still_intact(&c).await;
+    drop((impostor, c));
+    server.shutdown().await;
 }

@@ -60,7 +60,7 @@ fuzz_target!(|data: &[u8]| {
     if data.first().is_some_and(|b| b & 0x40 != 0) {
         let out = tessera_storage::testing::handshake::open(&mut unit, now, 1, 0, vec![], None);
         if out.iter().any(|o| matches!(o, Output::Accept { .. })) {
-            unit.session_ready(1);
+            unit.session_ready(1, "client");
         }
     }
     let mut rest = data;
@@ -83,7 +83,7 @@ fuzz_target!(|data: &[u8]| {
                 }
             }
             if accepted {
-                unit.session_ready(1);
+                unit.session_ready(1, "client");
             }
         }
     }

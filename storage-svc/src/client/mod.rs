@@ -115,8 +115,9 @@ impl Client {
         let backend = cfg.backend;
         let payload_addr = cfg.payload_addr;
         let bytes = cfg.recv_pool_bytes;
+        let token = cfg.token.clone();
         let (agent, pool) = tokio::task::spawn_blocking(move || {
-            let agent = backend.role_agent_at("client", payload_addr)?;
+            let agent = backend.role_agent_at("client", payload_addr, token.as_ref())?;
             let pool = RegisteredPool::new(&agent, bytes).map_err(ClientError::from_pool)?;
             Ok::<_, ClientError>((Arc::new(agent), pool))
         })

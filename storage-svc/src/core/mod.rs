@@ -30,6 +30,7 @@ mod store;
 mod tests;
 
 use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -72,6 +73,16 @@ pub trait Memory {
     fn block_len(block: &Self::Block) -> u64;
     /// Copies `data` into a fresh block and returns it frozen (used by compaction only).
     fn copy_in(&mut self, data: &[u8], align: u64) -> Result<Bytes, MemoryError>;
+    /// Lets `peer` WRITE the `ranges` (offset, length) of `block` (a pushed PUT's frames,
+    /// touching ones merged) until the returned handle drops, and tells whether they were.
+    /// A COMMIT is accepted only once [`Written::is_written`] says every byte landed, so a
+    /// block is never published with what it held before.
+    fn expose(
+        &self,
+        block: &Self::Block,
+        peer: &str,
+        ranges: &[(u64, u64)],
+    ) -> Result<Exposed, MemoryError>;
     /// Pool usage.
     fn usage(&self) -> PoolStats;
     /// Gives back registered memory that is idle beyond the configured limit; returns the
@@ -80,6 +91,17 @@ pub trait Memory {
         0
     }
 }
+
+/// A peer's permission to WRITE a pushed PUT's frames, and whether it did
+/// ([`Memory::expose`]). Dropping it revokes the permission where the engine enforces it.
+pub trait Written: Send + Sync {
+    /// Whether every exposed byte was written by a WRITE that completed.
+    fn is_written(&self) -> bool;
+}
+
+/// A shared [`Written`]: the driver clones it to wait for a WRITE's record off the unit's
+/// lock.
+pub type Exposed = Arc<dyn Written>;
 
 /// What the driver must do. `D` is the memory's READ destination ([`Memory::Dest`]).
 #[derive(Debug)]

@@ -14,7 +14,7 @@ use tessera_framecodec::{DecodeError, Value};
 
 use super::session::Quarantined;
 use super::store::Compaction;
-use super::{err, Memory, Output, PartitionStats, PayloadError, SessionId, Unit};
+use super::{err, Exposed, Memory, Output, PartitionStats, PayloadError, SessionId, Unit};
 use crate::error::{ErrorKind, RemoteError};
 use crate::proto::{PullSource, Response};
 
@@ -37,6 +37,9 @@ pub(super) struct PendingPut {
     /// A pulled PUT whose READ is queued or in flight: it waits for `read_done`, not for a
     /// COMMIT, and its deadline is the driver's transfer timeout.
     pub(super) reading: bool,
+    /// A pushed PUT: its frames' exposure to the client's agent, and what landed in them.
+    /// Dropped with the PUT (stored, cancelled or quarantined), which revokes it.
+    written: Option<Exposed>,
 }
 
 impl PendingPut {
@@ -205,6 +208,14 @@ impl<M: Memory> Unit<M> {
                 "a PUT is either inline or pulled, not both",
             ));
         }
+        if self.pull_puts && inline.is_none() && pull.is_none() {
+            // The one-sided engines record no trace of a WRITE at the target, so a pushed
+            // PUT's COMMIT could not be told from one whose payload never came.
+            return Err(err(
+                ErrorKind::BadRequest,
+                "this unit pulls PUT payloads over its engine: name the frames (`pull`)",
+            ));
+        }
         let table = self.decoder.frame_table(&meta).map_err(|e| {
             let kind = if matches!(
                 e,
@@ -366,6 +377,17 @@ impl<M: Memory> Unit<M> {
             }
         }
         let reading = pull.is_some();
+        let written = if pull.is_none() {
+            let ranges = merged_ranges(&layout.offsets, &layout.lens);
+            let peer = self.sessions.peer(session);
+            Some(
+                self.mem
+                    .expose(&block, peer, &ranges)
+                    .map_err(|e| err(ErrorKind::OutOfMemory, e.to_string()))?,
+            )
+        } else {
+            None
+        };
         let next = match pull {
             Some(src) => PutNext::Read(Output::Read {
                 session,
@@ -406,6 +428,7 @@ impl<M: Memory> Unit<M> {
                 reserved: incoming,
                 deadline: now + self.cfg.prepare_ttl,
                 reading,
+                written,
             },
         );
         Ok(next)
@@ -418,11 +441,35 @@ impl<M: Memory> Unit<M> {
                 format!("PUT {put} is pulled by the unit; there is nothing to commit"),
             ));
         }
+        let pending = self
+            .puts
+            .pending
+            .get(&(session, put))
+            .ok_or_else(|| err(ErrorKind::UnknownTransfer, format!("no prepared PUT {put}")))?;
+        if pending.written.as_ref().is_some_and(|w| !w.is_written()) {
+            // Refused rather than zeroed: publishing the block would expose what it held
+            // before (another client's cleared value), and zeroing every block before it is
+            // exposed would cost a second pass over every payload. The PUT stays prepared (a
+            // WRITE still landing may complete it) until it is committed again, cancelled or
+            // expires.
+            return Err(err(
+                ErrorKind::BadRequest,
+                format!(
+                    "COMMIT of PUT {put} before its payload was written: WRITE every frame                      into the block the unit answered, then COMMIT"
+                ),
+            ));
+        }
         let p = self
             .puts
             .remove(session, put)
             .ok_or_else(|| err(ErrorKind::UnknownTransfer, format!("no prepared PUT {put}")))?;
         self.store_put(p)
+    }
+
+    /// What PUT `put` of `session` exposed, for the driver to wait (off the lock) for its
+    /// WRITE's completion to be recorded before it hands over the COMMIT.
+    pub fn put_written(&self, session: SessionId, put: u64) -> Option<Exposed> {
+        self.puts.pending.get(&(session, put))?.written.clone()
     }
 
     /// CANCEL of `of`: a prepared PUT is released, or quarantined when its block may have been
@@ -530,5 +577,40 @@ impl<M: Memory> Unit<M> {
             id: put,
             response: Response::error(kind, reason),
         }]
+    }
+}
+
+/// The frames' `(offset, len)` ranges, empty ones left out and touching ones merged, so that a
+/// WRITE the client coalesced across adjacent frames lies inside one exposed range.
+fn merged_ranges(offsets: &[u64], lens: &[u64]) -> Vec<(u64, u64)> {
+    let mut frames: Vec<(u64, u64)> = offsets
+        .iter()
+        .zip(lens)
+        .filter(|(_, l)| **l > 0)
+        .map(|(o, l)| (*o, *l))
+        .collect();
+    frames.sort_unstable();
+    let mut out: Vec<(u64, u64)> = Vec::with_capacity(frames.len());
+    for (o, l) in frames {
+        match out.last_mut() {
+            Some((po, pl)) if *po + *pl >= o => *pl = (*pl).max(o + l - *po),
+            _ => out.push((o, l)),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod merge_tests {
+    use super::merged_ranges;
+
+    #[test]
+    fn touching_frames_merge_and_gaps_stay() {
+        assert_eq!(
+            merged_ranges(&[128, 0, 64, 300], &[64, 64, 0, 4]),
+            vec![(0, 64), (128, 64), (300, 4)]
+        );
+        assert_eq!(merged_ranges(&[0, 64], &[64, 64]), vec![(0, 128)]);
+        assert!(merged_ranges(&[0], &[0]).is_empty());
     }
 }

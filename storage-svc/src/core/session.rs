@@ -49,6 +49,9 @@ struct Session {
     quarantine: Vec<Quarantined>,
     /// Their bytes.
     quarantined: u64,
+    /// The name of the client's agent, once the driver connected to it: what its pushed PUTs'
+    /// blocks are exposed to.
+    peer: String,
 }
 
 /// What a closed session exposed, quarantined until its client's transfers are torn down.
@@ -69,6 +72,11 @@ impl Sessions {
     /// The state of open session `session`.
     pub(super) fn state(&self, session: SessionId) -> Option<&SessionState> {
         self.open.get(&session).map(|s| &s.state)
+    }
+
+    /// The name of the session's agent (empty before the driver connected to it).
+    pub(super) fn peer(&self, session: SessionId) -> &str {
+        self.open.get(&session).map_or("", |s| s.peer.as_str())
     }
 
     /// Open sessions.
@@ -217,16 +225,18 @@ impl<M: Memory> Unit<M> {
                 state: SessionState::New,
                 quarantine: Vec::new(),
                 quarantined: 0,
+                peer: String::new(),
             },
         );
     }
 
-    /// The driver connected to the session's agent (after [`Output::Accept`](super::Output));
-    /// it may now use the payload plane.
-    pub fn session_ready(&mut self, session: SessionId) {
+    /// The driver connected to the session's agent, named `peer` (after
+    /// [`Output::Accept`](super::Output)); it may now use the payload plane.
+    pub fn session_ready(&mut self, session: SessionId, peer: &str) {
         if let Some(s) = self.sessions.open.get_mut(&session) {
             if s.state == SessionState::Accepting {
                 s.state = SessionState::Open;
+                s.peer = peer.to_owned();
             }
         }
     }

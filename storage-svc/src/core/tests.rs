@@ -42,7 +42,7 @@ fn loom_session_executor_and_timer_release_everything() {
         let now = Instant::now();
         unit.open_session(1);
         let _ = crate::testing::handshake::open(&mut unit, now, 1, 0, vec![], None);
-        unit.session_ready(1);
+        unit.session_ready(1, "client");
         // A prepared PUT that expires, one cancelled after exposure (quarantined), a
         // stored value and a GET of it being written.
         assert!(matches!(
@@ -144,7 +144,7 @@ fn loom_pulled_put_read_teardown_and_timer() {
         let now = Instant::now();
         unit.open_session(1);
         let _ = crate::testing::handshake::open(&mut unit, now, 1, 0, vec![], None);
-        unit.session_ready(1);
+        unit.session_ready(1, "client");
         let t = tessera_framecodec::Tensor::from_slice(&[256], &[0u8; 256]).unwrap();
         let v = Value::List(vec![Value::List(vec![Value::Tensor(t)])]);
         let frames = tessera_framecodec::encode(&v).unwrap();

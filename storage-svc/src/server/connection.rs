@@ -364,6 +364,9 @@ async fn session(
             Ok((id, req)) => {
                 let op = op_name(&req);
                 let span = tracing::debug_span!("request", id, op);
+                if let Request::Commit { put } = req {
+                    commit_grace(&shared, sid, put).await;
+                }
                 let req = match sliced(&shared, sid, id, req).instrument(span.clone()).await {
                     Ok(out) => {
                         dispatch(&shared, out);
@@ -610,6 +613,23 @@ pub(super) fn send(shared: &Shared, sid: SessionId, id: u64, resp: &Response) {
 
 /// Connects to the client's agent (a blocking connect for some engines), then starts the
 /// session's executor: WRITEs to one peer run one at a time, peers run concurrently.
+/// How long a COMMIT waits for the engine to record the WRITE it follows.
+const COMMIT_GRACE: Duration = Duration::from_millis(500);
+
+/// Before a COMMIT is handed to the core: gives the payload engine up to [`COMMIT_GRACE`] to
+/// record a WRITE that completed at the client but whose record is still on its way (shm's
+/// DONE is read by the engine's own thread), polling off the unit's lock. A PUT whose frames
+/// are written, or that is not a pushed one, passes at once.
+async fn commit_grace(shared: &Shared, sid: SessionId, put: u64) {
+    let Some(written) = shared.unit.lock().put_written(sid, put) else {
+        return;
+    };
+    let until = Instant::now() + COMMIT_GRACE;
+    while !written.is_written() && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
 pub(super) async fn accept_peer(shared: Arc<Shared>, sid: SessionId, id: u64, md: Vec<u8>) {
     let timeout = shared.cfg.peer_add_timeout;
     let fail = |why: String| {
@@ -658,7 +678,7 @@ pub(super) async fn accept_peer(shared: Arc<Shared>, sid: SessionId, id: u64, md
         h.peer = peer.name().to_owned();
         h.queue_depth.clone()
     };
-    shared.unit.lock().session_ready(sid);
+    shared.unit.lock().session_ready(sid, peer.name());
     let seen = shared.generation.load(Ordering::Acquire);
     if let Some(h) = shared.sessions.lock().get_mut(&sid) {
         h.seen = seen;

@@ -331,8 +331,9 @@ impl Server {
             chunk: cfg.pool_chunk_bytes,
             idle: cfg.idle_pool_bytes,
         };
+        let token = cfg.unit.token.clone();
         let (agent, pool) = tokio::task::spawn_blocking(move || {
-            let agent = Arc::new(backend.role_agent_at("unit", payload_addr)?);
+            let agent = Arc::new(backend.role_agent_at("unit", payload_addr, token.as_ref())?);
             let pool = ChunkPool::new(agent.clone(), limits)?;
             Ok::<_, ServerError>((agent, pool))
         })

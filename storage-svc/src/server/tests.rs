@@ -269,8 +269,9 @@ async fn a_closed_sessions_exposed_block_waits_for_the_grace() {
 }
 
 /// Over tcp, a client shows READY, drops its control connection, and WRITEs late into the
-/// block it was given. Meanwhile another client's PUT of the same size must not have been
-/// given that block: its value reads back intact after the late WRITE landed. Once the
+/// block it was given: the unit's engine refuses it, the block's exposure being gone.
+/// Meanwhile another client's PUT of the same size must not have been given that block: its
+/// value reads back intact after the late WRITE. Once the
 /// late writer's agent is gone (its link closed), the quarantine is released.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_write_over_tcp_never_lands_in_a_reused_block() {
@@ -305,10 +306,21 @@ async fn a_late_write_over_tcp_never_lands_in_a_reused_block() {
     .await
     .unwrap();
     c.put("other", &[1], &column(100_000, 5)).await.unwrap();
-    // The late WRITE lands.
+    // The late WRITE is refused: the block's exposure went with the session (tcp sees
+    // every request; the quarantine is for engines that cannot refuse it).
     let garbage = [Bytes::from(vec![0xAB; block.len as usize])];
     let locals = source_descs(&agent, &garbage).unwrap();
-    peer.write(&locals, &[block], None).unwrap().await.unwrap();
+    let late = peer.write(&locals, &[block], None).unwrap().await;
+    assert!(
+        matches!(
+            late,
+            Err(tessera_transport::TransferError::Rejected {
+                reason: tessera_transport::RejectReason::NotExposed,
+                ..
+            })
+        ),
+        "{late:?}"
+    );
     let got = c.get("other", &[1], &["x"]).await.unwrap();
     let vals = got[0][0].as_tensor().unwrap().as_slice::<i32>().unwrap();
     assert!(

@@ -85,7 +85,7 @@ pub fn client_config(addr: &str, backend: Backend, token: &str, pool: u64) -> Cl
     ClientConfig {
         units: vec![addr.to_owned()],
         backend,
-        token: Some(token.to_owned()),
+        token: Some(tessera_storage::Token::new(token).expect("a non-empty token")),
         recv_pool_bytes: pool,
         timeout: Duration::from_secs(20),
         ..ClientConfig::default()
