@@ -270,7 +270,8 @@ async fn connections_beyond_the_cap_are_refused_clearly() {
     server.shutdown().await;
 }
 
-/// A unit over vector memory with one open session `1`.
+/// A unit over vector memory with open sessions `1` and `2`, of agents `client-1` and
+/// `client-2`.
 fn core_unit(cfg: UnitConfig) -> (Unit<VecMem>, Instant) {
     let mut unit = Unit::new(cfg, VecMem::new(1 << 26));
     let now = Instant::now();
@@ -278,7 +279,7 @@ fn core_unit(cfg: UnitConfig) -> (Unit<VecMem>, Instant) {
         unit.open_session(s);
         let out = handshake::open(&mut unit, now, s, 0, vec![], None);
         assert!(matches!(out[..], [Output::Accept { .. }]), "{out:?}");
-        unit.session_ready(s, "client");
+        unit.session_ready(s, &format!("client-{s}"));
     }
     (unit, now)
 }
@@ -390,7 +391,14 @@ fn a_full_quarantine_fails_only_its_own_session() {
     let r = reply(&unit.handle(now, 1, 3, big_put(3))).clone();
     assert_eq!(error_kind(&r), Some(ErrorKind::OutOfMemory), "{r:?}");
     let Response::Error(e) = &r else { panic!() };
-    assert!(e.message.contains("this session's quarantine"), "{e:?}");
+    assert!(e.message.contains("this client's quarantine"), "{e:?}");
+    // The same client in a new session keeps what it left quarantined.
+    unit.open_session(3);
+    let out = handshake::open(&mut unit, now, 3, 0, vec![], None);
+    assert!(matches!(out[..], [Output::Accept { .. }]), "{out:?}");
+    unit.session_ready(3, "client-1");
+    let r = reply(&unit.handle(now, 3, 3, big_put(5))).clone();
+    assert_eq!(error_kind(&r), Some(ErrorKind::OutOfMemory), "{r:?}");
     let out = unit.handle(now, 2, 1, big_put(4));
     assert!(matches!(reply(&out), Response::PutReady { .. }), "{out:?}");
     // Session 2's prepared PUT expires: it fails, and it is closed.

@@ -23,12 +23,16 @@ pub struct UnitConfig {
     pub max_meta_bytes: u64,
     /// Bytes of registered memory leased to prepared PUTs, at most.
     pub leased_limit: u64,
-    /// Bytes of registered memory leased to the prepared PUTs of one session, at most.
+    /// Bytes of registered memory leased to the prepared PUTs of one session, at most (the
+    /// capacity they reserve goes with them). Keep it well under `capacity_bytes` (the default
+    /// is a quarter of the default capacity), so that a few sessions that prepare PUTs and
+    /// never write them cannot leave others no room; a single PUT's payload cannot exceed it.
     pub session_leased_limit: u64,
     /// Bytes of quarantined registered memory, at most; PUTs are refused beyond it.
     pub quarantine_limit: u64,
-    /// Bytes of quarantined registered memory of one open session, at most; that session's
-    /// PUTs that need a block are refused beyond it (other sessions are not).
+    /// Bytes of quarantined registered memory of one client's agent, over its open and closed
+    /// sessions, at most; its PUTs that need a block are refused beyond it (other clients'
+    /// are not, and the unit's `quarantine_limit` refuses only clients holding some).
     pub session_quarantine_limit: u64,
     /// What a stored key costs against `capacity_bytes` besides its value: this many bytes,
     /// plus the key's length (its field name and 8 bytes of index). An empty value is not
@@ -88,7 +92,7 @@ impl Default for UnitConfig {
             max_payload_bytes: 16 << 30,
             max_meta_bytes: 64 << 20,
             leased_limit: 16 << 30,
-            session_leased_limit: 4 << 30,
+            session_leased_limit: 256 << 20,
             quarantine_limit: 1 << 30,
             session_quarantine_limit: 256 << 20,
             key_overhead_bytes: 64,

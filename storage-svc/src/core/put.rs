@@ -328,21 +328,30 @@ impl<M: Memory> Unit<M> {
             return Err(err(
                 ErrorKind::OutOfMemory,
                 format!(
-                    "this session's quarantine is full ({mine} of {} bytes); reconnect to \
-                     release it",
+                    "this client's quarantine is full ({mine} of {} bytes, left by PUTs that \
+                     expired or were cancelled); it is released once no late WRITE can land \
+                     (the session closed and its link torn down)",
                     self.cfg.session_quarantine_limit
                 ),
             ));
         }
-        if self.sessions.quarantined() > self.cfg.quarantine_limit {
-            return Err(err(ErrorKind::OutOfMemory, "quarantine limit reached"));
+        // The unit's limit fails only sessions whose agent holds quarantined blocks: a client
+        // that never left a block behind is not refused for what others left.
+        if mine > 0 && self.sessions.quarantined() > self.cfg.quarantine_limit {
+            return Err(err(
+                ErrorKind::OutOfMemory,
+                format!(
+                    "the unit's quarantine limit is reached ({} bytes), {mine} of them left by                      this client's sessions",
+                    self.sessions.quarantined()
+                ),
+            ));
         }
         let mine = self.puts.session_leased(session);
         if mine + layout.size > self.cfg.session_leased_limit {
             return Err(err(
                 ErrorKind::OutOfMemory,
                 format!(
-                    "session leased limit: {mine} of {} bytes leased, {} asked",
+                    "session leased limit (session_leased_limit): {mine} of {} bytes leased, {} asked",
                     self.cfg.session_leased_limit, layout.size
                 ),
             ));

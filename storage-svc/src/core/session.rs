@@ -58,6 +58,8 @@ struct Session {
 struct Closed {
     quarantine: Vec<Quarantined>,
     deadline: Option<Instant>,
+    /// The session's agent, still charged for these blocks.
+    peer: String,
 }
 
 /// Open sessions, closed ones whose blocks are still quarantined, and the bytes quarantined.
@@ -66,6 +68,9 @@ pub(super) struct Sessions {
     open: HashMap<SessionId, Session>,
     closed: HashMap<SessionId, Closed>,
     quarantined: u64,
+    /// Bytes quarantined per agent name, over its open and closed sessions: a client that
+    /// reconnects keeps what its earlier sessions left quarantined.
+    by_peer: HashMap<String, u64>,
 }
 
 impl Sessions {
@@ -89,9 +94,31 @@ impl Sessions {
         self.quarantined
     }
 
-    /// Bytes quarantined with open session `session`.
+    /// Bytes quarantined for the agent of open session `session`, over all its sessions.
     pub(super) fn session_quarantined(&self, session: SessionId) -> u64 {
-        self.open.get(&session).map_or(0, |s| s.quarantined)
+        let Some(s) = self.open.get(&session) else {
+            return 0;
+        };
+        self.by_peer
+            .get(&s.peer)
+            .copied()
+            .unwrap_or(0)
+            .max(s.quarantined)
+    }
+
+    fn charge(&mut self, peer: &str, bytes: u64) {
+        if bytes > 0 {
+            *self.by_peer.entry(peer.to_owned()).or_default() += bytes;
+        }
+    }
+
+    fn discharge(&mut self, peer: &str, bytes: u64) {
+        if let Some(n) = self.by_peer.get_mut(peer) {
+            *n = n.saturating_sub(bytes);
+            if *n == 0 {
+                self.by_peer.remove(peer);
+            }
+        }
     }
 
     pub(super) fn set_state(&mut self, session: SessionId, state: SessionState) {
@@ -132,6 +159,8 @@ impl Sessions {
             self.quarantined += len;
             s.quarantined += len;
             s.quarantine.push((block, len, partition));
+            let peer = s.peer.clone();
+            self.charge(&peer, len);
         }
     }
 
@@ -145,12 +174,14 @@ impl Sessions {
         how: TornDown,
         deadline: Option<Instant>,
     ) {
-        let mut quarantine = self
+        let (mut quarantine, peer) = self
             .open
             .remove(&session)
-            .map(|s| s.quarantine)
+            .map(|s| (s.quarantine, s.peer))
             .unwrap_or_default();
-        self.quarantined += exposed.iter().map(|q| q.1).sum::<u64>();
+        let exposed_bytes = exposed.iter().map(|q| q.1).sum::<u64>();
+        self.quarantined += exposed_bytes;
+        self.charge(&peer, exposed_bytes);
         quarantine.extend(exposed);
         if quarantine.is_empty() {
             return;
@@ -166,6 +197,7 @@ impl Sessions {
             Closed {
                 quarantine,
                 deadline,
+                peer,
             },
         );
     }
@@ -176,6 +208,7 @@ impl Sessions {
         };
         let bytes: u64 = c.quarantine.iter().map(|q| q.1).sum();
         self.quarantined -= bytes;
+        self.discharge(&c.peer, bytes);
         bytes
     }
 
@@ -213,6 +246,7 @@ impl Sessions {
         self.open.clear();
         self.closed.clear();
         self.quarantined = 0;
+        self.by_peer.clear();
     }
 }
 

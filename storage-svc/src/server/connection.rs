@@ -360,7 +360,17 @@ async fn session(
                 break;
             }
         }
-        match proto::decode_body::<Request>(&buf) {
+        // A large request (a GET of a million keys) decodes on the blocking pool, so the
+        // worker it would hold serves other sessions meanwhile.
+        let decoded = if buf.len() > LARGE_FRAME {
+            match tokio::task::spawn_blocking(move || proto::decode_body::<Request>(&buf)).await {
+                Ok(d) => d,
+                Err(_) => break,
+            }
+        } else {
+            proto::decode_body::<Request>(&buf)
+        };
+        match decoded {
             Ok((id, req)) => {
                 let op = op_name(&req);
                 let span = tracing::debug_span!("request", id, op);
@@ -613,6 +623,9 @@ pub(super) fn send(shared: &Shared, sid: SessionId, id: u64, resp: &Response) {
 
 /// Connects to the client's agent (a blocking connect for some engines), then starts the
 /// session's executor: WRITEs to one peer run one at a time, peers run concurrently.
+/// Frames larger than this decode off the session's worker.
+const LARGE_FRAME: usize = 1 << 20;
+
 /// How long a COMMIT waits for the engine to record the WRITE it follows.
 const COMMIT_GRACE: Duration = Duration::from_millis(500);
 
