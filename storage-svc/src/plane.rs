@@ -240,6 +240,15 @@ impl Written for FramesExposed {
     fn is_written(&self) -> bool {
         self.0.iter().all(Exposure::is_fully_written)
     }
+
+    fn poll_written(&self, cx: &mut std::task::Context<'_>) -> std::task::Poll<()> {
+        for e in &self.0 {
+            if e.poll_written(e.len(), cx).is_pending() {
+                return std::task::Poll::Pending;
+            }
+        }
+        std::task::Poll::Ready(())
+    }
 }
 
 /// Local descriptors of `frames` for a WRITE, in the order of `frames`: memory that already

@@ -17,6 +17,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 
 use crate::transfer::Op;
+use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 use tessera_sync::atomic::{AtomicUsize, Ordering};
 use tessera_sync::{Arc, Condvar, Mutex};
@@ -61,6 +62,8 @@ struct Coverage {
     /// Disjoint, non-adjacent intervals by start.
     runs: BTreeMap<u64, u64>,
     bytes: u64,
+    /// Tasks waiting for it to grow ([`Exposure::poll_written`]), woken when it does.
+    wakers: Vec<Waker>,
 }
 
 impl Coverage {
@@ -102,6 +105,15 @@ pub(crate) struct ExpState {
 }
 
 impl ExpState {
+    /// Whether this exposure allows `op` on `offset..offset + len` of the registration.
+    pub(crate) fn covers(&self, op: Op, offset: u64, len: u64) -> bool {
+        self.ops.allows(op)
+            && offset >= self.start
+            && offset
+                .checked_add(len)
+                .is_some_and(|end| end <= self.start + self.len)
+    }
+
     /// Records that `offset..offset + len` of the registration was written.
     pub(crate) fn record(&self, offset: u64, len: u64) {
         let lo = offset.saturating_sub(self.start).min(self.len);
@@ -109,8 +121,15 @@ impl ExpState {
             .saturating_add(len)
             .saturating_sub(self.start)
             .min(self.len);
-        self.written.lock().add(lo, hi);
+        let wakers = {
+            let mut c = self.written.lock();
+            c.add(lo, hi);
+            std::mem::take(&mut c.wakers)
+        };
         self.grew.notify_all();
+        for w in wakers {
+            w.wake();
+        }
     }
 }
 
@@ -279,6 +298,19 @@ impl Exposure {
         c.bytes
     }
 
+    /// [`Exposure::wait_written`] for async callers: ready once completed WRITEs covered at
+    /// least `bytes` of it; otherwise the task is woken when the coverage grows.
+    pub fn poll_written(&self, bytes: u64, cx: &mut Context<'_>) -> Poll<()> {
+        let mut c = self.state.written.lock();
+        if c.bytes >= bytes.min(self.state.len) {
+            return Poll::Ready(());
+        }
+        if !c.wakers.iter().any(|w| w.will_wake(cx.waker())) {
+            c.wakers.push(cx.waker().clone());
+        }
+        Poll::Pending
+    }
+
     /// [`Exposure::wait_written`] of the whole exposure: whether it was fully written within
     /// `timeout`.
     pub fn wait_fully_written(&self, timeout: Duration) -> bool {
@@ -338,6 +370,31 @@ mod tests {
         assert_eq!(c.bytes, 40);
         c.add(50, 50);
         assert_eq!(c.bytes, 40);
+    }
+
+    #[test]
+    fn a_task_waiting_for_writes_is_woken_when_they_are_recorded() {
+        use std::sync::atomic::{AtomicUsize, Ordering as O};
+        struct Flag(AtomicUsize);
+        impl std::task::Wake for Flag {
+            fn wake(self: Arc<Self>) {
+                self.0.fetch_add(1, O::SeqCst);
+            }
+        }
+        let flag = Arc::new(Flag(AtomicUsize::new(0)));
+        let waker = Waker::from(flag.clone());
+        let mut cx = Context::from_waker(&waker);
+        let s = Arc::new(Scope::new(true));
+        let e = s.expose("p", 100, 100, Ops::WRITE, None);
+        assert!(e.poll_written(100, &mut cx).is_pending());
+        assert!(e.poll_written(100, &mut cx).is_pending(), "registered once");
+        e.state.record(100, 60);
+        assert_eq!(flag.0.load(O::SeqCst), 1);
+        assert!(e.poll_written(60, &mut cx).is_ready());
+        assert!(e.poll_written(100, &mut cx).is_pending());
+        e.state.record(160, 40);
+        assert_eq!(flag.0.load(O::SeqCst), 2);
+        assert!(e.poll_written(100, &mut cx).is_ready());
     }
 
     #[test]

@@ -148,6 +148,7 @@ impl Registry {
         spans: impl IntoIterator<Item = (u64, u64, u64)>,
     ) -> Result<(), RejectReason> {
         let t = self.table.lock();
+        let mut last_exposed: Option<u64> = None;
         for (reg, offset, len) in spans {
             let entry = match pins.last() {
                 Some(last) if last.id == reg => last,
@@ -168,9 +169,25 @@ impl Registry {
                 Some(end) if end <= entry.len => {}
                 _ => return Err(RejectReason::OutOfRange),
             }
+            // Consecutive spans in one exposure of one registration (a batch's frames,
+            // merged into one exposed range) reuse the previous span's lookup.
+            let reuse = match (who, exposed.last()) {
+                (Some((_, op)), Some((e, _, _))) if last_exposed == Some(reg) => {
+                    e.covers(op, offset, len).then(|| e.clone())
+                }
+                _ => None,
+            };
+            if let Some(e) = reuse {
+                exposed.push((e, offset, len));
+                out.push((entry.base() as usize + offset as usize, len));
+                continue;
+            }
             match who {
                 Some((peer, op)) => match entry.scope.check(peer, op, offset, len) {
-                    Ok(Some(e)) => exposed.push((e, offset, len)),
+                    Ok(Some(e)) => {
+                        exposed.push((e, offset, len));
+                        last_exposed = Some(reg);
+                    }
                     Ok(None) => {}
                     Err(()) => return Err(RejectReason::NotExposed),
                 },

@@ -97,6 +97,13 @@ pub trait Memory {
 pub trait Written: Send + Sync {
     /// Whether every exposed byte was written by a WRITE that completed.
     fn is_written(&self) -> bool;
+    /// Ready once [`Written::is_written`]; otherwise wakes the task when the engine records
+    /// more (shm's DONE is read by the target's thread after the initiator saw its transfer
+    /// complete, so a COMMIT may arrive first). Memory that records nothing later is ready.
+    fn poll_written(&self, cx: &mut std::task::Context<'_>) -> std::task::Poll<()> {
+        let _ = cx;
+        std::task::Poll::Ready(())
+    }
 }
 
 /// A shared [`Written`]: the driver clones it to wait for a WRITE's record off the unit's

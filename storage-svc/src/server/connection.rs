@@ -631,16 +631,14 @@ const COMMIT_GRACE: Duration = Duration::from_millis(500);
 
 /// Before a COMMIT is handed to the core: gives the payload engine up to [`COMMIT_GRACE`] to
 /// record a WRITE that completed at the client but whose record is still on its way (shm's
-/// DONE is read by the engine's own thread), polling off the unit's lock. A PUT whose frames
+/// DONE is read by the engine's own thread), waiting off the unit's lock to be woken by it. A PUT whose frames
 /// are written, or that is not a pushed one, passes at once.
 async fn commit_grace(shared: &Shared, sid: SessionId, put: u64) {
     let Some(written) = shared.unit.lock().put_written(sid, put) else {
         return;
     };
-    let until = Instant::now() + COMMIT_GRACE;
-    while !written.is_written() && Instant::now() < until {
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
+    let recorded = std::future::poll_fn(|cx| written.poll_written(cx));
+    let _ = tokio::time::timeout(COMMIT_GRACE, recorded).await;
 }
 
 pub(super) async fn accept_peer(shared: Arc<Shared>, sid: SessionId, id: u64, md: Vec<u8>) {

@@ -219,8 +219,21 @@ impl Grant {
         if self.op != Some(Op::Write) {
             return;
         }
+        // Touching spans of one exposure (a batch's frames) are recorded as one range.
+        let mut run: Option<(&Arc<ExpState>, u64, u64)> = None;
         for (e, offset, len) in &self.exposed {
-            e.record(*offset, *len);
+            match &mut run {
+                Some((r, _, end)) if Arc::ptr_eq(r, e) && *end == *offset => *end += *len,
+                _ => {
+                    if let Some((r, lo, hi)) = run.take() {
+                        r.record(lo, hi - lo);
+                    }
+                    run = Some((e, *offset, *offset + *len));
+                }
+            }
+        }
+        if let Some((r, lo, hi)) = run {
+            r.record(lo, hi - lo);
         }
     }
 
