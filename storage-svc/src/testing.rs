@@ -3,6 +3,10 @@
 //! unit and loom tests and its integration tests share it.
 
 use bytes::Bytes;
+
+/// Runs futures concurrently on the current task and returns their outputs in order (what the
+/// client uses to fan a request out to several units).
+pub use crate::client::join_all;
 use tessera_transport::RemoteDesc;
 
 use crate::core::{Exposed, Memory, PoolStats, Written};

@@ -325,7 +325,7 @@ impl Client {
 struct Slot(tokio::sync::Mutex<Arc<Conn>>);
 
 /// Runs `futs` concurrently on the current task and returns their outputs in order.
-async fn join_all<F: std::future::Future>(futs: Vec<F>) -> Vec<F::Output> {
+pub async fn join_all<F: std::future::Future>(futs: Vec<F>) -> Vec<F::Output> {
     let mut futs: Vec<std::pin::Pin<Box<F>>> = futs.into_iter().map(Box::pin).collect();
     let mut out: Vec<Option<F::Output>> = futs.iter().map(|_| None).collect();
     std::future::poll_fn(|cx| {
