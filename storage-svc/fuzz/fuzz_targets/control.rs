@@ -6,16 +6,17 @@
 //! already opened by a proper handshake, so the requests after it are reached too.
 #![no_main]
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
 use libfuzzer_sys::fuzz_target;
-use tessera_storage::core::{Memory, Output, PoolStats, Unit, UnitConfig};
+use tessera_storage::core::{Exposed, Memory, Output, PoolStats, Unit, UnitConfig, Written};
 use tessera_storage::proto::{decode_body, frame_len, Request};
 use tessera_storage::MemoryError;
 use tessera_transport::RemoteDesc;
 
-struct VecMem;
+struct VecMem(bool);
 
 impl Memory for VecMem {
     type Block = Vec<u8>;
@@ -41,8 +42,20 @@ impl Memory for VecMem {
     fn copy_in(&mut self, data: &[u8], _: u64) -> Result<Bytes, MemoryError> {
         Ok(Bytes::copy_from_slice(data))
     }
+    fn expose(&self, _: &Vec<u8>, _: &str, _: &[(u64, u64)]) -> Result<Exposed, MemoryError> {
+        Ok(Arc::new(Landed(self.0)))
+    }
     fn usage(&self) -> PoolStats {
         PoolStats::default()
+    }
+}
+
+/// A pushed PUT's frames: written or not, as the input's first byte says.
+struct Landed(bool);
+
+impl Written for Landed {
+    fn is_written(&self) -> bool {
+        self.0
     }
 }
 
@@ -52,7 +65,9 @@ fuzz_target!(|data: &[u8]| {
         inline_max: 4096,
         ..UnitConfig::default()
     };
-    let mut unit = Unit::new(cfg, VecMem);
+    // Whether a pushed PUT's WRITE landed before its COMMIT.
+    let landed = data.first().is_some_and(|b| b & 0x20 == 0);
+    let mut unit = Unit::new(cfg, VecMem(landed));
     // Both ways a PUT's payload can arrive: pushed (READY, COMMIT) or pulled (READ).
     unit.set_pull_puts(data.first().is_some_and(|b| b & 0x80 != 0));
     unit.open_session(1);
