@@ -284,7 +284,8 @@ impl Exposure {
     /// the bytes covered then. Where the target learns of a WRITE only after the initiator
     /// saw it complete (`shm`: the initiator's `DONE` is read by the target's own thread), a
     /// peer may report a WRITE done a moment before it counts here; a check that follows a
-    /// peer's word over another channel (a storage COMMIT) waits briefly with this.
+    /// peer's word over another channel waits briefly with this (or, from async code, with
+    /// [`Exposure::poll_written`], as the storage unit's COMMIT does).
     pub fn wait_written(&self, bytes: u64, timeout: Duration) -> u64 {
         let deadline = Instant::now() + timeout;
         let mut c = self.state.written.lock();

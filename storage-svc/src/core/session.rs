@@ -45,10 +45,9 @@ pub(super) type Quarantined = (Box<dyn Send + Sync>, u64, String);
 
 struct Session {
     state: SessionState,
-    /// Blocks that a late WRITE could still reach, until the session is torn down.
+    /// Blocks that a late WRITE could still reach, until the session is torn down (their
+    /// bytes are charged to its peer in `Sessions::by_peer`).
     quarantine: Vec<Quarantined>,
-    /// Their bytes.
-    quarantined: u64,
     /// The name of the client's agent, once the driver connected to it: what its pushed PUTs'
     /// blocks are exposed to.
     peer: String,
@@ -99,11 +98,7 @@ impl Sessions {
         let Some(s) = self.open.get(&session) else {
             return 0;
         };
-        self.by_peer
-            .get(&s.peer)
-            .copied()
-            .unwrap_or(0)
-            .max(s.quarantined)
+        self.by_peer.get(&s.peer).copied().unwrap_or(0)
     }
 
     fn charge(&mut self, peer: &str, bytes: u64) {
@@ -157,7 +152,6 @@ impl Sessions {
     ) {
         if let Some(s) = self.open.get_mut(&session) {
             self.quarantined += len;
-            s.quarantined += len;
             s.quarantine.push((block, len, partition));
             let peer = s.peer.clone();
             self.charge(&peer, len);
@@ -258,7 +252,6 @@ impl<M: Memory> Unit<M> {
             Session {
                 state: SessionState::New,
                 quarantine: Vec::new(),
-                quarantined: 0,
                 peer: String::new(),
             },
         );
