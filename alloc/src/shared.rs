@@ -184,6 +184,18 @@ mod tests {
         assert_eq!(probe.report().used, 0);
     }
 
+    #[test]
+    fn a_lease_names_its_range() {
+        let shared = SharedAllocator::new(4096);
+        let _first = shared.lease(100, 1).unwrap();
+        let lease = shared.lease(50, 64).unwrap();
+        let at = lease.offset();
+        assert!(at >= 100 && at % 64 == 0, "{at}");
+        assert_eq!(lease.size(), 50);
+        assert_eq!(lease.end(), at + 50);
+        assert_eq!(lease.range(), at..at + 50);
+    }
+
     /// Leases taken and dropped on several threads are never handed out twice, never freed
     /// twice, and never lost.
     #[test]

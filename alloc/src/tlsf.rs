@@ -442,7 +442,11 @@ impl Allocator {
         let mut best = 0;
         if let Some((fl, sl)) = self.largest_class() {
             let mut cur = self.heads[fl * SL_COUNT + sl];
-            while cur != NIL {
+            // Bounded like `find_slow`'s walk: a list holds each node at most once.
+            for _ in 0..self.nodes.len() {
+                if cur == NIL {
+                    break;
+                }
                 let n = &self.nodes[cur as usize];
                 best = best.max(n.size);
                 cur = n.next_free;
@@ -506,9 +510,21 @@ impl Allocator {
     #[cold]
     fn find_slow(&self, size: u64, align: u64) -> Option<(u32, u64)> {
         let (mut fl, mut sl) = class_of(size);
-        while let Some((f, s)) = self.first_class_from(fl, sl) {
+        // Both loops are bounded, and the scan checked to move up: a corrupted free list or
+        // class map ends in a wrong answer (or a panic in debug builds), never in a spin.
+        for _ in 0..FL_COUNT * SL_COUNT {
+            let Some((f, s)) = self.first_class_from(fl, sl) else {
+                break;
+            };
+            debug_assert!(
+                f * SL_COUNT + s >= fl * SL_COUNT + sl,
+                "the scan moved down"
+            );
             let mut cur = self.heads[f * SL_COUNT + s];
-            while cur != NIL {
+            for _ in 0..self.nodes.len() {
+                if cur == NIL {
+                    break;
+                }
                 if let Some(start) = self.fits(cur, size, align) {
                     return Some((cur, start));
                 }
@@ -519,6 +535,10 @@ impl Allocator {
             } else {
                 (f + 1, 0)
             };
+            debug_assert!(
+                fl * SL_COUNT + sl > f * SL_COUNT + s,
+                "the scan did not move"
+            );
             if fl >= FL_COUNT {
                 break;
             }

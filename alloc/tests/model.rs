@@ -87,6 +87,7 @@ fn check(a: &Allocator, oracle: &Oracle, live: &[Block]) {
     assert_eq!(report.used + report.free, report.capacity);
     assert_eq!(report.used, used);
     assert_eq!(report.free, oracle.free());
+    assert_eq!(a.free_bytes(), oracle.free());
     assert_eq!(report.free_ranges, real.len() as u64);
     assert_eq!(
         report.live_blocks,

@@ -206,6 +206,21 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    #[test]
+    fn remote_descs_encode_little_endian_and_refuse_other_lengths() {
+        let d = RemoteDesc::new(0x0102_0304_0506_0708, 9, u64::MAX - 1);
+        let bytes = d.to_bytes();
+        assert_eq!(&bytes[..8], &0x0102_0304_0506_0708u64.to_le_bytes());
+        assert_eq!(&bytes[8..16], &9u64.to_le_bytes());
+        assert_eq!(&bytes[16..], &(u64::MAX - 1).to_le_bytes());
+        assert_eq!(RemoteDesc::from_bytes(&bytes), Some(d));
+        assert_eq!(RemoteDesc::from_bytes(&bytes[..23]), None);
+        assert_eq!(RemoteDesc::from_bytes(&[0; 25]), None);
+        assert_eq!(RemoteDesc::from_bytes(&[]), None);
+        assert_eq!(RemoteDesc::new(1, 2, 3).end(), Some(5));
+        assert_eq!(RemoteDesc::new(1, u64::MAX, 1).end(), None);
+    }
+
     fn pair(lr: u64, lo: u64, rr: u64, ro: u64, len: u64) -> Pair {
         Pair {
             local: Loc {

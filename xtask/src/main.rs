@@ -3,6 +3,7 @@
 #![forbid(unsafe_code)]
 
 mod deps;
+mod mutants;
 mod two_node;
 
 use std::path::{Path, PathBuf};
@@ -32,6 +33,16 @@ enum Cmd {
     Bench {
         /// Suites to run (default: all).
         suites: Vec<String>,
+    },
+    /// Mutation testing (cargo-mutants, installed under .deps) of what mutants.toml lists;
+    /// writes target/tessera-mutants/summary.json. Not part of `test`: a full run takes an
+    /// hour or more.
+    Mutants {
+        /// Groups of mutants.toml to run (default: all).
+        groups: Vec<String>,
+        /// Only check the list and count its mutants.
+        #[arg(long)]
+        list: bool,
     },
     /// Run the end-to-end demo in release: a storage unit, a producer and a consumer as
     /// separate processes, RL rollouts then a weight sync, every byte checked.
@@ -68,6 +79,7 @@ fn main() -> Result<()> {
         Cmd::TwoNodeTest => two_node::run(&root),
         Cmd::Bench { suites } => bench(&root, &suites),
         Cmd::Demo { backend, short } => demo(&root, &backend, short),
+        Cmd::Mutants { groups, list } => mutants::run(&root, &groups, list),
     }
 }
 

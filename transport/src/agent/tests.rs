@@ -80,6 +80,30 @@ fn cache_answers_sub_ranges_and_refcounts() {
     assert!(agent.register_range(&other, 50, 51).is_err());
 }
 
+/// A sub-range's descriptors name the registration's bytes: offsets are relative to the
+/// registration, windows end exactly at the sub-range's end, and the address is the byte's.
+#[test]
+fn sub_range_descriptors_name_the_registrations_bytes() {
+    let agent = Agent::new("a", Arc::new(Counting::default())).unwrap();
+    let region = Region::anonymous(1 << 16).unwrap();
+    let _whole = agent.register(&region).unwrap();
+    let part = agent.register_range(&region, 4096, 100).unwrap();
+    assert_eq!(part.offset_in_registration(), 4096);
+    let d = part.desc(10, 90).unwrap();
+    assert_eq!((d.reg(), d.offset(), d.len()), (part.id(), 4106, 90));
+    assert!(!d.is_empty());
+    assert_eq!(d.to_remote(), RemoteDesc::new(part.id(), 4106, 90));
+    assert_eq!(d.as_ptr(), region.as_ptr().wrapping_add(4106));
+    assert_eq!(part.desc(99, 1).unwrap().offset(), 4195);
+    assert!(part.desc(99, 2).is_err());
+    assert!(part.desc(u64::MAX, 2).is_err());
+    assert!(part.remote(100, 1).is_err());
+    assert_eq!(
+        format!("{d:?}"),
+        format!("LocalDesc {{ reg: {}, offset: 4106, len: 90 }}", part.id())
+    );
+}
+
 /// An engine that keeps the default (its local side needs registering) gets a normal
 /// registration from `register_local`: the engine is asked, the registry lists it, and
 /// the last guard deregisters it.

@@ -1,0 +1,479 @@
+//! `cargo xtask mutants`: mutation testing of the code `mutants.toml` lists, with
+//! [cargo-mutants](https://mutants.rs) installed under `.deps/cargo-mutants` (idempotently).
+//!
+//! Each group of the list is one cargo-mutants run over its package, with only the test
+//! targets the group names. The list is checked against the mutants cargo-mutants generates
+//! first: a listed function that yields no mutant (renamed, moved) or an `equivalent` entry that
+//! matches none is an error, so the list cannot silently stop covering what it names.
+//!
+//! Results land in `target/tessera-mutants/`: each group's `mutants.out/` (cargo-mutants' own
+//! logs and diffs), `files.json` (per file: caught, missed, timeout, unviable, equivalent),
+//! `missed.txt` and `summary.json` (one flat object with the totals and `caught_ratio` =
+//! caught / (caught + missed + timeout)).
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{bail, ensure, Context, Result};
+use serde::Deserialize;
+
+use crate::deps;
+
+/// The cargo-mutants release xtask installs and runs.
+const VERSION: &str = "27.1.0";
+
+/// The list file, at the workspace root.
+const LIST: &str = "mutants.toml";
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct List {
+    group: Vec<Group>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Group {
+    name: String,
+    package: String,
+    #[serde(default)]
+    features: Vec<String>,
+    /// `cargo test` arguments selecting the group's test targets (empty: all of the package).
+    #[serde(default)]
+    tests: Vec<String>,
+    /// Whether the package needs the backends' libraries (`cargo xtask deps`) and test env.
+    #[serde(default)]
+    backend: bool,
+    file: Vec<FileEntry>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileEntry {
+    path: String,
+    /// What the file guards, for the reader of the list.
+    #[allow(dead_code)]
+    guards: String,
+    /// The functions to mutate; absent: the whole file.
+    functions: Option<Vec<String>>,
+    #[serde(default)]
+    equivalent: Vec<Equivalent>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Equivalent {
+    /// The mutant's name without its `file:line:col: ` prefix.
+    mutant: String,
+    #[allow(dead_code)]
+    why: String,
+}
+
+/// One generated mutant, as `cargo mutants --list --json` describes it.
+#[derive(Deserialize)]
+struct Listed {
+    name: String,
+    file: String,
+}
+
+#[derive(Default, Clone, Copy)]
+struct Counts {
+    caught: u64,
+    missed: u64,
+    timeout: u64,
+    unviable: u64,
+    equivalent: u64,
+}
+
+impl Counts {
+    fn add(&mut self, o: &Counts) {
+        self.caught += o.caught;
+        self.missed += o.missed;
+        self.timeout += o.timeout;
+        self.unviable += o.unviable;
+        self.equivalent += o.equivalent;
+    }
+
+    fn ratio(&self) -> f64 {
+        let tested = self.caught + self.missed + self.timeout;
+        if tested == 0 {
+            return 1.0;
+        }
+        self.caught as f64 / tested as f64
+    }
+}
+
+/// Runs the groups named in `only` (all when empty); with `list`, only counts the mutants.
+pub(crate) fn run(root: &Path, only: &[String], list: bool) -> Result<()> {
+    let text = fs::read_to_string(root.join(LIST)).with_context(|| format!("reading {LIST}"))?;
+    let parsed: List = toml::from_str(&text).with_context(|| format!("parsing {LIST}"))?;
+    for name in only {
+        ensure!(
+            parsed.group.iter().any(|g| &g.name == name),
+            "{LIST} has no group {name:?}"
+        );
+    }
+    let groups: Vec<&Group> = parsed
+        .group
+        .iter()
+        .filter(|g| only.is_empty() || only.contains(&g.name))
+        .collect();
+    let tool = install(root)?;
+    let out = root.join("target/tessera-mutants");
+    fs::create_dir_all(&out)?;
+    let layout = if groups.iter().any(|g| g.backend) {
+        Some(deps::install(root).context("installing the backends' dependencies")?)
+    } else {
+        None
+    };
+    let started = Instant::now();
+    let mut files: BTreeMap<String, (String, Counts)> = BTreeMap::new();
+    let mut missed = Vec::new();
+    for group in &groups {
+        let listed = list_mutants(root, &tool, group, layout.as_ref())?;
+        check_list(group, &listed)?;
+        for entry in &group.file {
+            let in_file = listed.iter().filter(|m| m.file == entry.path);
+            let (eq, n) = in_file.fold((0u64, 0u64), |(eq, n), m| {
+                let name = strip_position(&m.name);
+                match entry.equivalent.iter().any(|e| e.mutant == name) {
+                    true => (eq + 1, n),
+                    false => (eq, n + 1),
+                }
+            });
+            println!(
+                "{:<16} {:<40} {n:>4} mutants, {eq} equivalent",
+                group.name, entry.path
+            );
+            files.entry(entry.path.clone()).or_default().0 = group.name.clone();
+            files.get_mut(&entry.path).expect("just added").1.equivalent += eq;
+        }
+        if list {
+            continue;
+        }
+        let group_out = out.join(&group.name);
+        // A previous run's outcomes must not be read as this one's.
+        let _ = fs::remove_dir_all(group_out.join("mutants.out"));
+        let group_started = Instant::now();
+        let mut cmd = base_command(root, &tool, group, layout.as_ref(), true);
+        cmd.arg("--output").arg(&group_out);
+        cmd.args(["--jobs", "1", "--cap-lints", "true"]);
+        cmd.args(["--timeout-multiplier", "3", "--minimum-test-timeout", "30"]);
+        cmd.args(["--build-timeout-multiplier", "4"]);
+        if !group.tests.is_empty() {
+            cmd.arg("--");
+            cmd.args(&group.tests);
+        }
+        println!("==> cargo mutants: group {}", group.name);
+        let status = cmd.status().context("starting cargo-mutants")?;
+        // 0: all caught; 2: some missed; 3: some timed out. Anything else is no result (a
+        // failing baseline, a bad argument).
+        if !matches!(status.code(), Some(0 | 2 | 3)) {
+            bail!("cargo-mutants failed on group {} ({status})", group.name);
+        }
+        let outcomes = read_outcomes(&group_out.join("mutants.out/outcomes.json"))?;
+        for (file, summary, name) in outcomes {
+            let counts = &mut files.entry(file).or_default().1;
+            match summary.as_str() {
+                "CaughtMutant" => counts.caught += 1,
+                "MissedMutant" => {
+                    counts.missed += 1;
+                    missed.push(name);
+                }
+                "Timeout" => {
+                    counts.timeout += 1;
+                    missed.push(format!("{name} (timeout)"));
+                }
+                "Unviable" => counts.unviable += 1,
+                other => bail!("unknown cargo-mutants outcome {other:?} for {name}"),
+            }
+        }
+        println!(
+            "==> group {} took {:.0} s",
+            group.name,
+            group_started.elapsed().as_secs_f64()
+        );
+    }
+    if list {
+        return Ok(());
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let mut total = Counts::default();
+    println!(
+        "\n{:<44} {:>6} {:>6} {:>7} {:>8} {:>10}",
+        "file", "caught", "missed", "timeout", "unviable", "equivalent"
+    );
+    let mut rows = Vec::new();
+    for (file, (group, c)) in &files {
+        total.add(c);
+        println!(
+            "{file:<44} {:>6} {:>6} {:>7} {:>8} {:>10}",
+            c.caught, c.missed, c.timeout, c.unviable, c.equivalent
+        );
+        rows.push(serde_json::json!({
+            "file": file, "group": group, "caught": c.caught, "missed": c.missed,
+            "timeout": c.timeout, "unviable": c.unviable, "equivalent": c.equivalent,
+        }));
+    }
+    println!(
+        "{:<44} {:>6} {:>6} {:>7} {:>8} {:>10}",
+        "total", total.caught, total.missed, total.timeout, total.unviable, total.equivalent
+    );
+    println!(
+        "caught_ratio {:.4} in {:.0} s ({:.1} min)",
+        total.ratio(),
+        seconds,
+        seconds / 60.0
+    );
+    let summary = serde_json::json!({
+        "caught": total.caught,
+        "missed": total.missed,
+        "timeout": total.timeout,
+        "unviable": total.unviable,
+        "equivalent": total.equivalent,
+        "caught_ratio": total.ratio(),
+        "seconds": seconds.round(),
+        "groups": groups.iter().map(|g| g.name.as_str()).collect::<Vec<_>>().join(","),
+    });
+    fs::write(
+        out.join("summary.json"),
+        serde_json::to_string_pretty(&summary)?,
+    )?;
+    fs::write(out.join("files.json"), serde_json::to_string_pretty(&rows)?)?;
+    fs::write(out.join("missed.txt"), missed.join("\n") + "\n")?;
+    for m in &missed {
+        println!("MISSED {m}");
+    }
+    println!("wrote {}", out.join("summary.json").display());
+    Ok(())
+}
+
+/// The cargo-mutants binary under `.deps/cargo-mutants`, installed there unless that exact
+/// version already is.
+fn install(root: &Path) -> Result<PathBuf> {
+    let prefix = root.join(".deps/cargo-mutants");
+    let bin = prefix.join("bin/cargo-mutants");
+    let installed = Command::new(&bin)
+        .args(["mutants", "--version"])
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains(VERSION));
+    if !installed {
+        println!(
+            "==> installing cargo-mutants {VERSION} into {}",
+            prefix.display()
+        );
+        let status = crate::cargo(&["install", "--locked", "cargo-mutants", "--version", VERSION])
+            .arg("--root")
+            .arg(&prefix)
+            .status()
+            .context("starting cargo install")?;
+        ensure!(
+            status.success(),
+            "cargo install cargo-mutants failed ({status})"
+        );
+    }
+    Ok(bin)
+}
+
+/// `cargo mutants` over `group`'s files and functions, in a target dir of its own (kept
+/// between runs, so only what a mutant touches rebuilds) and without debug info (faster links).
+fn base_command(
+    root: &Path,
+    tool: &Path,
+    group: &Group,
+    layout: Option<&deps::Layout>,
+    exclusions: bool,
+) -> Command {
+    let mut cmd = Command::new(tool);
+    cmd.arg("mutants").arg("--no-config").arg("--dir").arg(root);
+    cmd.args(["--package", &group.package]);
+    if !group.features.is_empty() {
+        cmd.args(["--features", &group.features.join(",")]);
+    }
+    for entry in &group.file {
+        cmd.args(["--file", &entry.path]);
+        for eq in entry.equivalent.iter().filter(|_| exclusions) {
+            cmd.arg("--exclude-re").arg(format!(
+                "^{}:[0-9]+:[0-9]+: {}$",
+                escape(&entry.path),
+                escape(&eq.mutant)
+            ));
+        }
+    }
+    cmd.arg("--re").arg(examine_re(group));
+    cmd.env(
+        "CARGO_TARGET_DIR",
+        root.join("target/tessera-mutants/build"),
+    )
+    .env("CARGO_PROFILE_DEV_DEBUG", "0")
+    .env("CARGO_TERM_COLOR", "never")
+    // A caught mutant fails at once: no shrinking, and no regression file written into
+    // the source tree for a failure that only the mutant causes.
+    .env("PROPTEST_MAX_SHRINK_ITERS", "0")
+    .env("PROPTEST_DISABLE_FAILURE_PERSISTENCE", "1");
+    if let Some(layout) = layout.filter(|_| group.backend) {
+        cmd.env("TESSERA_UCX_DIR", layout.ucx_dir())
+            .env("TESSERA_NIXL_LIB_DIR", layout.nixl_lib_dir());
+        cmd.envs(deps::TEST_ENV.iter().copied());
+    }
+    cmd
+}
+
+/// The mutants of `group` as cargo-mutants generates them (no build, no test), equivalent ones
+/// included.
+fn list_mutants(
+    root: &Path,
+    tool: &Path,
+    group: &Group,
+    layout: Option<&deps::Layout>,
+) -> Result<Vec<Listed>> {
+    let mut cmd = base_command(root, tool, group, layout, false);
+    cmd.args(["--list", "--json"]);
+    let out = cmd.output().context("starting cargo-mutants --list")?;
+    ensure!(
+        out.status.success(),
+        "cargo mutants --list failed for group {}: {}",
+        group.name,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).context("parsing cargo mutants --list --json")
+}
+
+/// Every listed file and function yields a mutant, and every equivalent entry is one of them.
+fn check_list(group: &Group, listed: &[Listed]) -> Result<()> {
+    for entry in &group.file {
+        let in_file: Vec<&str> = listed
+            .iter()
+            .filter(|m| m.file == entry.path)
+            .map(|m| m.name.as_str())
+            .collect();
+        ensure!(
+            !in_file.is_empty() || entry.functions.is_none(),
+            "{LIST}: {} yields no mutant (moved or renamed?)",
+            entry.path
+        );
+        for f in entry.functions.iter().flatten() {
+            ensure!(
+                in_file.iter().any(|name| names_function(name, f)),
+                "{LIST}: {}: no mutant of {f} (renamed, moved, or nothing to mutate?)",
+                entry.path
+            );
+        }
+        for eq in &entry.equivalent {
+            ensure!(
+                in_file.iter().any(|name| strip_position(name) == eq.mutant),
+                "{LIST}: {}: equivalent mutant {:?} is not generated (changed or gone?)",
+                entry.path,
+                eq.mutant
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The name without its `file:line:col: ` prefix.
+fn strip_position(name: &str) -> &str {
+    name.split_once(": ").map_or(name, |(_, rest)| rest)
+}
+
+/// Whether mutant `name` mutates function `f` (or a function nested in it).
+fn names_function(name: &str, f: &str) -> bool {
+    let what = strip_position(name);
+    let nested = |rest: &str| rest.is_empty() || rest.starts_with("::");
+    if let Some(rest) = what
+        .strip_prefix("replace ")
+        .and_then(|r| r.strip_prefix(f))
+    {
+        let rest = rest.split(' ').next().unwrap_or("");
+        if nested(rest) {
+            return true;
+        }
+    }
+    what.rsplit_once(" in ")
+        .and_then(|(_, func)| func.strip_prefix(f))
+        .is_some_and(nested)
+}
+
+/// The `--re` filter of `group`: whole files, or the listed functions of a file.
+fn examine_re(group: &Group) -> String {
+    let alts: Vec<String> = group
+        .file
+        .iter()
+        .map(|entry| {
+            let file = escape(&entry.path);
+            match &entry.functions {
+                None => format!("^{file}:"),
+                Some(fs) => {
+                    let fs = fs.iter().map(|f| escape(f)).collect::<Vec<_>>().join("|");
+                    let f = format!("(?:{fs})(?:::[A-Za-z0-9_]+)*");
+                    format!("^{file}:[0-9]+:[0-9]+: (?:replace {f} (?:->|with) |.* in {f}$)")
+                }
+            }
+        })
+        .collect();
+    alts.join("|")
+}
+
+/// `s` with the regex metacharacters escaped.
+fn escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        if "\\.+*?()|[]{}^$".contains(c) {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// `(file, summary, name)` of each mutant in a cargo-mutants `outcomes.json`.
+fn read_outcomes(path: &Path) -> Result<Vec<(String, String, String)>> {
+    let text = fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let v: serde_json::Value = serde_json::from_str(&text)?;
+    let mut out = Vec::new();
+    for o in v["outcomes"]
+        .as_array()
+        .context("outcomes.json: no outcomes")?
+    {
+        let Some(m) = o["scenario"].get("Mutant") else {
+            continue; // the baseline
+        };
+        let field = |v: &serde_json::Value, k: &str| {
+            v[k].as_str()
+                .map(str::to_owned)
+                .with_context(|| format!("outcomes.json: no {k}"))
+        };
+        out.push((field(m, "file")?, field(o, "summary")?, field(m, "name")?));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn function_names_match_their_mutants_only() {
+        let n = "a/b.rs:10:5: replace Registry::pin_spans -> Result<(), E> with Ok(())";
+        assert!(names_function(n, "Registry::pin_spans"));
+        assert!(!names_function(n, "Registry::pin"));
+        let n = "a/b.rs:10:5: replace < with <= in Registry::pin_spans";
+        assert!(names_function(n, "Registry::pin_spans"));
+        assert!(!names_function(n, "Registry::pin"));
+        let n = "a/b.rs:3:1: replace == with != in read_small::exact";
+        assert!(names_function(n, "read_small"));
+        let n = "a/b.rs:3:1: replace check with ()";
+        assert!(names_function(n, "check"));
+        assert_eq!(strip_position(n), "replace check with ()");
+    }
+
+    #[test]
+    fn escaping_keeps_names_literal() {
+        assert_eq!(escape("Unit<M>::put"), "Unit<M>::put");
+        assert_eq!(escape("a.rs"), "a\\.rs");
+        assert_eq!(escape("State<'_, '_>::f()"), "State<'_, '_>::f\\(\\)");
+    }
+}
