@@ -231,6 +231,81 @@ impl ObjectDescriptor {
 mod tests {
     use super::*;
 
+    #[test]
+    fn count_and_alignment_limits_are_inclusive() {
+        let mut d = desc();
+        d.blocks[0].align = MAX_ALIGN;
+        assert_eq!(d.validate(), Ok(()));
+        d.blocks[0].align = MAX_ALIGN * 2;
+        assert_eq!(
+            d.validate(),
+            Err(DescriptorError::BadAlign {
+                block: 0,
+                align: MAX_ALIGN * 2,
+            })
+        );
+        d.blocks[0].align = 16;
+        let empty = TensorDesc {
+            dtype: DType::U8,
+            shape: smallvec::smallvec![0],
+            place: None,
+        };
+        d.tensors.resize(MAX_TENSORS, empty.clone());
+        assert_eq!(d.validate(), Ok(()));
+        d.tensors.push(empty);
+        assert_eq!(
+            d.validate(),
+            Err(DescriptorError::TooManyTensors {
+                count: MAX_TENSORS + 1,
+                max: MAX_TENSORS,
+            })
+        );
+        let mut d = desc();
+        d.blocks.resize(MAX_BLOCKS, d.blocks[0]);
+        assert_eq!(d.validate(), Ok(()));
+        d.blocks.push(d.blocks[0]);
+        assert_eq!(
+            d.validate(),
+            Err(DescriptorError::TooManyBlocks {
+                count: MAX_BLOCKS + 1,
+                max: MAX_BLOCKS,
+            })
+        );
+    }
+
+    #[test]
+    fn rank_and_encoded_size_limits_are_inclusive() {
+        let mut d = desc();
+        d.tensors[0].shape = std::iter::repeat_n(1, Tensor::MAX_RANK - 1)
+            .chain([3])
+            .collect();
+        assert_eq!(d.validate(), Ok(()), "rank {} is allowed", Tensor::MAX_RANK);
+        d.tensors[0].shape.push(1);
+        assert_eq!(
+            d.validate(),
+            Err(DescriptorError::RankTooHigh {
+                tensor: 0,
+                rank: Tensor::MAX_RANK + 1,
+                max: Tensor::MAX_RANK,
+            })
+        );
+        // Exactly the largest encoding is decoded (and this one is not msgpack); one byte more
+        // is refused before decoding.
+        let junk = vec![0xc1u8; MAX_ENCODED];
+        assert!(matches!(
+            ObjectDescriptor::from_bytes(&junk),
+            Err(DescriptorError::Decode(_))
+        ));
+        let junk = vec![0xc1u8; MAX_ENCODED + 1];
+        assert_eq!(
+            ObjectDescriptor::from_bytes(&junk),
+            Err(DescriptorError::TooLarge {
+                len: MAX_ENCODED + 1,
+                max: MAX_ENCODED,
+            })
+        );
+    }
+
     fn desc() -> ObjectDescriptor {
         ObjectDescriptor {
             blocks: vec![BlockDesc {

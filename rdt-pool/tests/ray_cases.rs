@@ -150,6 +150,14 @@ fn failure_after_allocation_leaks_nothing() {
         Err(PutError::NotRegisteredHere { index: 1 })
     ));
     assert_eq!(p.sender.report().used, 0);
+    // Still refused when this agent registered the same memory too: the view names the other
+    // agent's registration, whose id means nothing to the peer.
+    let _mine = p.sender_agent.register(&region).unwrap();
+    assert!(matches!(
+        p.sender.put("x", &refs),
+        Err(PutError::NotRegisteredHere { index: 1 })
+    ));
+    assert_eq!(p.sender.report().used, 0);
 
     // A READ that fails (a registration the peer never announced) frees its blocks at once.
     let d = p.sender.put("x", &refs[..1]).unwrap();
@@ -200,6 +208,88 @@ fn a_read_failing_at_completion_frees_its_blocks() {
     // And the next fetch, unfaulted, reads the object.
     let views = receiver.fetch(&d, &peer).unwrap().wait().unwrap();
     assert_eq!(views[0].data(), &a[..]);
+}
+
+/// A receiver over a faulty engine, a sender, and an object of 4096 bytes put on it.
+fn faulty_pair(
+    faults: &Faults,
+) -> (
+    ReceiverPool,
+    SenderPool,
+    tessera_transport::Peer,
+    Arc<ObjectDescriptor>,
+    Vec<u8>,
+) {
+    let sender_agent = Arc::new(Agent::new("sender", Inproc::new()).unwrap());
+    let receiver_agent =
+        Arc::new(Agent::new("receiver", Faulty::new(Inproc::new(), faults.clone())).unwrap());
+    let sender = SenderPool::new(sender_agent.clone(), 1 << 16).unwrap();
+    let receiver = ReceiverPool::new(receiver_agent.clone(), 4096).unwrap();
+    let peer = receiver_agent.add_remote(&sender_agent.metadata()).unwrap();
+    let a = pattern(5, 4096);
+    let d = sender
+        .put("x", &[TensorRef::new(DType::U8, &[4096], &a).unwrap()])
+        .unwrap();
+    (receiver, sender, peer, d, a)
+}
+
+/// Waits until the receiver's quarantine is empty again.
+fn until_released(receiver: &ReceiverPool) {
+    let deadline = std::time::Instant::now() + tessera_transport::testing::HANG_GUARD;
+    while receiver.report().quarantined > 0 {
+        assert!(std::time::Instant::now() < deadline, "never released");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn a_fetch_dropped_in_flight_quarantines_its_blocks_until_the_read_ends() {
+    // The READ is still running when the fetch is dropped: its block must not be handed out
+    // again until the READ is over, or a late write lands in someone else's tensor.
+    let faults = Faults::new();
+    let (receiver, _sender, peer, d, a) = faulty_pair(&faults);
+    faults.next_on(
+        Op::Read,
+        Fault::Delay(std::time::Duration::from_millis(400)),
+    );
+    drop(receiver.fetch(&d, &peer).unwrap());
+    let r = receiver.report();
+    assert_eq!((r.quarantined, r.used), (4096, 4096));
+    assert!(matches!(
+        receiver.fetch(&d, &peer),
+        Err(FetchError::OutOfMemory { .. })
+    ));
+    until_released(&receiver);
+    assert_eq!(receiver.report().used, 0);
+    let views = receiver.fetch(&d, &peer).unwrap().wait().unwrap();
+    assert_eq!(views[0].data(), &a[..]);
+}
+
+#[test]
+fn a_fetch_that_times_out_reports_what_it_quarantined() {
+    let faults = Faults::new();
+    let (receiver, _sender, peer, d, _) = faulty_pair(&faults);
+    faults.next_on(
+        Op::Read,
+        Fault::Delay(std::time::Duration::from_millis(400)),
+    );
+    let got = receiver
+        .fetch(&d, &peer)
+        .unwrap()
+        .wait_timeout(std::time::Duration::from_millis(20));
+    assert!(
+        matches!(
+            got,
+            Err(FetchError::Timeout {
+                quarantined: 4096,
+                ..
+            })
+        ),
+        "{got:?}"
+    );
+    assert_eq!(receiver.report().quarantined, 4096);
+    until_released(&receiver);
+    assert_eq!(receiver.report().used, 0);
 }
 
 #[test]
@@ -329,6 +419,33 @@ fn forwarding_received_views_copies_nothing_and_frees_nothing_else() {
 }
 
 #[test]
+fn strided_views_of_registered_memory_are_gathered_not_described_in_place() {
+    let p = pair(4096, 4096);
+    let values: Vec<u8> = (0..64).collect();
+    let d = p
+        .sender
+        .put("v", &[TensorRef::new(DType::U8, &[64], &values).unwrap()])
+        .unwrap();
+    let fetched = p.receiver.fetch(&d, &p.peer).unwrap().wait().unwrap();
+    // Every other byte of a received view, which lies in the receiver's registered block.
+    let strided =
+        tessera_rdt_pool::Tensor::with_strides(DType::U8, &[32], &[2], fetched[0].data().clone())
+            .unwrap();
+    let forwarder = SenderPool::new(p.receiver_agent.clone(), 4096).unwrap();
+    let f = forwarder
+        .put("odd", &[TensorRef::from_tensor(&strided)])
+        .unwrap();
+    let r = forwarder.report();
+    assert_eq!((r.in_place, r.used), (0, 32), "gathered into the pool");
+    let third = Arc::new(Agent::new("third", Inproc::new()).unwrap());
+    let third_pool = ReceiverPool::new(third.clone(), 4096).unwrap();
+    let to_fwd = third.add_remote(&p.receiver_agent.metadata()).unwrap();
+    let got = third_pool.fetch(&f, &to_fwd).unwrap().wait().unwrap();
+    let evens: Vec<u8> = (0..64).step_by(2).collect();
+    assert_eq!(&got[0].data()[..], &evens[..]);
+}
+
+#[test]
 fn caller_registrations_are_described_in_place() {
     let p = pair(4096, 4096);
     let region = Region::new(4096).unwrap();
@@ -370,11 +487,17 @@ fn fetch_into_caller_buffers() {
     assert_eq!(&buf[..10], &a[..]);
     assert_eq!(&buf[16..48], &b[..]);
     assert_eq!(p.receiver.report().used, 0);
-    // Too small a buffer is an error.
+    // Too small a buffer is an error; one of exactly the size is not.
     assert!(matches!(
-        p.receiver.fetch_into(&d, &p.peer, &mut [0u8; 8]),
-        Err(FetchError::DestinationTooSmall { len: 8, needed: 48 })
+        p.receiver.fetch_into(&d, &p.peer, &mut [0u8; 47]),
+        Err(FetchError::DestinationTooSmall {
+            len: 47,
+            needed: 48
+        })
     ));
+    let mut exact = [0u8; 48];
+    p.receiver.fetch_into(&d, &p.peer, &mut exact).unwrap();
+    assert_eq!(&exact[16..48], &b[..]);
     // A registered buffer: lands directly, no pool block taken.
     let dst = Region::new(4096).unwrap();
     let reg = p.receiver_agent.register(&dst).unwrap();
@@ -391,6 +514,49 @@ fn fetch_into_caller_buffers() {
         p.receiver.fetch_into_registered(&d, &p.peer, &reg, 4090),
         Err(FetchError::DestinationTooSmall { len: 6, needed: 48 })
     ));
+    p.receiver
+        .fetch_into_registered(&d, &p.peer, &reg, 4096 - 48)
+        .unwrap();
+    dst.read_at(4096 - 48, &mut got).unwrap();
+    assert_eq!((&got[..10], &got[16..]), (&a[..], &b[..]));
+}
+
+#[test]
+fn an_object_of_several_blocks_lands_at_its_offset_in_a_registered_buffer() {
+    let p = pair(4096, 4096);
+    // One tensor in place in a caller registration, one copied into the pool: two blocks.
+    let src = Region::new(4096).unwrap();
+    let a = pattern(10, 256);
+    src.write_at(512, &a).unwrap();
+    let sreg = p.sender_agent.register(&src).unwrap();
+    let b = pattern(11, 64);
+    let d = p
+        .sender
+        .put(
+            "two",
+            &[
+                TensorRef::registered(DType::U8, &[256], &sreg, 512).unwrap(),
+                TensorRef::new(DType::U8, &[64], &b).unwrap(),
+            ],
+        )
+        .unwrap();
+    assert_eq!(d.blocks.len(), 2);
+    let peer = p
+        .receiver_agent
+        .add_remote(&p.sender_agent.metadata())
+        .unwrap();
+    let dst = Region::new(4096).unwrap();
+    let reg = p.receiver_agent.register(&dst).unwrap();
+    let layout = p
+        .receiver
+        .fetch_into_registered(&d, &peer, &reg, 1024)
+        .unwrap();
+    for (i, want) in [&a, &b].into_iter().enumerate() {
+        let at = layout.tensors[i].expect("has bytes");
+        let mut got = vec![0u8; want.len()];
+        dst.read_at(1024 + at, &mut got).unwrap();
+        assert_eq!(&got, want, "tensor {i}");
+    }
 }
 
 #[test]
