@@ -304,16 +304,16 @@ fn base_command(
         }
     }
     cmd.arg("--re").arg(examine_re(group));
-    cmd.env(
-        "CARGO_TARGET_DIR",
-        root.join("target/tessera-mutants/build"),
-    )
-    .env("CARGO_PROFILE_DEV_DEBUG", "0")
-    .env("CARGO_TERM_COLOR", "never")
-    // A caught mutant fails at once: no shrinking, and no regression file written into
-    // the source tree for a failure that only the mutant causes.
-    .env("PROPTEST_MAX_SHRINK_ITERS", "0")
-    .env("PROPTEST_DISABLE_FAILURE_PERSISTENCE", "1");
+    // `TESSERA_MUTANTS_BUILD` names another build dir, for a second run at the same time.
+    let build = std::env::var_os("TESSERA_MUTANTS_BUILD")
+        .map_or_else(|| root.join("target/tessera-mutants/build"), PathBuf::from);
+    cmd.env("CARGO_TARGET_DIR", build)
+        .env("CARGO_PROFILE_DEV_DEBUG", "0")
+        .env("CARGO_TERM_COLOR", "never")
+        // A caught mutant fails at once: no shrinking, and no regression file written into
+        // the source tree for a failure that only the mutant causes.
+        .env("PROPTEST_MAX_SHRINK_ITERS", "0")
+        .env("PROPTEST_DISABLE_FAILURE_PERSISTENCE", "1");
     if let Some(layout) = layout.filter(|_| group.backend) {
         cmd.env("TESSERA_UCX_DIR", layout.ucx_dir())
             .env("TESSERA_NIXL_LIB_DIR", layout.nixl_lib_dir());
