@@ -968,6 +968,15 @@ impl Connection for ShmConnection {
     fn close(&self) {
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
     }
+
+    /// Shuts the socket down both ways, as `close` does: the progress thread reads the end
+    /// and fails every transfer waiting for its grant; a transfer already copying finishes
+    /// its `memcpy` and then fails sending `DONE`. The target sees the end, drops the grants
+    /// it held for this link and serves others on.
+    fn cut(&self) -> bool {
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        true
+    }
 }
 
 // ----- target side -------------------------------------------------------------------------
