@@ -68,22 +68,22 @@ use link::{accept_loop, read_loop, write_loop};
 #[cfg(test)]
 mod tests;
 
-const KIND: &str = "tcp";
-const HEADER: usize = 24;
-const KIND_XFER: u8 = 1;
-const KIND_NOTIFY: u8 = 2;
-const KIND_HELLO: u8 = 3;
-const KIND_RESP: u8 = 4;
-const KIND_HELLO_ACK: u8 = 5;
+pub(crate) const KIND: &str = "tcp";
+pub(crate) const HEADER: usize = 24;
+pub(crate) const KIND_XFER: u8 = 1;
+pub(crate) const KIND_NOTIFY: u8 = 2;
+pub(crate) const KIND_HELLO: u8 = 3;
+pub(crate) const KIND_RESP: u8 = 4;
+pub(crate) const KIND_HELLO_ACK: u8 = 5;
 /// The target's answer to `HELLO`: its nonce and proof.
-const KIND_CHALLENGE: u8 = 6;
+pub(crate) const KIND_CHALLENGE: u8 = 6;
 /// The dialer's proof.
-const KIND_AUTH: u8 = 7;
+pub(crate) const KIND_AUTH: u8 = 7;
 /// The target refuses the handshake (reason in byte 1): a bad proof, another user, or a
 /// name that already has a live link.
-const KIND_REFUSED: u8 = 8;
+pub(crate) const KIND_REFUSED: u8 = 8;
 /// Most descriptors in one request.
-const MAX_DESCS: usize = 1 << 22;
+pub(crate) const MAX_DESCS: usize = 1 << 22;
 /// Slices per vectored system call.
 const IOV_BATCH: usize = 64;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
