@@ -35,8 +35,9 @@ pub enum Fault {
     /// Per engine:
     ///
     /// - `tcp`: the link's socket is shut down both ways. The transfer fails with
-    ///   [`TransferError::PeerGone`] (`writing: ...` or `connection closed`), wherever the
-    ///   engine's writer or reader had got to; so does every other transfer on the link, in
+    ///   [`TransferError::PeerGone`] from wherever the engine's writer or reader had got to
+    ///   (`connection closed`, `writing: ...` inside a WRITE's payload, `receiving a payload:
+    ///   ...` inside a READ's); so does every other transfer on the link, in
     ///   either direction, since both agents share it. The target's reader meets the end of
     ///   the stream (inside a WRITE's payload, if the cut caught one) and releases its grants;
     ///   the bytes of a WRITE that had arrived stay written, so treat the range as garbage.
@@ -47,7 +48,8 @@ pub enum Fault {
     ///   whose copy had started (see [`Fault::CutLinkAfter`]) completes its `memcpy` and
     ///   then fails sending `DONE`, so all its bytes may have landed yet it fails, its
     ///   exposures do not count it and its notification is not delivered. The target drops
-    ///   the link's grants. Later transfers through the same `Peer` fail with `PeerGone`.
+    ///   the link's grants. Later transfers through the same `Peer` fail with `PeerGone`; a
+    ///   fresh `add_remote` once every handle on the peer is gone connects again.
     /// - `inproc`: there is no link; the engine completed the transfer inside `post`, so the
     ///   fault changes nothing and the transfer succeeds.
     ///
