@@ -47,28 +47,28 @@ use crate::Region;
 use tessera_sync::atomic::{AtomicBool, Ordering};
 use tessera_sync::{Arc, Mutex, Weak};
 
-const KIND: &str = "shm";
+pub(crate) const KIND: &str = "shm";
 
-const HELLO: u8 = 1;
-const MAP_REQ: u8 = 2;
-const MAP_OK: u8 = 3;
-const MAP_ERR: u8 = 4;
-const XFER: u8 = 5;
-const GRANT: u8 = 6;
-const REJECT: u8 = 7;
-const DONE: u8 = 8;
-const NOTIFY: u8 = 9;
-const CHALLENGE: u8 = 10;
-const AUTH: u8 = 11;
-const HELLO_ACK: u8 = 12;
-const REFUSED: u8 = 13;
+pub(crate) const HELLO: u8 = 1;
+pub(crate) const MAP_REQ: u8 = 2;
+pub(crate) const MAP_OK: u8 = 3;
+pub(crate) const MAP_ERR: u8 = 4;
+pub(crate) const XFER: u8 = 5;
+pub(crate) const GRANT: u8 = 6;
+pub(crate) const REJECT: u8 = 7;
+pub(crate) const DONE: u8 = 8;
+pub(crate) const NOTIFY: u8 = 9;
+pub(crate) const CHALLENGE: u8 = 10;
+pub(crate) const AUTH: u8 = 11;
+pub(crate) const HELLO_ACK: u8 = 12;
+pub(crate) const REFUSED: u8 = 13;
 
 /// How long `connect` waits for the target to accept and answer the handshake.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Largest message body (a transfer of about 2.8 million descriptors).
-const MAX_BODY: usize = 64 << 20;
-const HEADER: usize = 8;
+pub(crate) const MAX_BODY: usize = 64 << 20;
+pub(crate) const HEADER: usize = 8;
 /// A reader's buffer to start with; it grows for larger messages as their bytes arrive.
 const READ_BUF: usize = 64 * 1024;
 
@@ -522,7 +522,7 @@ fn admit(
 // ----- framing -----------------------------------------------------------------------------
 
 /// Appends a message: type, three zero bytes, body length, body.
-fn frame(out: &mut Vec<u8>, ty: u8, body: impl FnOnce(&mut Vec<u8>)) {
+pub(crate) fn frame(out: &mut Vec<u8>, ty: u8, body: impl FnOnce(&mut Vec<u8>)) {
     let start = out.len();
     out.extend_from_slice(&[ty, 0, 0, 0, 0, 0, 0, 0]);
     body(out);
@@ -967,6 +967,15 @@ impl Connection for ShmConnection {
 
     fn close(&self) {
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
+    }
+
+    /// Shuts the socket down both ways, as `close` does: the progress thread reads the end
+    /// and fails every transfer waiting for its grant; a transfer already copying finishes
+    /// its `memcpy` and then fails sending `DONE`. The target sees the end, drops the grants
+    /// it held for this link and serves others on.
+    fn cut(&self) -> bool {
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        true
     }
 }
 

@@ -6,6 +6,7 @@ use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixStream};
 use std::time::Duration;
 
+use tessera_transport::testing::raw::{Answer, RawPeer, RawShm, RawTcp, Span};
 use tessera_transport::testing::{pattern, HANG_GUARD};
 use tessera_transport::{shm::Shm, tcp::Tcp, Agent, Region, TransferError};
 
@@ -611,53 +612,19 @@ fn pre_auth_bounds_close_without_allocating() {
     still_serves(&tcp, |n| Agent::new(n, Tcp::new()).unwrap());
 }
 
-/// A raw tcp client with the token: authenticates as `name` and returns the stream.
-fn tcp_authenticated(addr: &str, target: &str, name: &str, token: &Token) -> std::net::TcpStream {
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    let nonce = auth::nonce();
-    let mut hello = vec![0u8; 24];
-    hello[0] = 3;
-    hello[8..12].copy_from_slice(&(name.len() as u32).to_le_bytes());
-    hello.extend_from_slice(&nonce);
-    hello.extend_from_slice(name.as_bytes());
-    s.write_all(&hello).unwrap();
-    let mut challenge = [0u8; 24 + 64];
-    s.read_exact(&mut challenge).unwrap();
-    assert_eq!(challenge[0], 6);
-    let theirs = &challenge[24..56];
-    assert!(token.verify(
-        "tessera-tcp target",
-        &[&nonce, theirs, target.as_bytes()],
-        &challenge[56..]
-    ));
-    let mut authm = vec![0u8; 24];
-    authm[0] = 7;
-    authm.extend_from_slice(&token.mac(
-        "tessera-tcp dialer",
-        &[&nonce, theirs, name.as_bytes(), b""],
-    ));
-    s.write_all(&authm).unwrap();
-    let mut ack = [0u8; 24];
-    s.read_exact(&mut ack).unwrap();
-    assert_eq!(ack[0], 5, "HELLO_ACK");
-    s
-}
-
 /// After authentication, a request announcing four million descriptors (96 MiB) that never
 /// come makes no room for them.
 #[test]
 fn tcp_descriptor_buffers_grow_only_as_bytes_arrive() {
     let t = token();
     let target = Agent::new("target", Tcp::new().with_token(t.clone())).unwrap();
-    let addr = String::from_utf8(address(&target.metadata())).unwrap();
+    let meta = target.metadata();
     let before = GLOBAL.bytes();
-    let mut s = tcp_authenticated(&addr, "target", "raw", &t);
-    let mut head = vec![1u8, 0, 0, 0];
-    head.extend_from_slice(&(1u32 << 22).to_le_bytes());
-    head.resize(24, 0);
-    s.write_all(&head).unwrap();
-    s.write_all(&[0u8; 1000]).unwrap();
+    let mut s = RawTcp::authenticated(&meta, "raw", Some(&t)).unwrap();
+    let mut head = [0u8; RawTcp::HEADER];
+    head[0] = RawTcp::XFER;
+    head[4..8].copy_from_slice(&(1u32 << 22).to_le_bytes());
+    s.send_header(head, &[0u8; 1000]).unwrap();
     drop(s);
     let deadline = Instant::now() + HANG_GUARD;
     while target.peer_link("raw") != tessera_transport::LinkState::Closed {
@@ -821,46 +788,16 @@ fn inproc_peers_of_another_process_are_refused() {
     assert!(err.contains(&std::process::id().to_string()), "{err}");
 }
 
-/// A raw shm client with the token: authenticates as `name` and returns the stream.
-fn shm_authenticated(sock: &[u8], target: &str, name: &str, token: &Token) -> UnixStream {
-    let addr = SocketAddr::from_abstract_name(sock).unwrap();
-    let mut s = UnixStream::connect_addr(&addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    let nonce = auth::nonce();
-    let mut hello = nonce.to_vec();
-    hello.push(name.len() as u8);
-    hello.extend_from_slice(name.as_bytes());
-    s.write_all(&shm_frame(1, &hello)).unwrap();
-    let mut challenge = [0u8; 8 + 64];
-    s.read_exact(&mut challenge).unwrap();
-    assert_eq!(challenge[0], 10, "CHALLENGE");
-    let theirs = &challenge[8..40];
-    assert!(token.verify(
-        "tessera-shm target",
-        &[&nonce, theirs, target.as_bytes()],
-        &challenge[40..]
-    ));
-    let proof = token.mac(
-        "tessera-shm dialer",
-        &[&nonce, theirs, name.as_bytes(), b""],
-    );
-    s.write_all(&shm_frame(11, &proof)).unwrap();
-    let mut ack = [0u8; 8];
-    s.read_exact(&mut ack).unwrap();
-    assert_eq!(ack[0], 12, "HELLO_ACK");
-    s
-}
-
 /// After authentication, an shm message announcing 60 MiB that never comes makes no room
 /// for it: the reader's buffer grows only as bytes arrive.
 #[test]
 fn shm_reader_grows_only_as_bytes_arrive() {
     let t = token();
     let target = Agent::new("target", Shm::new().with_token(t.clone())).unwrap();
-    let sock = address(&target.metadata());
+    let meta = target.metadata();
     let before = GLOBAL.bytes();
-    let mut s = shm_authenticated(&sock, "target", "raw", &t);
-    let mut header = vec![5u8, 0, 0, 0]; // XFER
+    let mut s = RawShm::authenticated(&meta, "raw", Some(&t)).unwrap();
+    let mut header = vec![RawShm::XFER, 0, 0, 0];
     header.extend_from_slice(&(60u32 << 20).to_le_bytes());
     s.write_all(&header).unwrap();
     s.write_all(&[0u8; 1000]).unwrap();
@@ -883,4 +820,86 @@ fn tcp_without_a_token_refuses_to_listen_off_loopback() {
         Tcp::bind("0.0.0.0:0".parse().unwrap()).with_token(token()),
     );
     assert!(ok.is_ok(), "{ok:?}");
+}
+
+/// Spans the honest initiator would refuse to send, straight from an authenticated raw peer:
+/// one past the end of a registration and one whose end overflows are refused by the
+/// target's own check, in both directions, and its memory stays as it was. The link stays
+/// usable and the target serves others.
+/// Returns what the granted READ brought back (`tcp`: the bytes; `shm`: nothing, since its
+/// initiator copies through its own mapping).
+fn target_refuses_bad_spans(raw: &mut dyn RawPeer, r: &Region, id: u64) -> Vec<u8> {
+    let secret = pattern(77, 1 << 16);
+    let past_end = Span::new(id, (1 << 16) - 4096, 8192);
+    let overflowing = Span::new(id, u64::MAX - 100, 4096);
+    for op in [tessera_transport::Op::Write, tessera_transport::Op::Read] {
+        for span in [past_end, overflowing] {
+            raw.request(op, &[span], &vec![0xAB; span.len as usize])
+                .unwrap();
+            assert_eq!(
+                raw.answer().unwrap(),
+                Answer::Rejected(RejectReason::OutOfRange),
+                "{op:?} {span:?}"
+            );
+            unchanged(r, &secret);
+        }
+    }
+    // Two spans, one fine and one past the end: all or nothing.
+    raw.request(
+        tessera_transport::Op::Write,
+        &[Span::new(id, 0, 4096), past_end],
+        &[0xAB; 4096 + 8192],
+    )
+    .unwrap();
+    assert_eq!(
+        raw.answer().unwrap(),
+        Answer::Rejected(RejectReason::OutOfRange)
+    );
+    unchanged(r, &secret);
+    // A span inside is granted on the same link.
+    raw.request(tessera_transport::Op::Read, &[Span::new(id, 0, 4096)], &[])
+        .unwrap();
+    match raw.answer().unwrap() {
+        Answer::Granted(got) => got,
+        other => panic!("a span inside was refused: {other:?}"),
+    }
+}
+
+#[test]
+fn tcp_target_refuses_spans_out_of_range_from_a_raw_peer() {
+    let (r, _) = secret_region();
+    let target = Agent::new("target", Tcp::new()).unwrap();
+    let g = target.register(&r).unwrap();
+    let mut raw = RawTcp::authenticated(&target.metadata(), "raw", None).unwrap();
+    let got = target_refuses_bad_spans(&mut raw, &r, g.id());
+    assert_eq!(got, pattern(77, 4096));
+    still_serves(&target, |n| Agent::new(n, Tcp::new()).unwrap());
+}
+
+#[test]
+fn shm_target_refuses_spans_out_of_range_from_a_raw_peer() {
+    let (r, _) = secret_region();
+    let t = token();
+    let target = Agent::new("target", Shm::new().with_token(t.clone())).unwrap();
+    let g = target.register(&r).unwrap();
+    let mut raw = RawShm::authenticated(&target.metadata(), "raw", Some(&t)).unwrap();
+    assert!(target_refuses_bad_spans(&mut raw, &r, g.id()).is_empty());
+    still_serves(&target, |n| {
+        Agent::new(n, Shm::new().with_token(token())).unwrap()
+    });
+}
+
+/// A raw peer with the wrong token, or none against a target that has one, is refused with
+/// the engine's own words.
+#[test]
+fn raw_peers_with_the_wrong_token_are_refused() {
+    let wrong = Token::new("another secret").unwrap();
+    let tcp = Agent::new("target", Tcp::new().with_token(token())).unwrap();
+    let shm = Agent::new("target", Shm::new().with_token(token())).unwrap();
+    for tok in [Some(&wrong), None] {
+        let e = RawTcp::authenticated(&tcp.metadata(), "raw", tok).unwrap_err();
+        assert!(e.to_string().contains("tokens differ"), "{e}");
+        let e = RawShm::authenticated(&shm.metadata(), "raw", tok).unwrap_err();
+        assert!(e.to_string().contains("tokens differ"), "{e}");
+    }
 }

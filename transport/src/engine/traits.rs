@@ -116,6 +116,15 @@ pub trait Connection: Send + Sync {
 
     /// The last handle on the peer is gone; no transfer is pending on it any more.
     fn close(&self) {}
+
+    /// Cuts the engine's real link to the peer now, as a failing network or a dying peer
+    /// would, with transfers possibly in flight on it: they then fail through the engine's
+    /// own failure path. For fault injection (`testing::Fault::CutLink`, behind the feature
+    /// `testing`).
+    /// Returns `false` where the engine has no link to cut (the default).
+    fn cut(&self) -> bool {
+        false
+    }
 }
 
 /// A transfer handed to an engine.

@@ -68,22 +68,22 @@ use link::{accept_loop, read_loop, write_loop};
 #[cfg(test)]
 mod tests;
 
-const KIND: &str = "tcp";
-const HEADER: usize = 24;
-const KIND_XFER: u8 = 1;
-const KIND_NOTIFY: u8 = 2;
-const KIND_HELLO: u8 = 3;
-const KIND_RESP: u8 = 4;
-const KIND_HELLO_ACK: u8 = 5;
+pub(crate) const KIND: &str = "tcp";
+pub(crate) const HEADER: usize = 24;
+pub(crate) const KIND_XFER: u8 = 1;
+pub(crate) const KIND_NOTIFY: u8 = 2;
+pub(crate) const KIND_HELLO: u8 = 3;
+pub(crate) const KIND_RESP: u8 = 4;
+pub(crate) const KIND_HELLO_ACK: u8 = 5;
 /// The target's answer to `HELLO`: its nonce and proof.
-const KIND_CHALLENGE: u8 = 6;
+pub(crate) const KIND_CHALLENGE: u8 = 6;
 /// The dialer's proof.
-const KIND_AUTH: u8 = 7;
+pub(crate) const KIND_AUTH: u8 = 7;
 /// The target refuses the handshake (reason in byte 1): a bad proof, another user, or a
 /// name that already has a live link.
-const KIND_REFUSED: u8 = 8;
+pub(crate) const KIND_REFUSED: u8 = 8;
 /// Most descriptors in one request.
-const MAX_DESCS: usize = 1 << 22;
+pub(crate) const MAX_DESCS: usize = 1 << 22;
 /// Slices per vectored system call.
 const IOV_BATCH: usize = 64;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -456,6 +456,9 @@ struct Link {
     dead: Mutex<Option<String>>,
     /// Grants returned by the writer, for the reader to reuse.
     spare: Mutex<Vec<Grant>>,
+    /// A second descriptor of the link's socket, so that [`Connection::cut`] can shut it
+    /// down under the reader and writer; closed when the link dies.
+    socket: Mutex<Option<std::net::TcpStream>>,
 }
 
 /// Work for a link's writer.
@@ -486,6 +489,7 @@ impl Link {
     /// Marks the link dead (first), then fails every pending request.
     fn die(&self, why: &str) {
         self.dead.lock().get_or_insert_with(|| why.to_owned());
+        drop(self.socket.lock().take());
         let pending: Vec<Xfer> = self.pending.lock().drain(..).collect();
         for x in pending {
             x.done.complete(Err(self.gone(why)));
@@ -518,6 +522,23 @@ impl Connection for TcpConnection {
 
     // The link is shared with the peer's own transfers to us: it stays up until either agent
     // shuts down or the connection fails.
+
+    /// Shuts the link's socket down both ways, as a failing connection would: the writer's
+    /// next write fails (inside a WRITE's payload if it is sending one), the reader meets the
+    /// end (inside a READ's payload if one is arriving), and the link dies, failing every
+    /// transfer it carried in either direction with [`TransferError::PeerGone`]. The peer's
+    /// side of the link dies the same way. Later transfers through this connection fail;
+    /// a new `connect` dials a fresh link.
+    fn cut(&self) -> bool {
+        match &*self.link.socket.lock() {
+            Some(s) => {
+                let _ = s.shutdown(std::net::Shutdown::Both);
+                true
+            }
+            // Dead already, or its descriptor could not be duplicated: nothing to cut.
+            None => self.link.dead().is_some(),
+        }
+    }
 }
 
 /// How a dialer's handshake failed.
@@ -619,6 +640,10 @@ fn spawn_link(
     stop: watch::Receiver<bool>,
 ) -> Arc<Link> {
     let (tx, rx) = mpsc::unbounded_channel();
+    let socket = std::os::fd::AsFd::as_fd(&stream)
+        .try_clone_to_owned()
+        .ok()
+        .map(std::net::TcpStream::from);
     let link = Arc::new(Link {
         peer,
         addr,
@@ -626,6 +651,7 @@ fn spawn_link(
         pending: Mutex::new(VecDeque::new()),
         dead: Mutex::new(None),
         spare: Mutex::new(Vec::new()),
+        socket: Mutex::new(socket),
     });
     let (rd, wr) = stream.into_split();
     // The peer counts as able to write into this agent's memory until the reader returned.

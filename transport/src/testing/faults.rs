@@ -1,7 +1,8 @@
 //! A fault-injecting engine: [`Faulty`] wraps any engine and, for the transfers a [`Faults`]
 //! handle arms, fails them at completion (after the engine moved the bytes), at submission, by
-//! losing the engine's completion, or by reporting late. The layers above (pools, storage, the
-//! Python package) test their asynchronous failure paths with it, on any engine.
+//! losing the engine's completion, by reporting late, or by cutting the engine's real link
+//! while the transfer is in flight. The layers above (pools, storage, the Python package)
+//! test their asynchronous failure paths with it, on any engine.
 
 use std::collections::VecDeque;
 use std::thread;
@@ -28,6 +29,37 @@ pub enum Fault {
     LoseCompletion,
     /// The engine's outcome is reported this much later than the engine reported it.
     Delay(Duration),
+    /// The transfer is handed to the engine, and the engine's real link to the peer is cut
+    /// ([`Connection::cut`]) as soon as the engine has taken it: the outcome is the one the
+    /// engine itself reports for a link that failed under a transfer, never one made up here.
+    /// Per engine:
+    ///
+    /// - `tcp`: the link's socket is shut down both ways. The transfer fails with
+    ///   [`TransferError::PeerGone`] from wherever the engine's writer or reader had got to
+    ///   (`connection closed`, `writing: ...` inside a WRITE's payload, `receiving a payload:
+    ///   ...` inside a READ's); so does every other transfer on the link, in
+    ///   either direction, since both agents share it. The target's reader meets the end of
+    ///   the stream (inside a WRITE's payload, if the cut caught one) and releases its grants;
+    ///   the bytes of a WRITE that had arrived stay written, so treat the range as garbage.
+    ///   Later transfers through the same [`Peer`](crate::Peer) fail with `PeerGone`; a
+    ///   fresh `add_remote` once every handle on the peer is gone dials a new link.
+    /// - `shm`: the socket is shut down both ways. The transfer, whose `GRANT` cannot arrive
+    ///   any more, fails with `PeerGone` (`connection closed`) before any byte moves; one
+    ///   whose copy had started (see [`Fault::CutLinkAfter`]) completes its `memcpy` and
+    ///   then fails sending `DONE`, so all its bytes may have landed yet it fails, its
+    ///   exposures do not count it and its notification is not delivered. The target drops
+    ///   the link's grants. Later transfers through the same `Peer` fail with `PeerGone`; a
+    ///   fresh `add_remote` once every handle on the peer is gone connects again.
+    /// - `inproc`: there is no link; the engine completed the transfer inside `post`, so the
+    ///   fault changes nothing and the transfer succeeds.
+    ///
+    /// A transfer small enough that the engine finished it before the cut landed keeps the
+    /// engine's outcome (success); on `tcp` and `shm` a transfer of a few MiB or more cannot.
+    CutLink,
+    /// As [`Fault::CutLink`], but the cut lands this long after the engine took the
+    /// transfer, to catch it in the middle of its payload: the outcome is the engine's,
+    /// success included if it finished first.
+    CutLinkAfter(Duration),
 }
 
 /// The faults to inject, shared between a test and its [`Faulty`] engines. Each armed fault
@@ -144,6 +176,23 @@ impl Connection for FaultyConnection {
         let Some(fault) = self.faults.take(xfer.plan().op()) else {
             return self.inner.post(xfer);
         };
+        match fault {
+            Fault::CutLink => {
+                self.inner.post(xfer);
+                self.inner.cut();
+                return;
+            }
+            Fault::CutLinkAfter(after) => {
+                self.inner.post(xfer);
+                let inner = self.inner.clone();
+                thread::spawn(move || {
+                    thread::sleep(after);
+                    inner.cut();
+                });
+                return;
+            }
+            _ => {}
+        }
         let Xfer { notify, done } = xfer;
         let peer = done.peer().to_owned();
         if fault == Fault::FailAtSubmission {
@@ -168,7 +217,9 @@ impl Connection for FaultyConnection {
                     thread::sleep(by);
                     done.complete(outcome);
                 }
-                Fault::FailAtSubmission => unreachable!("handled before posting"),
+                Fault::FailAtSubmission | Fault::CutLink | Fault::CutLinkAfter(_) => {
+                    unreachable!("handled before posting")
+                }
             }
         });
     }
@@ -179,6 +230,10 @@ impl Connection for FaultyConnection {
 
     fn close(&self) {
         self.inner.close();
+    }
+
+    fn cut(&self) -> bool {
+        self.inner.cut()
     }
 }
 

@@ -21,6 +21,7 @@ mod transfers;
 pub use transfers::*;
 mod faults;
 mod lifecycle;
+pub mod raw;
 pub use faults::{Fault, Faults, Faulty};
 pub use lifecycle::*;
 
