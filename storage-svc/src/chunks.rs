@@ -269,10 +269,13 @@ mod tests {
             "{e:?}"
         );
         drop(big);
+        let g = pool.generation().load(Ordering::Acquire);
         assert_eq!(pool.trim(), 4 * MIB + 4096, "the free big chunk goes");
+        assert_eq!(pool.generation().load(Ordering::Acquire), g + 1, "peers learn of it");
         assert!(pool.lease(8 * MIB + 1, 64).is_err(), "8 MiB of room left");
-        // Nothing is idle: trimming keeps every chunk.
+        // Nothing is idle: trimming keeps every chunk, and the metadata stays.
         assert_eq!(pool.trim(), 0);
+        assert_eq!(pool.generation().load(Ordering::Acquire), g + 1);
         // Free the blocks of the last two chunks: one is kept as idle memory.
         blocks.truncate(4);
         assert_eq!(pool.trim(), 4 * MIB);
@@ -309,6 +312,21 @@ mod tests {
         let b = pool.lease(MIB, 64).unwrap();
         assert_eq!(registered(&agent, &pool), 4 * MIB);
         drop(b);
+    }
+
+    /// A lease of exactly the room left gets a chunk of its own, and free chunks stay: they
+    /// are released only when the lease would not fit otherwise. A page alignment is free.
+    #[test]
+    fn a_lease_of_exactly_the_room_left_fits() {
+        let (agent, mut pool) = pool(13 * MIB, 4 * MIB, 13 * MIB);
+        let a = pool.lease(4 * MIB, 64).unwrap();
+        let b = pool.lease(4 * MIB, PAGE).unwrap();
+        assert_eq!(registered(&agent, &pool), 8 * MIB, "a page alignment costs no page");
+        drop(b);
+        let c = pool.lease(5 * MIB, 64).unwrap();
+        assert_eq!(registered(&agent, &pool), 13 * MIB);
+        assert_eq!(pool.usage().chunks, 3, "the free chunk stayed");
+        drop((a, c));
     }
 
     /// A lease that fits the limit only without the free chunks replaces them.
