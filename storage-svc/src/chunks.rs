@@ -271,7 +271,11 @@ mod tests {
         drop(big);
         let g = pool.generation().load(Ordering::Acquire);
         assert_eq!(pool.trim(), 4 * MIB + 4096, "the free big chunk goes");
-        assert_eq!(pool.generation().load(Ordering::Acquire), g + 1, "peers learn of it");
+        assert_eq!(
+            pool.generation().load(Ordering::Acquire),
+            g + 1,
+            "peers learn of it"
+        );
         assert!(pool.lease(8 * MIB + 1, 64).is_err(), "8 MiB of room left");
         // Nothing is idle: trimming keeps every chunk, and the metadata stays.
         assert_eq!(pool.trim(), 0);
@@ -321,7 +325,11 @@ mod tests {
         let (agent, mut pool) = pool(13 * MIB, 4 * MIB, 13 * MIB);
         let a = pool.lease(4 * MIB, 64).unwrap();
         let b = pool.lease(4 * MIB, PAGE).unwrap();
-        assert_eq!(registered(&agent, &pool), 8 * MIB, "a page alignment costs no page");
+        assert_eq!(
+            registered(&agent, &pool),
+            8 * MIB,
+            "a page alignment costs no page"
+        );
         drop(b);
         let c = pool.lease(5 * MIB, 64).unwrap();
         assert_eq!(registered(&agent, &pool), 13 * MIB);

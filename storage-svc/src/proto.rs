@@ -303,6 +303,11 @@ mod tests {
     #[test]
     fn oversized_and_bad_version() {
         assert!(frame_len(100u32.to_le_bytes(), 99).is_err());
+        assert_eq!(
+            frame_len(100u32.to_le_bytes(), 100).unwrap(),
+            100,
+            "max is inclusive"
+        );
         let env = Envelope {
             v: 9,
             id: 3,

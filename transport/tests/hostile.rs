@@ -712,6 +712,40 @@ fn scoped_pair(make: fn(&str) -> Agent) {
     // An exposure to someone else does not let this peer in.
     let _someone = block.expose("someone", Ops::READ_WRITE);
     not_exposed(write(block.remote().unwrap(), 8192));
+    // One request of several spans: each span is checked, also one that follows an exposed
+    // span of the same registration (before the exposure or past its end).
+    assert!(block.offset() < other.offset());
+    let e2 = other.expose("client", Ops::WRITE);
+    let write2 = |remotes: [tessera_transport::RemoteDesc; 2]| {
+        let locals = [gc.desc(0, 100).unwrap(), gc.desc(100, 100).unwrap()];
+        peer.write(&locals, &remotes, None)
+            .unwrap()
+            .wait_timeout(HANG_GUARD)
+    };
+    let before = {
+        let mut b = vec![0u8; 8192];
+        block.read_at(0, &mut b).unwrap();
+        b
+    };
+    not_exposed(write2([
+        other.remote_range(0, 100).unwrap(),
+        block.remote_range(0, 100).unwrap(),
+    ]));
+    not_exposed(write2([
+        other.remote_range(0, 100).unwrap(),
+        pool.registration()
+            .remote(other.offset() + 8192, 100)
+            .unwrap(),
+    ]));
+    let mut after = vec![0u8; 8192];
+    block.read_at(0, &mut after).unwrap();
+    assert_eq!(before, after, "a refused request writes nothing");
+    write2([
+        other.remote_range(0, 100).unwrap(),
+        other.remote_range(1000, 100).unwrap(),
+    ])
+    .unwrap();
+    assert_eq!(e2.wait_written(200, HANG_GUARD), 200);
     // Unscoped registrations behave as before.
     let pb = plain.lease(4096, 4096).unwrap();
     write(pb.remote().unwrap(), 4096).unwrap();

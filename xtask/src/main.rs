@@ -43,6 +43,9 @@ enum Cmd {
         /// Only check the list and count its mutants.
         #[arg(long)]
         list: bool,
+        /// Groups run side by side, each lane with a build dir of its own.
+        #[arg(long, default_value_t = 2)]
+        lanes: usize,
     },
     /// Run the end-to-end demo in release: a storage unit, a producer and a consumer as
     /// separate processes, RL rollouts then a weight sync, every byte checked.
@@ -79,7 +82,11 @@ fn main() -> Result<()> {
         Cmd::TwoNodeTest => two_node::run(&root),
         Cmd::Bench { suites } => bench(&root, &suites),
         Cmd::Demo { backend, short } => demo(&root, &backend, short),
-        Cmd::Mutants { groups, list } => mutants::run(&root, &groups, list),
+        Cmd::Mutants {
+            groups,
+            list,
+            lanes,
+        } => mutants::run(&root, &groups, list, lanes),
     }
 }
 

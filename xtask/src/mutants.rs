@@ -2,7 +2,9 @@
 //! [cargo-mutants](https://mutants.rs) installed under `.deps/cargo-mutants` (idempotently).
 //!
 //! Each group of the list is one cargo-mutants run over its package, with only the test
-//! targets the group names. The list is checked against the mutants cargo-mutants generates
+//! targets the group names. Groups run on two lanes side by side (`--lanes`), each lane with a
+//! build dir of its own under `target/tessera-mutants/build-N`, kept between runs so that a
+//! mutant rebuilds only what it touches; one `cargo xtask mutants` at a time. The list is checked against the mutants cargo-mutants generates
 //! first: a listed function that yields no mutant (renamed, moved) or an `equivalent` entry that
 //! matches none is an error, so the list cannot silently stop covering what it names.
 //!
@@ -106,8 +108,9 @@ impl Counts {
     }
 }
 
-/// Runs the groups named in `only` (all when empty); with `list`, only counts the mutants.
-pub(crate) fn run(root: &Path, only: &[String], list: bool) -> Result<()> {
+/// Runs the groups named in `only` (all when empty) on `lanes` lanes side by side; with
+/// `list`, only checks the list and counts the mutants.
+pub(crate) fn run(root: &Path, only: &[String], list: bool, lanes: usize) -> Result<()> {
     let text = fs::read_to_string(root.join(LIST)).with_context(|| format!("reading {LIST}"))?;
     let parsed: List = toml::from_str(&text).with_context(|| format!("parsing {LIST}"))?;
     for name in only {
@@ -129,12 +132,12 @@ pub(crate) fn run(root: &Path, only: &[String], list: bool) -> Result<()> {
     } else {
         None
     };
-    let started = Instant::now();
     let mut files: BTreeMap<String, (String, Counts)> = BTreeMap::new();
-    let mut missed = Vec::new();
+    let mut sizes = Vec::new();
     for group in &groups {
         let listed = list_mutants(root, &tool, group, layout.as_ref())?;
         check_list(group, &listed)?;
+        let mut total = 0;
         for entry in &group.file {
             let in_file = listed.iter().filter(|m| m.file == entry.path);
             let (eq, n) = in_file.fold((0u64, 0u64), |(eq, n), m| {
@@ -145,36 +148,60 @@ pub(crate) fn run(root: &Path, only: &[String], list: bool) -> Result<()> {
                 }
             });
             println!(
-                "{:<16} {:<40} {n:>4} mutants, {eq} equivalent",
+                "{:<18} {:<40} {n:>4} mutants, {eq} equivalent",
                 group.name, entry.path
             );
+            total += n;
             files.entry(entry.path.clone()).or_default().0 = group.name.clone();
             files.get_mut(&entry.path).expect("just added").1.equivalent += eq;
         }
-        if list {
-            continue;
-        }
-        let group_out = out.join(&group.name);
-        // A previous run's outcomes must not be read as this one's.
-        let _ = fs::remove_dir_all(group_out.join("mutants.out"));
-        let group_started = Instant::now();
-        let mut cmd = base_command(root, &tool, group, layout.as_ref(), true);
-        cmd.arg("--output").arg(&group_out);
-        cmd.args(["--jobs", "1", "--cap-lints", "true"]);
-        cmd.args(["--timeout-multiplier", "3", "--minimum-test-timeout", "30"]);
-        cmd.args(["--build-timeout-multiplier", "4"]);
-        if !group.tests.is_empty() {
-            cmd.arg("--");
-            cmd.args(&group.tests);
-        }
-        println!("==> cargo mutants: group {}", group.name);
-        let status = cmd.status().context("starting cargo-mutants")?;
-        // 0: all caught; 2: some missed; 3: some timed out. Anything else is no result (a
-        // failing baseline, a bad argument).
-        if !matches!(status.code(), Some(0 | 2 | 3)) {
-            bail!("cargo-mutants failed on group {} ({status})", group.name);
-        }
-        let outcomes = read_outcomes(&group_out.join("mutants.out/outcomes.json"))?;
+        sizes.push(total);
+    }
+    if list {
+        println!("{} mutants in all", sizes.iter().sum::<u64>());
+        return Ok(());
+    }
+    // Lanes of groups run side by side, each with a build dir of its own: much of a mutant's
+    // time is linking and tests that wait, which another lane overlaps. The largest groups
+    // are spread first.
+    let lanes = lanes.max(1);
+    let mut order: Vec<usize> = (0..groups.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(sizes[i]));
+    let mut plan: Vec<(u64, Vec<usize>)> = vec![(0, Vec::new()); lanes];
+    for i in order {
+        let lane = plan
+            .iter_mut()
+            .min_by_key(|(load, _)| *load)
+            .expect("at least one lane");
+        lane.0 += sizes[i];
+        lane.1.push(i);
+    }
+    let started = Instant::now();
+    let results: Vec<Result<()>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = plan
+            .iter()
+            .enumerate()
+            .map(|(lane, (_, members))| {
+                let (tool, out, layout, groups) = (&tool, &out, layout.as_ref(), &groups);
+                scope.spawn(move || -> Result<()> {
+                    for &i in members {
+                        run_group(root, tool, groups[i], layout, out, lane)?;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| bail!("a lane panicked")))
+            .collect()
+    });
+    for r in results {
+        r?;
+    }
+    let mut missed = Vec::new();
+    for group in &groups {
+        let outcomes = read_outcomes(&out.join(&group.name).join("mutants.out/outcomes.json"))?;
         for (file, summary, name) in outcomes {
             let counts = &mut files.entry(file).or_default().1;
             match summary.as_str() {
@@ -191,14 +218,6 @@ pub(crate) fn run(root: &Path, only: &[String], list: bool) -> Result<()> {
                 other => bail!("unknown cargo-mutants outcome {other:?} for {name}"),
             }
         }
-        println!(
-            "==> group {} took {:.0} s",
-            group.name,
-            group_started.elapsed().as_secs_f64()
-        );
-    }
-    if list {
-        return Ok(());
     }
     let seconds = started.elapsed().as_secs_f64();
     let mut total = Counts::default();
@@ -248,6 +267,59 @@ pub(crate) fn run(root: &Path, only: &[String], list: bool) -> Result<()> {
         println!("MISSED {m}");
     }
     println!("wrote {}", out.join("summary.json").display());
+    Ok(())
+}
+
+/// One cargo-mutants run over `group` in lane `lane`'s build dir, its output in
+/// `out/<group>.log` and its results in `out/<group>/mutants.out`.
+fn run_group(
+    root: &Path,
+    tool: &Path,
+    group: &Group,
+    layout: Option<&deps::Layout>,
+    out: &Path,
+    lane: usize,
+) -> Result<()> {
+    let group_out = out.join(&group.name);
+    // A previous run's outcomes must not be read as this one's.
+    let _ = fs::remove_dir_all(group_out.join("mutants.out"));
+    let log_path = out.join(format!("{}.log", group.name));
+    let log = fs::File::create(&log_path)?;
+    let started = Instant::now();
+    let mut cmd = base_command(root, tool, group, layout, true);
+    cmd.env("CARGO_TARGET_DIR", out.join(format!("build-{lane}")));
+    cmd.arg("--output").arg(&group_out);
+    cmd.args(["--jobs", "1", "--cap-lints", "true"]);
+    cmd.args(["--timeout-multiplier", "3", "--minimum-test-timeout", "30"]);
+    cmd.args(["--build-timeout-multiplier", "4"]);
+    if !group.tests.is_empty() {
+        cmd.arg("--");
+        cmd.args(&group.tests);
+    }
+    println!(
+        "==> lane {lane}: group {} (log: {})",
+        group.name,
+        log_path.display()
+    );
+    let status = cmd
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .status()
+        .context("starting cargo-mutants")?;
+    // 0: all caught; 2: some missed; 3: some timed out. Anything else is no result (a
+    // failing baseline, a bad argument): the log says why.
+    if !matches!(status.code(), Some(0 | 2 | 3)) {
+        bail!(
+            "cargo-mutants failed on group {} ({status}); see {}",
+            group.name,
+            log_path.display()
+        );
+    }
+    println!(
+        "==> lane {lane}: group {} took {:.0} s",
+        group.name,
+        started.elapsed().as_secs_f64()
+    );
     Ok(())
 }
 
@@ -304,16 +376,17 @@ fn base_command(
         }
     }
     cmd.arg("--re").arg(examine_re(group));
-    // `TESSERA_MUTANTS_BUILD` names another build dir, for a second run at the same time.
-    let build = std::env::var_os("TESSERA_MUTANTS_BUILD")
-        .map_or_else(|| root.join("target/tessera-mutants/build"), PathBuf::from);
-    cmd.env("CARGO_TARGET_DIR", build)
-        .env("CARGO_PROFILE_DEV_DEBUG", "0")
-        .env("CARGO_TERM_COLOR", "never")
-        // A caught mutant fails at once: no shrinking, and no regression file written into
-        // the source tree for a failure that only the mutant causes.
-        .env("PROPTEST_MAX_SHRINK_ITERS", "0")
-        .env("PROPTEST_DISABLE_FAILURE_PERSISTENCE", "1");
+    // Lane 0's build dir; `run_group` names its lane's.
+    cmd.env(
+        "CARGO_TARGET_DIR",
+        root.join("target/tessera-mutants/build-0"),
+    )
+    .env("CARGO_PROFILE_DEV_DEBUG", "0")
+    .env("CARGO_TERM_COLOR", "never")
+    // A caught mutant fails at once: no shrinking, and no regression file written into
+    // the source tree for a failure that only the mutant causes.
+    .env("PROPTEST_MAX_SHRINK_ITERS", "0")
+    .env("PROPTEST_DISABLE_FAILURE_PERSISTENCE", "1");
     if let Some(layout) = layout.filter(|_| group.backend) {
         cmd.env("TESSERA_UCX_DIR", layout.ucx_dir())
             .env("TESSERA_NIXL_LIB_DIR", layout.nixl_lib_dir());

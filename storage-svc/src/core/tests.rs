@@ -204,3 +204,34 @@ fn loom_pulled_put_read_teardown_and_timer() {
         assert_eq!(leased.live(), 0, "every block is back");
     });
 }
+
+/// The key checks a driver runs before it takes the unit: exactly `max_keys` keys pass, one
+/// more is too many, and a repeated index or field is a bad request.
+#[test]
+fn key_checks_hold_at_their_bounds() {
+    let cfg = UnitConfig {
+        max_keys: 6,
+        ..UnitConfig::default()
+    };
+    let fields = |n: usize| (0..n).map(|i| format!("f{i}")).collect::<Vec<_>>();
+    let kind = |r: Result<(), RemoteError>| r.map_err(|e| e.kind);
+    assert_eq!(kind(check_keys(&cfg, &[1, 2, 3], &fields(2))), Ok(()));
+    assert_eq!(kind(check_keys(&cfg, &[1], &fields(6))), Ok(()));
+    assert_eq!(
+        kind(check_keys(&cfg, &[1, 2, 3, 4, 5, 6, 7], &fields(1))),
+        Err(ErrorKind::TooLarge)
+    );
+    assert_eq!(
+        kind(check_keys(&cfg, &[1], &[])),
+        Err(ErrorKind::BadRequest)
+    );
+    assert_eq!(
+        kind(check_keys(&cfg, &[1, 2, 1], &fields(1))),
+        Err(ErrorKind::BadRequest)
+    );
+    assert_eq!(
+        kind(check_keys(&cfg, &[1, 2], &["a".into(), "a".into()])),
+        Err(ErrorKind::BadRequest)
+    );
+    assert_eq!(kind(check_keys(&cfg, &[], &fields(1))), Ok(()));
+}
