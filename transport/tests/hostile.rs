@@ -749,6 +749,12 @@ fn scoped_pair(make: fn(&str) -> Agent) {
     // Unscoped registrations behave as before.
     let pb = plain.lease(4096, 4096).unwrap();
     write(pb.remote().unwrap(), 4096).unwrap();
+    // An exposure there records what it covers and shuts nobody out.
+    let counted = pb.expose("client", Ops::WRITE);
+    let _elsewhere = pb.expose("someone", Ops::READ);
+    write(pb.remote_range(0, 100).unwrap(), 100).unwrap();
+    assert_eq!(counted.wait_written(100, HANG_GUARD), 100);
+    read(pb.remote().unwrap(), 4096).unwrap();
 }
 
 /// Finding 7: scoped registrations grant only inside exposures, and exposures count what
