@@ -13,6 +13,8 @@ const SL_COUNT: usize = 1 << SL_BITS;
 /// Sizes below 64 get one class each (first level 0); each power of two from 2^6 to 2^63 gets
 /// one first-level class, 1 to 58.
 const FL_COUNT: usize = 64 - SL_BITS as usize + 1;
+/// Size classes: one free list each.
+const CLASSES: usize = FL_COUNT * SL_COUNT;
 /// The end of a free list. Node 0 is a sink that is never a range: list updates write to it
 /// instead of branching on a missing neighbour.
 const NIL: u32 = 0;
@@ -161,7 +163,7 @@ impl Allocator {
             spare: NIL,
             fl_bitmap: 0,
             sl_bitmap: [0; FL_COUNT],
-            heads: vec![NIL; FL_COUNT * SL_COUNT].into_boxed_slice(),
+            heads: vec![NIL; CLASSES].into_boxed_slice(),
             free_bytes: capacity,
             live_blocks: 0,
             free_ranges: 0,
@@ -512,7 +514,7 @@ impl Allocator {
         let (mut fl, mut sl) = class_of(size);
         // Both loops are bounded, and the scan checked to move up: a corrupted free list or
         // class map ends in a wrong answer (or a panic in debug builds), never in a spin.
-        for _ in 0..FL_COUNT * SL_COUNT {
+        for _ in 0..CLASSES {
             let Some((f, s)) = self.first_class_from(fl, sl) else {
                 break;
             };

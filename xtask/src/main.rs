@@ -46,6 +46,9 @@ enum Cmd {
         /// Groups run side by side, each lane with a build dir of its own.
         #[arg(long, default_value_t = 2)]
         lanes: usize,
+        /// Test only the mutants each group's previous run did not catch (after new tests).
+        #[arg(long)]
+        iterate: bool,
     },
     /// Run the end-to-end demo in release: a storage unit, a producer and a consumer as
     /// separate processes, RL rollouts then a weight sync, every byte checked.
@@ -86,7 +89,8 @@ fn main() -> Result<()> {
             groups,
             list,
             lanes,
-        } => mutants::run(&root, &groups, list, lanes),
+            iterate,
+        } => mutants::run(&root, &groups, list, lanes, iterate),
     }
 }
 

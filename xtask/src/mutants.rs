@@ -109,8 +109,15 @@ impl Counts {
 }
 
 /// Runs the groups named in `only` (all when empty) on `lanes` lanes side by side; with
-/// `list`, only checks the list and counts the mutants.
-pub(crate) fn run(root: &Path, only: &[String], list: bool, lanes: usize) -> Result<()> {
+/// `list`, only checks the list and counts the mutants; with `iterate`, tests only what the
+/// previous run of each group did not catch.
+pub(crate) fn run(
+    root: &Path,
+    only: &[String],
+    list: bool,
+    lanes: usize,
+    iterate: bool,
+) -> Result<()> {
     let text = fs::read_to_string(root.join(LIST)).with_context(|| format!("reading {LIST}"))?;
     let parsed: List = toml::from_str(&text).with_context(|| format!("parsing {LIST}"))?;
     for name in only {
@@ -134,9 +141,22 @@ pub(crate) fn run(root: &Path, only: &[String], list: bool, lanes: usize) -> Res
     };
     let mut files: BTreeMap<String, (String, Counts)> = BTreeMap::new();
     let mut sizes = Vec::new();
+    // Each group's mutants as generated now, equivalent ones left out: what the counts cover.
+    let mut current: Vec<Vec<String>> = Vec::new();
     for group in &groups {
         let listed = list_mutants(root, &tool, group, layout.as_ref())?;
         check_list(group, &listed)?;
+        current.push(
+            listed
+                .iter()
+                .filter(|m| {
+                    let entry = group.file.iter().find(|e| e.path == m.file);
+                    let name = strip_position(&m.name);
+                    !entry.is_some_and(|e| e.equivalent.iter().any(|q| q.mutant == name))
+                })
+                .map(|m| m.name.clone())
+                .collect(),
+        );
         let mut total = 0;
         for entry in &group.file {
             let in_file = listed.iter().filter(|m| m.file == entry.path);
@@ -185,7 +205,7 @@ pub(crate) fn run(root: &Path, only: &[String], list: bool, lanes: usize) -> Res
                 let (tool, out, layout, groups) = (&tool, &out, layout.as_ref(), &groups);
                 scope.spawn(move || -> Result<()> {
                     for &i in members {
-                        run_group(root, tool, groups[i], layout, out, lane)?;
+                        run_group(root, tool, groups[i], layout, out, lane, iterate)?;
                     }
                     Ok(())
                 })
@@ -200,22 +220,30 @@ pub(crate) fn run(root: &Path, only: &[String], list: bool, lanes: usize) -> Res
         r?;
     }
     let mut missed = Vec::new();
-    for group in &groups {
-        let outcomes = read_outcomes(&out.join(&group.name).join("mutants.out/outcomes.json"))?;
-        for (file, summary, name) in outcomes {
+    for (group, names) in groups.iter().zip(&current) {
+        let dir = out.join(&group.name).join("mutants.out");
+        // With --iterate the lists also name mutants of lines since moved: only the mutants
+        // generated now count, and one in no list was skipped as unviable before.
+        let lists: BTreeMap<String, &str> = read_lists(&dir)?
+            .into_iter()
+            .map(|(list, name)| (name, list))
+            .collect();
+        for name in names {
+            let file = name.split(':').next().unwrap_or_default().to_owned();
             let counts = &mut files.entry(file).or_default().1;
-            match summary.as_str() {
-                "CaughtMutant" => counts.caught += 1,
-                "MissedMutant" => {
+            match lists.get(name).copied() {
+                Some("caught.txt" | "previously_caught.txt") => counts.caught += 1,
+                Some("missed.txt") => {
                     counts.missed += 1;
-                    missed.push(name);
+                    missed.push(name.clone());
                 }
-                "Timeout" => {
+                Some("timeout.txt") => {
                     counts.timeout += 1;
                     missed.push(format!("{name} (timeout)"));
                 }
-                "Unviable" => counts.unviable += 1,
-                other => bail!("unknown cargo-mutants outcome {other:?} for {name}"),
+                Some(_) => counts.unviable += 1,
+                None if iterate => counts.unviable += 1,
+                None => bail!("cargo-mutants reported no outcome for {name}"),
             }
         }
     }
@@ -279,16 +307,23 @@ fn run_group(
     layout: Option<&deps::Layout>,
     out: &Path,
     lane: usize,
+    iterate: bool,
 ) -> Result<()> {
     let group_out = out.join(&group.name);
-    // A previous run's outcomes must not be read as this one's.
-    let _ = fs::remove_dir_all(group_out.join("mutants.out"));
+    if !iterate {
+        // A previous run's outcomes must not be read as this one's.
+        let _ = fs::remove_dir_all(group_out.join("mutants.out"));
+    }
     let log_path = out.join(format!("{}.log", group.name));
     let log = fs::File::create(&log_path)?;
     let started = Instant::now();
     let mut cmd = base_command(root, tool, group, layout, true);
     cmd.env("CARGO_TARGET_DIR", out.join(format!("build-{lane}")));
     cmd.arg("--output").arg(&group_out);
+    if iterate {
+        // Skips what the previous run caught or found unviable, and carries it over.
+        cmd.arg("--iterate");
+    }
     cmd.args(["--jobs", "1", "--cap-lints", "true"]);
     cmd.args(["--timeout-multiplier", "3", "--minimum-test-timeout", "30"]);
     cmd.args(["--build-timeout-multiplier", "4"]);
@@ -502,24 +537,30 @@ fn escape(s: &str) -> String {
     out
 }
 
-/// `(file, summary, name)` of each mutant in a cargo-mutants `outcomes.json`.
-fn read_outcomes(path: &Path) -> Result<Vec<(String, String, String)>> {
-    let text = fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    let v: serde_json::Value = serde_json::from_str(&text)?;
+/// Each mutant of a `mutants.out` with the list that names it: cargo-mutants' `caught.txt`,
+/// `missed.txt`, `timeout.txt`, `unviable.txt`, and with `--iterate` the `previously_caught.txt`
+/// of the mutants an earlier run caught and this one skipped.
+fn read_lists(dir: &Path) -> Result<Vec<(&'static str, String)>> {
     let mut out = Vec::new();
-    for o in v["outcomes"]
-        .as_array()
-        .context("outcomes.json: no outcomes")?
-    {
-        let Some(m) = o["scenario"].get("Mutant") else {
-            continue; // the baseline
+    for list in [
+        "caught.txt",
+        "previously_caught.txt",
+        "missed.txt",
+        "timeout.txt",
+        "unviable.txt",
+    ] {
+        let path = dir.join(list);
+        let text = match fs::read_to_string(&path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && list.starts_with("prev") => {
+                continue
+            }
+            Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
         };
-        let field = |v: &serde_json::Value, k: &str| {
-            v[k].as_str()
-                .map(str::to_owned)
-                .with_context(|| format!("outcomes.json: no {k}"))
-        };
-        out.push((field(m, "file")?, field(o, "summary")?, field(m, "name")?));
+        let mut names: Vec<String> = text.lines().map(str::to_owned).collect();
+        names.sort();
+        names.dedup();
+        out.extend(names.into_iter().map(|n| (list, n)));
     }
     Ok(out)
 }
