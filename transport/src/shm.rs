@@ -81,6 +81,8 @@ pub struct Shm {
 struct Inner {
     name: String,
     token: OnceLock<Token>,
+    /// How long a connecting peer has to authenticate (`PRE_AUTH_DEADLINE` unless set).
+    handshake_deadline: OnceLock<Duration>,
     host: OnceLock<Host>,
     closed: AtomicBool,
     /// Every live socket, to shut down with the engine.
@@ -96,6 +98,7 @@ impl Shm {
             inner: Arc::new(Inner {
                 name: format!("tessera-shm-{}-{}", std::process::id(), next_id()),
                 token: OnceLock::new(),
+                handshake_deadline: OnceLock::new(),
                 host: OnceLock::new(),
                 closed: AtomicBool::new(false),
                 sockets: Mutex::new(Vec::new()),
@@ -111,6 +114,13 @@ impl Shm {
     /// Set before the agent starts.
     pub fn with_token(self, token: Token) -> Self {
         let _ = self.inner.token.set(token);
+        self
+    }
+
+    /// How long a connecting peer has to complete the handshake before its connection is
+    /// closed (default 5 s). Set before the agent starts.
+    pub fn with_handshake_deadline(self, deadline: Duration) -> Self {
+        let _ = self.inner.handshake_deadline.set(deadline);
         self
     }
 }
@@ -134,6 +144,13 @@ fn backend(e: impl std::fmt::Display) -> BackendError {
 }
 
 impl Inner {
+    fn handshake_deadline(&self) -> Duration {
+        self.handshake_deadline
+            .get()
+            .copied()
+            .unwrap_or(PRE_AUTH_DEADLINE)
+    }
+
     fn track(&self, s: &Arc<UnixStream>) {
         let mut v = self.sockets.lock();
         v.retain(|w| w.strong_count() > 0);
@@ -459,12 +476,13 @@ impl Drop for Claim {
 
 /// The target's side of the handshake: the authenticated dialer's name and its link guard,
 /// or `None` (after telling the dialer why, where that helps it) when the connection must
-/// close. At most `PRE_AUTH_MAX` bytes are read, within `PRE_AUTH_DEADLINE`.
+/// close. At most `PRE_AUTH_MAX` bytes are read, within `deadline`.
 fn admit(
     stream: &UnixStream,
     host: &Host,
     token: Option<&Token>,
     claims: &Arc<Claims>,
+    deadline: Duration,
 ) -> Option<(String, (Claim, crate::engine::LinkGuard))> {
     let refuse = |code: u8| {
         let mut out = Vec::new();
@@ -476,7 +494,7 @@ fn admit(
         refuse(handshake::REFUSED_UID);
         return None;
     }
-    let deadline = Instant::now() + PRE_AUTH_DEADLINE;
+    let deadline = Instant::now() + deadline;
     let mut budget = PRE_AUTH_MAX;
     let (ty, body) = read_small(stream, deadline, &mut budget).ok()?;
     if ty != HELLO || body.len() < NONCE_LEN + 1 {
@@ -994,9 +1012,10 @@ fn accept_loop(inner: Arc<Inner>, listener: UnixListener) {
         inner.track(&stream);
         let token = inner.token.get().cloned();
         let claims = inner.claims.clone();
+        let deadline = inner.handshake_deadline();
         let spawned = std::thread::Builder::new()
             .name("shm-target".into())
-            .spawn(move || serve(host, stream, token, claims));
+            .spawn(move || serve(host, stream, token, claims, deadline));
         if spawned.is_err() {
             continue;
         }
@@ -1005,12 +1024,18 @@ fn accept_loop(inner: Arc<Inner>, listener: UnixListener) {
 
 /// Serves one initiator until it disconnects. Grants live here, so a dead initiator's pins
 /// are released when this returns.
-fn serve(host: Host, stream: Arc<UnixStream>, token: Option<Token>, claims: Arc<Claims>) {
+fn serve(
+    host: Host,
+    stream: Arc<UnixStream>,
+    token: Option<Token>,
+    claims: Arc<Claims>,
+    deadline: Duration,
+) {
     // Nothing but the handshake is read from a peer that has not authenticated. The peer
     // counts as able to write into this agent's memory from then on until its socket closed
     // and its grants are gone (below). Its own mapping of our memory is not ours to see: an
     // initiator process that outlives its socket could still copy.
-    let Some((peer, open)) = admit(&stream, &host, token.as_ref(), &claims) else {
+    let Some((peer, open)) = admit(&stream, &host, token.as_ref(), &claims, deadline) else {
         let _ = stream.shutdown(std::net::Shutdown::Both);
         return;
     };

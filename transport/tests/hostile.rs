@@ -578,7 +578,9 @@ fn shm_connect_to_a_full_backlog_fails_at_its_deadline() {
 /// connection without making room for it; a handshake left half done closes at the deadline.
 #[test]
 fn pre_auth_bounds_close_without_allocating() {
-    let target = Agent::new("target", Shm::new()).unwrap();
+    // A short handshake deadline keeps the test quick; the default is 5 s.
+    let deadline = Duration::from_secs(1);
+    let target = Agent::new("target", Shm::new().with_handshake_deadline(deadline)).unwrap();
     let name = address(&target.metadata());
     let before = GLOBAL.bytes();
     let addr = SocketAddr::from_abstract_name(&name).unwrap();
@@ -595,7 +597,7 @@ fn pre_auth_bounds_close_without_allocating() {
     let s = UnixStream::connect_addr(&addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
     assert!(drain_until_closed(&s).is_empty());
-    let tcp = Agent::new("target", Tcp::new()).unwrap();
+    let tcp = Agent::new("target", Tcp::new().with_handshake_deadline(deadline)).unwrap();
     let mut s =
         std::net::TcpStream::connect(String::from_utf8(address(&tcp.metadata())).unwrap()).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
@@ -608,6 +610,7 @@ fn pre_auth_bounds_close_without_allocating() {
     let got = drain_until_closed(&s);
     assert!(got.first() != Some(&5), "a half handshake was acknowledged");
     assert!(started.elapsed() < HANG_GUARD);
+    assert!(started.elapsed() >= deadline, "closed before the deadline");
     still_serves(&target, |n| Agent::new(n, Shm::new()).unwrap());
     still_serves(&tcp, |n| Agent::new(n, Tcp::new()).unwrap());
 }

@@ -11,7 +11,7 @@ use tokio::sync::{mpsc, watch};
 use crate::auth::{Token, MAC_LEN, NONCE_LEN};
 use crate::engine::{Grant, Host, Op};
 use crate::error::{RejectReason, TransferError};
-use crate::handshake::{self, PRE_AUTH_DEADLINE, PRE_AUTH_MAX};
+use crate::handshake::{self, PRE_AUTH_MAX};
 use crate::notify::MAX_NOTIFICATION;
 use tessera_sync::Arc;
 
@@ -349,6 +349,7 @@ pub(super) async fn accept_loop(
     listener: TcpListener,
     host: Host,
     token: Option<Token>,
+    deadline: Duration,
     links: Arc<Links>,
     mut stop: watch::Receiver<bool>,
 ) {
@@ -366,6 +367,7 @@ pub(super) async fn accept_loop(
             stream,
             host.clone(),
             token.clone(),
+            deadline,
             links.clone(),
             stop.clone(),
         ));
@@ -379,7 +381,7 @@ struct Hello {
 }
 
 /// The target's side of the handshake: reads at most `PRE_AUTH_MAX` bytes, all of them
-/// before `PRE_AUTH_DEADLINE` (the caller's timeout). `Ok(None)`: refused, and told so.
+/// before the handshake deadline (the caller's timeout). `Ok(None)`: refused, and told so.
 async fn admit(
     stream: &mut TcpStream,
     host: &Host,
@@ -441,11 +443,11 @@ pub(super) async fn greet(
     mut stream: TcpStream,
     host: Host,
     token: Option<Token>,
+    deadline: Duration,
     links: Arc<Links>,
     stop: watch::Receiver<bool>,
 ) {
-    let hello =
-        tokio::time::timeout(PRE_AUTH_DEADLINE, admit(&mut stream, &host, token.as_ref())).await;
+    let hello = tokio::time::timeout(deadline, admit(&mut stream, &host, token.as_ref())).await;
     let Ok(Ok(Some(Hello { name, addr }))) = hello else {
         return;
     };
@@ -469,7 +471,7 @@ pub(super) async fn greet(
                 let mut r = [0u8; HEADER];
                 r[0] = KIND_REFUSED;
                 r[1] = handshake::REFUSED_NAME_IN_USE;
-                let _ = tokio::time::timeout(PRE_AUTH_DEADLINE, s.write_all(&r)).await;
+                let _ = tokio::time::timeout(deadline, s.write_all(&r)).await;
             }
         }
     }

@@ -139,6 +139,8 @@ pub struct Tcp {
 struct Inner {
     bind: SocketAddr,
     token: OnceLock<Token>,
+    /// How long a connecting peer has to authenticate (`PRE_AUTH_DEADLINE` unless set).
+    handshake_deadline: OnceLock<Duration>,
     advertise: OnceLock<SocketAddr>,
     local: OnceLock<SocketAddr>,
     name: OnceLock<String>,
@@ -222,6 +224,7 @@ impl Tcp {
             inner: Arc::new(Inner {
                 bind: addr,
                 token: OnceLock::new(),
+                handshake_deadline: OnceLock::new(),
                 advertise: OnceLock::new(),
                 local: OnceLock::new(),
                 name: OnceLock::new(),
@@ -248,6 +251,13 @@ impl Tcp {
     /// agent starts.
     pub fn with_token(self, token: Token) -> Self {
         let _ = self.inner.token.set(token);
+        self
+    }
+
+    /// How long a connecting peer has to complete the handshake before its connection is
+    /// closed (default 5 s). Set before the agent starts.
+    pub fn with_handshake_deadline(self, deadline: Duration) -> Self {
+        let _ = self.inner.handshake_deadline.set(deadline);
         self
     }
 
@@ -311,6 +321,11 @@ impl Transport for Tcp {
             listener,
             host,
             self.inner.token.get().cloned(),
+            self.inner
+                .handshake_deadline
+                .get()
+                .copied()
+                .unwrap_or(handshake::PRE_AUTH_DEADLINE),
             self.inner.links.clone(),
             self.inner.stop.subscribe(),
         ));
