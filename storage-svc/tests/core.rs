@@ -990,3 +990,139 @@ fn a_get_in_slices_answers_as_one_get() {
     assert!(e.message.starts_with("210 key(s)"), "{e:?}");
     assert_eq!(e.missing.len(), 210);
 }
+
+/// Opens authenticated session `session` on `unit`, its client's agent named `peer`.
+fn open_session(unit: &mut Unit<VecMem>, now: Instant, session: u64, peer: &str) {
+    unit.open_session(session);
+    let out = handshake::open(unit, now, session, 0, vec![], None);
+    assert!(matches!(out[..], [Output::Accept { .. }]));
+    unit.session_ready(session, peer);
+}
+
+/// A deferred GET of key 0 of "p" by `session` as request `id`: answered `GetReady`.
+fn get_ready(unit: &mut Unit<VecMem>, now: Instant, session: u64, id: u64) {
+    let out = unit.handle(
+        now,
+        session,
+        id,
+        Request::Get {
+            partition: "p".into(),
+            indexes: vec![0],
+            fields: vec!["x".into()],
+        },
+    );
+    let r = single(out);
+    assert!(matches!(r, Response::GetReady { .. }), "{r:?}");
+}
+
+/// The client's block for GET `get` of `session` (request `id`): what the unit answers.
+fn get_into(unit: &mut Unit<VecMem>, now: Instant, session: u64, id: u64, get: u64) -> Output {
+    let block = RemoteDesc::new(9, 0, 4096);
+    let mut out = unit.handle(now, session, id, Request::GetInto { get, block });
+    assert_eq!(out.len(), 1, "{out:?}");
+    out.remove(0)
+}
+
+/// A deferred GET lives for `prepare_ttl` without its client's block: at its deadline it is
+/// dropped (its late GET_INTO is refused), one instant before it is kept, and one being
+/// written is kept past it until its WRITE is done.
+#[test]
+fn a_deferred_get_expires_at_its_deadline_unless_it_is_being_written() {
+    let ttl = Duration::from_secs(5);
+    let mut h = Harness::new(UnitConfig {
+        inline_max: 16,
+        prepare_ttl: ttl,
+        ..UnitConfig::default()
+    });
+    let t = Tensor::from_slice(&[64], &[0u8; 64]).unwrap();
+    assert_eq!(
+        h.put("p", &[0], &["x"], &batch(1, vec![Value::Tensor(t)])),
+        Response::Done
+    );
+    let now = h.now;
+    // GET 10 waits for its block; GET 11 is being written.
+    get_ready(&mut h.unit, now, S, 10);
+    get_ready(&mut h.unit, now, S, 11);
+    assert!(matches!(
+        get_into(&mut h.unit, now, S, 111, 11),
+        Output::Write { get: 11, .. }
+    ));
+    assert_eq!(h.unit.poll_timeout(), Some(now + ttl));
+    assert!(h
+        .unit
+        .handle_timeout(now + ttl - Duration::from_millis(1))
+        .is_empty());
+    assert_eq!(h.unit.stats().pending_gets, 2, "nothing is due yet");
+    assert!(h.unit.handle_timeout(now + ttl).is_empty());
+    assert_eq!(
+        h.unit.stats().pending_gets,
+        1,
+        "GET 10 expired, GET 11 kept"
+    );
+    assert!(h
+        .unit
+        .handle_timeout(now + ttl + Duration::from_secs(60))
+        .is_empty());
+    assert_eq!(
+        h.unit.stats().pending_gets,
+        1,
+        "a WRITE in flight never expires"
+    );
+    // The expired GET's block comes too late; the written one completes and is counted.
+    let Output::Reply { response, .. } = get_into(&mut h.unit, now + ttl, S, 110, 10) else {
+        panic!("expected a refusal")
+    };
+    assert_eq!(kind(&response), Some(ErrorKind::UnknownTransfer));
+    let r = single(h.unit.transfer_done(S, 11, 111, Ok(())));
+    assert_eq!(r, Response::GetDone);
+    let s = h.unit.stats();
+    assert_eq!((s.pending_gets, s.bytes_out), (0, 64));
+    assert_eq!(h.unit.poll_timeout(), None);
+}
+
+/// A session's close drops its own deferred GETs, the one being written too (a late WRITE
+/// completion for it answers nothing), and leaves another session's GET to complete.
+#[test]
+fn closing_a_session_drops_its_gets_and_no_one_elses() {
+    let mut h = Harness::new(UnitConfig {
+        inline_max: 16,
+        ..UnitConfig::default()
+    });
+    let t = Tensor::from_slice(&[64], &[0u8; 64]).unwrap();
+    assert_eq!(
+        h.put("p", &[0], &["x"], &batch(1, vec![Value::Tensor(t)])),
+        Response::Done
+    );
+    let now = h.now;
+    const OTHER: u64 = 2;
+    open_session(&mut h.unit, now, OTHER, "other");
+    get_ready(&mut h.unit, now, S, 10);
+    get_ready(&mut h.unit, now, S, 11);
+    assert!(matches!(
+        get_into(&mut h.unit, now, S, 111, 11),
+        Output::Write { get: 11, .. }
+    ));
+    get_ready(&mut h.unit, now, OTHER, 10);
+    assert_eq!(h.unit.stats().pending_gets, 3);
+    h.unit.close_session(S, now, TornDown::Signalled);
+    let s = h.unit.stats();
+    assert_eq!((s.pending_gets, s.sessions), (1, 1));
+    assert!(
+        h.unit.transfer_done(S, 11, 111, Ok(())).is_empty(),
+        "the closed session's WRITE completes into nothing"
+    );
+    assert_eq!(h.unit.stats().bytes_out, 0);
+    // The other session's GET (same request id) is untouched.
+    assert!(matches!(
+        get_into(&mut h.unit, now, OTHER, 110, 10),
+        Output::Write {
+            session: OTHER,
+            get: 10,
+            ..
+        }
+    ));
+    let r = single(h.unit.transfer_done(OTHER, 10, 110, Ok(())));
+    assert_eq!(r, Response::GetDone);
+    let s = h.unit.stats();
+    assert_eq!((s.pending_gets, s.bytes_out), (0, 64));
+}
