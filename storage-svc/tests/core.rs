@@ -1126,3 +1126,56 @@ fn closing_a_session_drops_its_gets_and_no_one_elses() {
     let s = h.unit.stats();
     assert_eq!((s.pending_gets, s.bytes_out), (0, 64));
 }
+
+/// A prepared PUT that is cancelled gives back all it reserved and leased: the same PUT fits
+/// again, time after time, in a unit whose capacity and per-session leased limit it fills
+/// exactly; while it is prepared, nothing more fits.
+#[test]
+fn a_cancelled_prepare_gives_back_its_whole_reservation_and_lease() {
+    let big = Value::Tensor(Tensor::from_slice(&[100_000], &vec![7u8; 100_000]).unwrap());
+    let frames = encode(&batch(1, vec![big])).unwrap();
+    let prepare = |h: &mut Harness| {
+        h.req(Request::Put {
+            partition: "p".into(),
+            indexes: vec![1],
+            fields: vec!["x".into()],
+            meta: ByteBuf::from(frames.meta.to_vec()),
+            inline: None,
+            pull: None,
+        })
+    };
+    // The block a READY names is the layout's size; the PUT reserves it, its meta and its
+    // key (no overhead here: the field's name and 8 bytes).
+    let mut probe = Harness::new(UnitConfig::default());
+    let Response::PutReady { block, .. } = prepare(&mut probe).1 else {
+        panic!("no READY")
+    };
+    let incoming = block.len + frames.meta.len() as u64 + 1 + 8;
+    let mut h = Harness::new(UnitConfig {
+        capacity_bytes: incoming,
+        key_overhead_bytes: 0,
+        session_leased_limit: block.len,
+        ..UnitConfig::default()
+    });
+    for round in 0..3 {
+        let (id, r) = prepare(&mut h);
+        assert!(
+            matches!(r, Response::PutReady { .. }),
+            "round {round}: {r:?}"
+        );
+        assert_eq!(h.unit.stats().pending_puts, 1);
+        let cancel = Request::Cancel {
+            of: id,
+            maybe_written: false,
+        };
+        assert_eq!(h.req(cancel).1, Response::Done);
+        let s = h.unit.stats();
+        assert_eq!((s.pending_puts, s.leased_bytes, s.pool.used), (0, 0, 0));
+    }
+    // Prepared, it holds the whole capacity: one byte more is refused.
+    let (id, r) = prepare(&mut h);
+    assert!(matches!(r, Response::PutReady { .. }), "{r:?}");
+    assert_eq!(kind(&prepare(&mut h).1), Some(ErrorKind::Capacity));
+    assert_eq!(h.req(Request::Commit { put: id }).1, Response::Done);
+    assert_eq!(h.unit.stats().keys, 1);
+}
