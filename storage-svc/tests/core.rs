@@ -1179,3 +1179,57 @@ fn a_cancelled_prepare_gives_back_its_whole_reservation_and_lease() {
     assert_eq!(h.req(Request::Commit { put: id }).1, Response::Done);
     assert_eq!(h.unit.stats().keys, 1);
 }
+
+/// Compaction starts only past `compact_dead_fraction`: a block exactly half dead (the
+/// fraction) is kept whole, and the next value cleared from it sends its survivor to a block
+/// of its own and the whole block back.
+#[test]
+fn compaction_starts_just_past_the_dead_fraction() {
+    let mut h = Harness::new(UnitConfig {
+        compact_dead_fraction: 0.5,
+        ..UnitConfig::default()
+    });
+    // Four frames of 64 KiB: one block of exactly 256 KiB, no padding.
+    let big = Value::Tensor(Tensor::from_slice(&[65_536], &vec![3u8; 65_536]).unwrap());
+    let clear = |h: &mut Harness, indexes: Vec<u64>| {
+        let r = h.req(Request::Clear {
+            partition: "p".into(),
+            indexes,
+            fields: None,
+        });
+        assert_eq!(r.1, Response::Done);
+    };
+    assert_eq!(
+        h.put("p", &[1, 2, 3, 4], &["x"], &batch(1, vec![big; 4])),
+        Response::Done
+    );
+    let s = h.stats();
+    assert_eq!(s.pool.used, 262_144);
+    // One value dead, then two: at most the fraction, nothing is copied.
+    clear(&mut h, vec![1]);
+    clear(&mut h, vec![2]);
+    let s = h.stats();
+    assert_eq!(
+        (s.compacted_bytes, s.pool.used, s.bytes),
+        (0, 262_144, 131_072)
+    );
+    // Three dead: past it, the last survivor is copied out and the block returns.
+    clear(&mut h, vec![3]);
+    let s = h.stats();
+    assert_eq!(
+        (s.compacted_bytes, s.pool.used, s.bytes),
+        (65_536, 65_536, 65_536)
+    );
+    let got = h.get("p", &[4], &["x"]).unwrap();
+    assert_eq!(
+        got.index(0)
+            .unwrap()
+            .index(0)
+            .unwrap()
+            .as_tensor()
+            .unwrap()
+            .data()
+            .len(),
+        65_536
+    );
+}
