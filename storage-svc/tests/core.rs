@@ -1233,3 +1233,39 @@ fn compaction_starts_just_past_the_dead_fraction() {
         65_536
     );
 }
+
+/// A client's quarantine is charged to its agent over its sessions: a session of the same
+/// agent is refused while an earlier one's exposed block fills its `session_quarantine_limit`,
+/// another agent is not, and once that block is released the agent's next PUT is served.
+#[test]
+fn a_released_quarantine_no_longer_counts_against_its_agent() {
+    let mut h = Harness::new(UnitConfig {
+        session_quarantine_limit: 100_000,
+        ..UnitConfig::default()
+    });
+    let now = h.now;
+    expose(&mut h.unit, now, S, 1, "p");
+    h.unit.close_session(S, now, TornDown::Signalled);
+    let held = h.unit.stats().quarantined_bytes;
+    assert!(held >= 100_000, "{held}");
+    let big = Value::Tensor(Tensor::from_slice(&[100_000], &vec![7u8; 100_000]).unwrap());
+    let frames = encode(&batch(1, vec![big])).unwrap();
+    let put = |unit: &mut Unit<VecMem>, session: u64, id: u64| {
+        let req = Request::Put {
+            partition: "p".into(),
+            indexes: vec![id],
+            fields: vec!["x".into()],
+            meta: ByteBuf::from(frames.meta.to_vec()),
+            inline: None,
+            pull: None,
+        };
+        single(unit.handle(now, session, id, req))
+    };
+    open_session(&mut h.unit, now, 2, "client");
+    assert_eq!(kind(&put(&mut h.unit, 2, 10)), Some(ErrorKind::OutOfMemory));
+    open_session(&mut h.unit, now, 3, "other");
+    assert!(matches!(put(&mut h.unit, 3, 10), Response::PutReady { .. }));
+    assert_eq!(h.unit.release_closed(S), held);
+    assert!(matches!(put(&mut h.unit, 2, 11), Response::PutReady { .. }));
+    assert_eq!(h.unit.stats().quarantined_bytes, 0);
+}
