@@ -1269,3 +1269,26 @@ fn a_released_quarantine_no_longer_counts_against_its_agent() {
     assert!(matches!(put(&mut h.unit, 2, 11), Response::PutReady { .. }));
     assert_eq!(h.unit.stats().quarantined_bytes, 0);
 }
+
+/// A handshake message on an authenticated session is refused without closing it: the
+/// session keeps serving (only an unauthenticated session ends on one).
+#[test]
+fn a_handshake_message_on_an_open_session_is_refused_and_it_stays_open() {
+    let mut h = Harness::new(UnitConfig::default());
+    let hello = Request::Hello {
+        nonce: ByteBuf::from(vec![0u8; 32]),
+        agent: Vec::new(),
+    };
+    let auth = Request::Auth {
+        proof: ByteBuf::from(vec![0u8; 32]),
+    };
+    for r in [hello, auth] {
+        let out = h.unit.handle(h.now, S, 90, r);
+        assert_eq!(kind(&single(out)), Some(ErrorKind::BadRequest));
+    }
+    assert_eq!(h.stats().sessions, 1);
+    assert_eq!(
+        h.put_inline("p", &[1], &["x"], &batch(1, vec![Value::U64(1)])),
+        Response::Done
+    );
+}
