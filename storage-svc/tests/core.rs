@@ -1292,3 +1292,43 @@ fn a_handshake_message_on_an_open_session_is_refused_and_it_stays_open() {
         Response::Done
     );
 }
+
+/// Each stored key is charged `key_overhead_bytes` plus its length (the field's name and 8
+/// bytes of index) on top of its value, against the capacity; clearing gives it all back.
+#[test]
+fn each_key_is_charged_its_overhead_and_length() {
+    let cfg = |capacity_bytes| UnitConfig {
+        key_overhead_bytes: 64,
+        capacity_bytes,
+        ..UnitConfig::default()
+    };
+    let value = Value::List(vec![
+        Value::List(vec![Value::U64(1), Value::U64(2)]),
+        Value::List(vec![Value::U64(3), Value::U64(4)]),
+    ]);
+    // Four 8-byte scalars; two keys of "x" (64 + 1 + 8) and two of "long" (64 + 4 + 8).
+    let charged = 4 * 8 + 2 * (64 + 1 + 8) + 2 * (64 + 4 + 8);
+    let mut h = Harness::new(cfg(1 << 20));
+    assert_eq!(
+        h.put_inline("p", &[1, 2], &["x", "long"], &value),
+        Response::Done
+    );
+    let s = h.stats();
+    assert_eq!((s.bytes, s.charged_bytes, s.keys), (32, charged, 4));
+    h.req(Request::Clear {
+        partition: "p".into(),
+        indexes: vec![1],
+        fields: Some(vec!["long".into()]),
+    });
+    assert_eq!(h.stats().charged_bytes, charged - 8 - (64 + 4 + 8));
+    h.req(Request::DropPartition {
+        partition: "p".into(),
+    });
+    let s = h.stats();
+    assert_eq!((s.bytes, s.charged_bytes, s.keys), (0, 0, 0));
+    // The capacity counts the same charge: with less room than it, the PUT is refused whole.
+    let mut h = Harness::new(cfg(charged - 1));
+    let r = h.put_inline("p", &[1, 2], &["x", "long"], &value);
+    assert_eq!(kind(&r), Some(ErrorKind::Capacity));
+    assert_eq!(h.stats().keys, 0);
+}
