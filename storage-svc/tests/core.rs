@@ -1332,3 +1332,43 @@ fn each_key_is_charged_its_overhead_and_length() {
     assert_eq!(kind(&r), Some(ErrorKind::Capacity));
     assert_eq!(h.stats().keys, 0);
 }
+
+/// A PUT that replaces stored keys is credited what they hold (their values, their keys'
+/// charge, their count): in a unit that one such value fills, to its capacity and its
+/// stored-key limit, the same key can be PUT again and again, and another key cannot.
+#[test]
+fn a_replacing_put_is_credited_what_it_replaces() {
+    let big = Value::Tensor(Tensor::from_slice(&[100_000], &vec![7u8; 100_000]).unwrap());
+    let value = batch(1, vec![big]);
+    let frames = encode(&value).unwrap();
+    let mut probe = Harness::new(UnitConfig::default());
+    let (_, r) = probe.req(Request::Put {
+        partition: "p".into(),
+        indexes: vec![1],
+        fields: vec!["x".into()],
+        meta: ByteBuf::from(frames.meta.to_vec()),
+        inline: None,
+        pull: None,
+    });
+    let Response::PutReady { block, .. } = r else {
+        panic!("no READY: {r:?}")
+    };
+    // What the PUT reserves: its block, its meta and its key (64 + "x" + 8).
+    let incoming = block.len + frames.meta.len() as u64 + 64 + 1 + 8;
+    let mut h = Harness::new(UnitConfig {
+        capacity_bytes: incoming,
+        key_overhead_bytes: 64,
+        max_stored_keys: 1,
+        ..UnitConfig::default()
+    });
+    for _ in 0..3 {
+        assert_eq!(h.put("p", &[1], &["x"], &value), Response::Done);
+        let s = h.stats();
+        assert_eq!((s.keys, s.bytes, s.charged_bytes), (1, 100_000, 100_073));
+    }
+    assert_eq!(
+        kind(&h.put("p", &[2], &["x"], &value)),
+        Some(ErrorKind::Capacity)
+    );
+    assert_eq!(h.stats().keys, 1);
+}
