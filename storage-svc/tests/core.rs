@@ -1294,12 +1294,15 @@ fn a_handshake_message_on_an_open_session_is_refused_and_it_stays_open() {
 }
 
 /// Each stored key is charged `key_overhead_bytes` plus its length (the field's name and 8
-/// bytes of index) on top of its value, against the capacity; clearing gives it all back.
+/// bytes of index) on top of its value, against the capacity; clearing keys or dropping their
+/// partition gives back their charge and their place under `max_stored_keys`, and nothing of
+/// another partition.
 #[test]
 fn each_key_is_charged_its_overhead_and_length() {
     let cfg = |capacity_bytes| UnitConfig {
         key_overhead_bytes: 64,
         capacity_bytes,
+        max_stored_keys: 4,
         ..UnitConfig::default()
     };
     let value = Value::List(vec![
@@ -1320,12 +1323,36 @@ fn each_key_is_charged_its_overhead_and_length() {
         indexes: vec![1],
         fields: Some(vec!["long".into()]),
     });
-    assert_eq!(h.stats().charged_bytes, charged - 8 - (64 + 4 + 8));
+    let s = h.stats();
+    assert_eq!(
+        (s.bytes, s.charged_bytes, s.keys),
+        (24, charged - 8 - (64 + 4 + 8), 3)
+    );
+    assert_eq!((s.partitions[0].bytes, s.partitions[0].keys), (24, 3));
+    // The key cleared no longer counts against `max_stored_keys`.
+    let one = batch(1, vec![Value::U64(5)]);
+    assert_eq!(h.put_inline("p", &[3], &["x"], &one), Response::Done);
+    assert_eq!(
+        kind(&h.put_inline("p", &[4], &["x"], &one)),
+        Some(ErrorKind::Capacity)
+    );
+    h.req(Request::Clear {
+        partition: "p".into(),
+        indexes: vec![3],
+        fields: None,
+    });
+    // Another partition's key stays charged when "p" is dropped.
+    let q = h.put_inline("q", &[1], &["long"], &batch(1, vec![Value::U64(6)]));
+    assert_eq!(q, Response::Done);
     h.req(Request::DropPartition {
         partition: "p".into(),
     });
     let s = h.stats();
-    assert_eq!((s.bytes, s.charged_bytes, s.keys), (0, 0, 0));
+    assert_eq!((s.bytes, s.charged_bytes, s.keys), (8, 8 + 64 + 4 + 8, 1));
+    // Nor do the keys dropped with their partition count against `max_stored_keys`.
+    let three = batch(3, vec![Value::U64(7)]);
+    let r = h.put_inline("p", &[1], &["x", "long", "z"], &three);
+    assert_eq!(r, Response::Done);
     // The capacity counts the same charge: with less room than it, the PUT is refused whole.
     let mut h = Harness::new(cfg(charged - 1));
     let r = h.put_inline("p", &[1, 2], &["x", "long"], &value);
