@@ -990,3 +990,412 @@ fn a_get_in_slices_answers_as_one_get() {
     assert!(e.message.starts_with("210 key(s)"), "{e:?}");
     assert_eq!(e.missing.len(), 210);
 }
+
+/// Opens authenticated session `session` on `unit`, its client's agent named `peer`.
+fn open_session(unit: &mut Unit<VecMem>, now: Instant, session: u64, peer: &str) {
+    unit.open_session(session);
+    let out = handshake::open(unit, now, session, 0, vec![], None);
+    assert!(matches!(out[..], [Output::Accept { .. }]));
+    unit.session_ready(session, peer);
+}
+
+/// A deferred GET of key 0 of "p" by `session` as request `id`: answered `GetReady`.
+fn get_ready(unit: &mut Unit<VecMem>, now: Instant, session: u64, id: u64) {
+    let out = unit.handle(
+        now,
+        session,
+        id,
+        Request::Get {
+            partition: "p".into(),
+            indexes: vec![0],
+            fields: vec!["x".into()],
+        },
+    );
+    let r = single(out);
+    assert!(matches!(r, Response::GetReady { .. }), "{r:?}");
+}
+
+/// The client's block for GET `get` of `session` (request `id`): what the unit answers.
+fn get_into(unit: &mut Unit<VecMem>, now: Instant, session: u64, id: u64, get: u64) -> Output {
+    let block = RemoteDesc::new(9, 0, 4096);
+    let mut out = unit.handle(now, session, id, Request::GetInto { get, block });
+    assert_eq!(out.len(), 1, "{out:?}");
+    out.remove(0)
+}
+
+/// A deferred GET lives for `prepare_ttl` without its client's block: at its deadline it is
+/// dropped (its late GET_INTO is refused), one instant before it is kept, and one being
+/// written is kept past it until its WRITE is done.
+#[test]
+fn a_deferred_get_expires_at_its_deadline_unless_it_is_being_written() {
+    let ttl = Duration::from_secs(5);
+    let mut h = Harness::new(UnitConfig {
+        inline_max: 16,
+        prepare_ttl: ttl,
+        ..UnitConfig::default()
+    });
+    let t = Tensor::from_slice(&[64], &[0u8; 64]).unwrap();
+    assert_eq!(
+        h.put("p", &[0], &["x"], &batch(1, vec![Value::Tensor(t)])),
+        Response::Done
+    );
+    let now = h.now;
+    // GET 10 waits for its block; GET 11 is being written.
+    get_ready(&mut h.unit, now, S, 10);
+    get_ready(&mut h.unit, now, S, 11);
+    assert!(matches!(
+        get_into(&mut h.unit, now, S, 111, 11),
+        Output::Write { get: 11, .. }
+    ));
+    assert_eq!(h.unit.poll_timeout(), Some(now + ttl));
+    assert!(h
+        .unit
+        .handle_timeout(now + ttl - Duration::from_millis(1))
+        .is_empty());
+    assert_eq!(h.unit.stats().pending_gets, 2, "nothing is due yet");
+    assert!(h.unit.handle_timeout(now + ttl).is_empty());
+    assert_eq!(
+        h.unit.stats().pending_gets,
+        1,
+        "GET 10 expired, GET 11 kept"
+    );
+    assert!(h
+        .unit
+        .handle_timeout(now + ttl + Duration::from_secs(60))
+        .is_empty());
+    assert_eq!(
+        h.unit.stats().pending_gets,
+        1,
+        "a WRITE in flight never expires"
+    );
+    // The expired GET's block comes too late; the written one completes and is counted.
+    let Output::Reply { response, .. } = get_into(&mut h.unit, now + ttl, S, 110, 10) else {
+        panic!("expected a refusal")
+    };
+    assert_eq!(kind(&response), Some(ErrorKind::UnknownTransfer));
+    let r = single(h.unit.transfer_done(S, 11, 111, Ok(())));
+    assert_eq!(r, Response::GetDone);
+    let s = h.unit.stats();
+    assert_eq!((s.pending_gets, s.bytes_out), (0, 64));
+    assert_eq!(h.unit.poll_timeout(), None);
+}
+
+/// A session's close drops its own deferred GETs, the one being written too (a late WRITE
+/// completion for it answers nothing), and leaves another session's GET to complete.
+#[test]
+fn closing_a_session_drops_its_gets_and_no_one_elses() {
+    let mut h = Harness::new(UnitConfig {
+        inline_max: 16,
+        ..UnitConfig::default()
+    });
+    let t = Tensor::from_slice(&[64], &[0u8; 64]).unwrap();
+    assert_eq!(
+        h.put("p", &[0], &["x"], &batch(1, vec![Value::Tensor(t)])),
+        Response::Done
+    );
+    let now = h.now;
+    const OTHER: u64 = 2;
+    open_session(&mut h.unit, now, OTHER, "other");
+    get_ready(&mut h.unit, now, S, 10);
+    get_ready(&mut h.unit, now, S, 11);
+    assert!(matches!(
+        get_into(&mut h.unit, now, S, 111, 11),
+        Output::Write { get: 11, .. }
+    ));
+    get_ready(&mut h.unit, now, OTHER, 10);
+    assert_eq!(h.unit.stats().pending_gets, 3);
+    h.unit.close_session(S, now, TornDown::Signalled);
+    let s = h.unit.stats();
+    assert_eq!((s.pending_gets, s.sessions), (1, 1));
+    assert!(
+        h.unit.transfer_done(S, 11, 111, Ok(())).is_empty(),
+        "the closed session's WRITE completes into nothing"
+    );
+    assert_eq!(h.unit.stats().bytes_out, 0);
+    // The other session's GET (same request id) is untouched.
+    assert!(matches!(
+        get_into(&mut h.unit, now, OTHER, 110, 10),
+        Output::Write {
+            session: OTHER,
+            get: 10,
+            ..
+        }
+    ));
+    let r = single(h.unit.transfer_done(OTHER, 10, 110, Ok(())));
+    assert_eq!(r, Response::GetDone);
+    let s = h.unit.stats();
+    assert_eq!((s.pending_gets, s.bytes_out), (0, 64));
+}
+
+/// A prepared PUT that is cancelled gives back all it reserved and leased: the same PUT fits
+/// again, time after time, in a unit whose capacity and per-session leased limit it fills
+/// exactly; while it is prepared, nothing more fits.
+#[test]
+fn a_cancelled_prepare_gives_back_its_whole_reservation_and_lease() {
+    let big = Value::Tensor(Tensor::from_slice(&[100_000], &vec![7u8; 100_000]).unwrap());
+    let frames = encode(&batch(1, vec![big])).unwrap();
+    let prepare = |h: &mut Harness| {
+        h.req(Request::Put {
+            partition: "p".into(),
+            indexes: vec![1],
+            fields: vec!["x".into()],
+            meta: ByteBuf::from(frames.meta.to_vec()),
+            inline: None,
+            pull: None,
+        })
+    };
+    // The block a READY names is the layout's size; the PUT reserves it, its meta and its
+    // key (no overhead here: the field's name and 8 bytes).
+    let mut probe = Harness::new(UnitConfig::default());
+    let Response::PutReady { block, .. } = prepare(&mut probe).1 else {
+        panic!("no READY")
+    };
+    let incoming = block.len + frames.meta.len() as u64 + 1 + 8;
+    let mut h = Harness::new(UnitConfig {
+        capacity_bytes: incoming,
+        key_overhead_bytes: 0,
+        session_leased_limit: block.len,
+        ..UnitConfig::default()
+    });
+    for round in 0..3 {
+        let (id, r) = prepare(&mut h);
+        assert!(
+            matches!(r, Response::PutReady { .. }),
+            "round {round}: {r:?}"
+        );
+        assert_eq!(h.unit.stats().pending_puts, 1);
+        let cancel = Request::Cancel {
+            of: id,
+            maybe_written: false,
+        };
+        assert_eq!(h.req(cancel).1, Response::Done);
+        let s = h.unit.stats();
+        assert_eq!((s.pending_puts, s.leased_bytes, s.pool.used), (0, 0, 0));
+    }
+    // Prepared, it holds the whole capacity: one byte more is refused.
+    let (id, r) = prepare(&mut h);
+    assert!(matches!(r, Response::PutReady { .. }), "{r:?}");
+    assert_eq!(kind(&prepare(&mut h).1), Some(ErrorKind::Capacity));
+    assert_eq!(h.req(Request::Commit { put: id }).1, Response::Done);
+    assert_eq!(h.unit.stats().keys, 1);
+}
+
+/// Compaction starts only past `compact_dead_fraction`: a block exactly half dead (the
+/// fraction) is kept whole, and the next value cleared from it sends its survivor to a block
+/// of its own and the whole block back.
+#[test]
+fn compaction_starts_just_past_the_dead_fraction() {
+    let mut h = Harness::new(UnitConfig {
+        compact_dead_fraction: 0.5,
+        ..UnitConfig::default()
+    });
+    // Four frames of 64 KiB: one block of exactly 256 KiB, no padding.
+    let big = Value::Tensor(Tensor::from_slice(&[65_536], &vec![3u8; 65_536]).unwrap());
+    let clear = |h: &mut Harness, indexes: Vec<u64>| {
+        let r = h.req(Request::Clear {
+            partition: "p".into(),
+            indexes,
+            fields: None,
+        });
+        assert_eq!(r.1, Response::Done);
+    };
+    assert_eq!(
+        h.put("p", &[1, 2, 3, 4], &["x"], &batch(1, vec![big; 4])),
+        Response::Done
+    );
+    let s = h.stats();
+    assert_eq!(s.pool.used, 262_144);
+    // One value dead, then two: at most the fraction, nothing is copied.
+    clear(&mut h, vec![1]);
+    clear(&mut h, vec![2]);
+    let s = h.stats();
+    assert_eq!(
+        (s.compacted_bytes, s.pool.used, s.bytes),
+        (0, 262_144, 131_072)
+    );
+    // Three dead: past it, the last survivor is copied out and the block returns.
+    clear(&mut h, vec![3]);
+    let s = h.stats();
+    assert_eq!(
+        (s.compacted_bytes, s.pool.used, s.bytes),
+        (65_536, 65_536, 65_536)
+    );
+    let got = h.get("p", &[4], &["x"]).unwrap();
+    assert_eq!(
+        got.index(0)
+            .unwrap()
+            .index(0)
+            .unwrap()
+            .as_tensor()
+            .unwrap()
+            .data()
+            .len(),
+        65_536
+    );
+}
+
+/// A client's quarantine is charged to its agent over its sessions: a session of the same
+/// agent is refused while an earlier one's exposed block fills its `session_quarantine_limit`,
+/// another agent is not, and once that block is released the agent's next PUT is served.
+#[test]
+fn a_released_quarantine_no_longer_counts_against_its_agent() {
+    let mut h = Harness::new(UnitConfig {
+        session_quarantine_limit: 100_000,
+        ..UnitConfig::default()
+    });
+    let now = h.now;
+    expose(&mut h.unit, now, S, 1, "p");
+    h.unit.close_session(S, now, TornDown::Signalled);
+    let held = h.unit.stats().quarantined_bytes;
+    assert!(held >= 100_000, "{held}");
+    let big = Value::Tensor(Tensor::from_slice(&[100_000], &vec![7u8; 100_000]).unwrap());
+    let frames = encode(&batch(1, vec![big])).unwrap();
+    let put = |unit: &mut Unit<VecMem>, session: u64, id: u64| {
+        let req = Request::Put {
+            partition: "p".into(),
+            indexes: vec![id],
+            fields: vec!["x".into()],
+            meta: ByteBuf::from(frames.meta.to_vec()),
+            inline: None,
+            pull: None,
+        };
+        single(unit.handle(now, session, id, req))
+    };
+    open_session(&mut h.unit, now, 2, "client");
+    assert_eq!(kind(&put(&mut h.unit, 2, 10)), Some(ErrorKind::OutOfMemory));
+    open_session(&mut h.unit, now, 3, "other");
+    assert!(matches!(put(&mut h.unit, 3, 10), Response::PutReady { .. }));
+    assert_eq!(h.unit.release_closed(S), held);
+    assert!(matches!(put(&mut h.unit, 2, 11), Response::PutReady { .. }));
+    assert_eq!(h.unit.stats().quarantined_bytes, 0);
+}
+
+/// A handshake message on an authenticated session is refused without closing it: the
+/// session keeps serving (only an unauthenticated session ends on one).
+#[test]
+fn a_handshake_message_on_an_open_session_is_refused_and_it_stays_open() {
+    let mut h = Harness::new(UnitConfig::default());
+    let hello = Request::Hello {
+        nonce: ByteBuf::from(vec![0u8; 32]),
+        agent: Vec::new(),
+    };
+    let auth = Request::Auth {
+        proof: ByteBuf::from(vec![0u8; 32]),
+    };
+    for r in [hello, auth] {
+        let out = h.unit.handle(h.now, S, 90, r);
+        assert_eq!(kind(&single(out)), Some(ErrorKind::BadRequest));
+    }
+    assert_eq!(h.stats().sessions, 1);
+    assert_eq!(
+        h.put_inline("p", &[1], &["x"], &batch(1, vec![Value::U64(1)])),
+        Response::Done
+    );
+}
+
+/// Each stored key is charged `key_overhead_bytes` plus its length (the field's name and 8
+/// bytes of index) on top of its value, against the capacity; clearing keys or dropping their
+/// partition gives back their charge and their place under `max_stored_keys`, and nothing of
+/// another partition.
+#[test]
+fn each_key_is_charged_its_overhead_and_length() {
+    let cfg = |capacity_bytes| UnitConfig {
+        key_overhead_bytes: 64,
+        capacity_bytes,
+        max_stored_keys: 4,
+        ..UnitConfig::default()
+    };
+    let value = Value::List(vec![
+        Value::List(vec![Value::U64(1), Value::U64(2)]),
+        Value::List(vec![Value::U64(3), Value::U64(4)]),
+    ]);
+    // Four 8-byte scalars; two keys of "x" (64 + 1 + 8) and two of "long" (64 + 4 + 8).
+    let charged = 4 * 8 + 2 * (64 + 1 + 8) + 2 * (64 + 4 + 8);
+    let mut h = Harness::new(cfg(1 << 20));
+    assert_eq!(
+        h.put_inline("p", &[1, 2], &["x", "long"], &value),
+        Response::Done
+    );
+    let s = h.stats();
+    assert_eq!((s.bytes, s.charged_bytes, s.keys), (32, charged, 4));
+    h.req(Request::Clear {
+        partition: "p".into(),
+        indexes: vec![1],
+        fields: Some(vec!["long".into()]),
+    });
+    let s = h.stats();
+    assert_eq!(
+        (s.bytes, s.charged_bytes, s.keys),
+        (24, charged - 8 - (64 + 4 + 8), 3)
+    );
+    assert_eq!((s.partitions[0].bytes, s.partitions[0].keys), (24, 3));
+    // The key cleared no longer counts against `max_stored_keys`.
+    let one = batch(1, vec![Value::U64(5)]);
+    assert_eq!(h.put_inline("p", &[3], &["x"], &one), Response::Done);
+    assert_eq!(
+        kind(&h.put_inline("p", &[4], &["x"], &one)),
+        Some(ErrorKind::Capacity)
+    );
+    h.req(Request::Clear {
+        partition: "p".into(),
+        indexes: vec![3],
+        fields: None,
+    });
+    // Another partition's key stays charged when "p" is dropped.
+    let q = h.put_inline("q", &[1], &["long"], &batch(1, vec![Value::U64(6)]));
+    assert_eq!(q, Response::Done);
+    h.req(Request::DropPartition {
+        partition: "p".into(),
+    });
+    let s = h.stats();
+    assert_eq!((s.bytes, s.charged_bytes, s.keys), (8, 8 + 64 + 4 + 8, 1));
+    // Nor do the keys dropped with their partition count against `max_stored_keys`.
+    let three = batch(3, vec![Value::U64(7)]);
+    let r = h.put_inline("p", &[1], &["x", "long", "z"], &three);
+    assert_eq!(r, Response::Done);
+    // The capacity counts the same charge: with less room than it, the PUT is refused whole.
+    let mut h = Harness::new(cfg(charged - 1));
+    let r = h.put_inline("p", &[1, 2], &["x", "long"], &value);
+    assert_eq!(kind(&r), Some(ErrorKind::Capacity));
+    assert_eq!(h.stats().keys, 0);
+}
+
+/// A PUT that replaces stored keys is credited what they hold (their values, their keys'
+/// charge, their count): in a unit that one such value fills, to its capacity and its
+/// stored-key limit, the same key can be PUT again and again, and another key cannot.
+#[test]
+fn a_replacing_put_is_credited_what_it_replaces() {
+    let big = Value::Tensor(Tensor::from_slice(&[100_000], &vec![7u8; 100_000]).unwrap());
+    let value = batch(1, vec![big]);
+    let frames = encode(&value).unwrap();
+    let mut probe = Harness::new(UnitConfig::default());
+    let (_, r) = probe.req(Request::Put {
+        partition: "p".into(),
+        indexes: vec![1],
+        fields: vec!["x".into()],
+        meta: ByteBuf::from(frames.meta.to_vec()),
+        inline: None,
+        pull: None,
+    });
+    let Response::PutReady { block, .. } = r else {
+        panic!("no READY: {r:?}")
+    };
+    // What the PUT reserves: its block, its meta and its key (64 + "x" + 8).
+    let incoming = block.len + frames.meta.len() as u64 + 64 + 1 + 8;
+    let mut h = Harness::new(UnitConfig {
+        capacity_bytes: incoming,
+        key_overhead_bytes: 64,
+        max_stored_keys: 1,
+        ..UnitConfig::default()
+    });
+    for _ in 0..3 {
+        assert_eq!(h.put("p", &[1], &["x"], &value), Response::Done);
+        let s = h.stats();
+        assert_eq!((s.keys, s.bytes, s.charged_bytes), (1, 100_000, 100_073));
+    }
+    assert_eq!(
+        kind(&h.put("p", &[2], &["x"], &value)),
+        Some(ErrorKind::Capacity)
+    );
+    assert_eq!(h.stats().keys, 1);
+}

@@ -622,4 +622,18 @@ mod merge_tests {
         assert_eq!(merged_ranges(&[0, 64], &[64, 64]), vec![(0, 128)]);
         assert!(merged_ranges(&[0], &[0]).is_empty());
     }
+
+    #[test]
+    fn a_merged_range_keeps_its_start_and_covers_its_last_frame() {
+        assert_eq!(
+            merged_ranges(&[192, 64, 128], &[64, 64, 64]),
+            vec![(64, 192)]
+        );
+        // A frame inside the range does not extend it.
+        assert_eq!(merged_ranges(&[64, 80], &[64, 16]), vec![(64, 64)]);
+        assert_eq!(
+            merged_ranges(&[4096, 64, 4160], &[64, 64, 32]),
+            vec![(64, 64), (4096, 96)]
+        );
+    }
 }

@@ -345,3 +345,91 @@ impl<M: Memory> Unit<M> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Instant;
+
+    use serde_bytes::ByteBuf;
+    use tessera_framecodec::{Tensor, Value};
+
+    use crate::core::{Output, TornDown, Unit, UnitConfig};
+    use crate::proto::{Request, Response};
+    use crate::testing::{handshake, VecMem};
+
+    /// Opens session `session` of agent `peer` and, when `quarantine`, leaves a block of it
+    /// quarantined (a prepared PUT cancelled after its exposure).
+    fn session(unit: &mut Unit<VecMem>, now: Instant, session: u64, peer: &str, quarantine: bool) {
+        unit.open_session(session);
+        let out = handshake::open(unit, now, session, 0, vec![], None);
+        assert!(matches!(out[..], [Output::Accept { .. }]));
+        unit.session_ready(session, peer);
+        if !quarantine {
+            return;
+        }
+        let t = Tensor::from_slice(&[256], &[0u8; 256]).unwrap();
+        let v = Value::List(vec![Value::List(vec![Value::Tensor(t)])]);
+        let frames = tessera_framecodec::encode(&v).unwrap();
+        let put = Request::Put {
+            partition: "p".into(),
+            indexes: vec![1],
+            fields: vec!["x".into()],
+            meta: ByteBuf::from(frames.meta.to_vec()),
+            inline: None,
+            pull: None,
+        };
+        let out = unit.handle(now, session, 1, put);
+        assert!(matches!(
+            out[..],
+            [Output::Reply {
+                response: Response::PutReady { .. },
+                ..
+            }]
+        ));
+        let cancel = Request::Cancel {
+            of: 1,
+            maybe_written: true,
+        };
+        assert_eq!(unit.handle(now, session, 2, cancel).len(), 1);
+    }
+
+    /// The per-agent quarantine charges hold an entry only for agents that have bytes in
+    /// quarantine: clients that come and go, leaving nothing behind or once what they left is
+    /// released, do not grow the unit's state.
+    #[test]
+    fn per_agent_charges_do_not_outlive_the_quarantine() {
+        // A plain test without the loom cfg; under it, one model (VecMem's counters are loom's).
+        tessera_sync::model(|| {
+            let inline = UnitConfig {
+                inline_max: 16,
+                ..UnitConfig::default()
+            };
+            let mut unit = Unit::new(inline, VecMem::new(u64::MAX));
+            let now = Instant::now();
+            for s in 1..=3 {
+                session(&mut unit, now, s, &format!("agent-{s}"), false);
+                unit.close_session(s, now, TornDown::Signalled);
+            }
+            assert!(
+                unit.sessions.by_peer.is_empty(),
+                "{:?}",
+                unit.sessions.by_peer
+            );
+            session(&mut unit, now, 4, "kept", true);
+            session(&mut unit, now, 5, "kept", true);
+            let held = unit.stats().quarantined_bytes;
+            assert!(held > 0);
+            assert_eq!(unit.sessions.by_peer.get("kept"), Some(&held));
+            unit.close_session(4, now, TornDown::Signalled);
+            unit.close_session(5, now, TornDown::Signalled);
+            assert_eq!(unit.release_closed(4), held / 2);
+            assert_eq!(unit.sessions.by_peer.get("kept"), Some(&(held / 2)));
+            assert_eq!(unit.release_closed(5), held / 2);
+            assert!(
+                unit.sessions.by_peer.is_empty(),
+                "{:?}",
+                unit.sessions.by_peer
+            );
+        });
+    }
+}

@@ -502,3 +502,80 @@ fn detach_into<M: Memory>(
         other => (other.clone(), 0),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Instant;
+
+    use serde_bytes::ByteBuf;
+    use tessera_framecodec::{Tensor, Value};
+
+    use crate::core::{Output, Unit, UnitConfig};
+    use crate::proto::{Request, Response};
+    use crate::testing::{handshake, VecMem};
+
+    /// A committed PUT that stores nothing (its value does not fit its keys) leaves no record
+    /// of its block behind; one that stores keeps it until its last value is cleared.
+    #[test]
+    fn a_block_is_recorded_only_while_values_pin_it() {
+        // A plain test without the loom cfg; under it, one model (VecMem's counters are loom's).
+        tessera_sync::model(|| {
+            let mem = VecMem::new(u64::MAX);
+            let cfg = UnitConfig {
+                inline_max: 16,
+                ..UnitConfig::default()
+            };
+            let mut unit = Unit::new(cfg, mem.clone());
+            let now = Instant::now();
+            unit.open_session(1);
+            let out = handshake::open(&mut unit, now, 1, 0, vec![], None);
+            assert!(matches!(out[..], [Output::Accept { .. }]));
+            unit.session_ready(1, "client");
+            let t = Tensor::from_slice(&[256], &[0u8; 256]).unwrap();
+            let put = |unit: &mut Unit<VecMem>, id: u64, values: usize| {
+                let v = Value::List(vec![Value::List(vec![Value::Tensor(t.clone()); values])]);
+                let frames = tessera_framecodec::encode(&v).unwrap();
+                let req = Request::Put {
+                    partition: "p".into(),
+                    indexes: vec![1],
+                    fields: vec!["x".into()],
+                    meta: ByteBuf::from(frames.meta.to_vec()),
+                    inline: None,
+                    pull: None,
+                };
+                let out = unit.handle(now, 1, id, req);
+                assert!(
+                    matches!(
+                        out[..],
+                        [Output::Reply {
+                            response: Response::PutReady { .. },
+                            ..
+                        }]
+                    ),
+                    "{out:?}"
+                );
+                match unit
+                    .handle(now, 1, id + 100, Request::Commit { put: id })
+                    .remove(0)
+                {
+                    Output::Reply { response, .. } => response,
+                    other => panic!("{other:?}"),
+                }
+            };
+            // Two values for one index: refused at COMMIT, nothing stored.
+            assert!(matches!(put(&mut unit, 1, 2), Response::Error(_)));
+            assert!(unit.store.blocks.is_empty());
+            assert_eq!((unit.stats().keys, mem.live()), (0, 0));
+            assert_eq!(put(&mut unit, 2, 1), Response::Done);
+            assert_eq!(unit.store.blocks.len(), 1);
+            let clear = Request::Clear {
+                partition: "p".into(),
+                indexes: vec![1],
+                fields: None,
+            };
+            assert_eq!(unit.handle(now, 1, 3, clear).len(), 1);
+            assert!(unit.store.blocks.is_empty());
+            assert_eq!(mem.live(), 0);
+        });
+    }
+}

@@ -1,4 +1,5 @@
-//! Loom models of the core shared by a session executor and the timer.
+//! Loom models of the core shared by a session executor and the timer, and unit tests of the
+//! core that the crate's own test binary runs first.
 
 use super::*;
 use crate::testing::VecMem;
@@ -234,4 +235,64 @@ fn key_checks_hold_at_their_bounds() {
         Err(ErrorKind::BadRequest)
     );
     assert_eq!(kind(check_keys(&cfg, &[], &fields(1))), Ok(()));
+}
+
+/// A deferred GET's WRITE done: request `id` (the GET_INTO) is answered `GetDone`, the bytes
+/// written are counted once, and nothing is left pending; a completion for a GET no longer
+/// pending answers nothing.
+#[test]
+fn a_get_write_done_is_answered_and_counted() {
+    // A plain test without the loom cfg; under it, one model (VecMem's counters are loom's).
+    model(|| {
+        let cfg = UnitConfig {
+            inline_max: 16,
+            ..UnitConfig::default()
+        };
+        let mut unit = Unit::new(cfg, VecMem::new(u64::MAX));
+        let now = Instant::now();
+        unit.open_session(1);
+        let _ = crate::testing::handshake::open(&mut unit, now, 1, 0, vec![], None);
+        unit.session_ready(1, "client");
+        assert!(matches!(
+            prepare(&mut unit, now, 1),
+            Response::PutReady { .. }
+        ));
+        assert_eq!(unit.handle(now, 1, 2, Request::Commit { put: 1 }).len(), 1);
+        let get = Request::Get {
+            partition: "p".into(),
+            indexes: vec![1],
+            fields: vec!["x".into()],
+        };
+        assert!(matches!(
+            unit.handle(now, 1, 3, get).into_iter().next(),
+            Some(Output::Reply {
+                response: Response::GetReady { .. },
+                ..
+            })
+        ));
+        let into = Request::GetInto {
+            get: 3,
+            block: RemoteDesc::new(7, 0, 256),
+        };
+        assert!(matches!(
+            unit.handle(now, 1, 4, into).into_iter().next(),
+            Some(Output::Write { get: 3, id: 4, .. })
+        ));
+        let out = unit.transfer_done(1, 3, 4, Ok(()));
+        assert!(
+            matches!(
+                out[..],
+                [Output::Reply {
+                    session: 1,
+                    id: 4,
+                    response: Response::GetDone,
+                }]
+            ),
+            "{out:?}"
+        );
+        let s = unit.stats();
+        assert_eq!((s.pending_gets, s.bytes_out), (0, 256));
+        assert!(unit.transfer_done(1, 3, 4, Ok(())).is_empty());
+        assert_eq!(unit.stats().bytes_out, 256);
+    });
 }
