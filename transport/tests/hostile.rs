@@ -395,6 +395,65 @@ fn mismatched_tokens_fail_add_remote_clearly() {
     }
 }
 
+/// A dialer whose `AUTH` proof does not verify (one bit flipped), with the target's token or
+/// without one, is refused with `REFUSED` (proof): no link is filed under its name, a WRITE
+/// it sends next is never answered and lands nowhere, and the same name proving itself
+/// honestly is admitted afterwards.
+#[test]
+fn a_target_refuses_a_dialer_whose_proof_does_not_verify() {
+    fn flipped(proof: &[u8]) -> Vec<u8> {
+        let mut p = proof.to_vec();
+        p[0] ^= 1;
+        p
+    }
+    fn check<P: RawPeer + std::fmt::Debug>(
+        target: &Agent,
+        token: Option<&Token>,
+        real: u64,
+        connect: fn(&[u8]) -> std::io::Result<P>,
+        authenticate: fn(&mut P, Option<&Token>, bool) -> std::io::Result<()>,
+    ) {
+        let meta = target.metadata();
+        let mut s = connect(&meta).unwrap();
+        let err = authenticate(&mut s, token, true).unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::PermissionDenied, "{err}");
+        assert!(err.to_string().contains("refused our proof"), "{err}");
+        assert_eq!(
+            target.peer_link("raw"),
+            tessera_transport::LinkState::Closed
+        );
+        let _ = s.request(
+            tessera_transport::Op::Write,
+            &[Span::new(real, 0, 4096)],
+            &[0xAB; 4096],
+        );
+        assert_eq!(s.drain_until_closed().unwrap(), Vec::<u8>::new());
+        let mut honest = connect(&meta).unwrap();
+        authenticate(&mut honest, token, false).unwrap();
+    }
+    let t = token();
+    for token in [Some(&t), None] {
+        let (r, secret) = secret_region();
+        let shm = match token {
+            Some(t) => Agent::new("target", Shm::new().with_token(t.clone())).unwrap(),
+            None => Agent::new("target", Shm::new()).unwrap(),
+        };
+        let g = shm.register(&r).unwrap();
+        check(&shm, token, g.id(), RawShm::connect, |s, t, forge| {
+            s.authenticate_sending("raw", t, if forge { flipped } else { <[u8]>::to_vec })
+        });
+        let tcp = match token {
+            Some(t) => Agent::new("target", Tcp::new().with_token(t.clone())).unwrap(),
+            None => Agent::new("target", Tcp::new()).unwrap(),
+        };
+        let g2 = tcp.register(&r).unwrap();
+        check(&tcp, token, g2.id(), RawTcp::connect, |s, t, forge| {
+            s.authenticate_sending("raw", t, if forge { flipped } else { <[u8]>::to_vec })
+        });
+        unchanged(&r, &secret);
+    }
+}
+
 /// Selects, in a re-executed copy of this binary, an shm agent named `client` adding the
 /// metadata (hex) in the variable.
 const IMPOSTOR_VAR: &str = "TESSERA_HOSTILE_IMPOSTOR";
