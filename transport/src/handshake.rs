@@ -193,3 +193,28 @@ pub(crate) fn tcp_socket_uid(
     }
     None
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each `REFUSED` code tells the dialer its own reason; a code it does not know, only that
+    /// the handshake was refused.
+    #[test]
+    fn each_refusal_code_names_its_reason() {
+        assert_eq!(
+            refused("t", "me", REFUSED_PROOF),
+            "t refused our proof: the tokens differ, or one side has none"
+        );
+        assert_eq!(
+            refused("t", "me", REFUSED_NAME_IN_USE),
+            "t refused us: name in use (it has a live link from another agent named \"me\")"
+        );
+        assert_eq!(
+            refused("t", "me", REFUSED_UID),
+            "t refused us: we run as another user and no token is configured"
+        );
+        assert_eq!(refused("t", "me", 0), "t refused the handshake");
+        assert_eq!(refused("t", "me", 200), "t refused the handshake");
+    }
+}

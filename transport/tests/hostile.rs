@@ -249,6 +249,13 @@ fn attacker() {
     match parts[0] {
         "shm" => println!("GOT {:?}", shm_attack(parts[1].as_bytes(), real)),
         "tcp" => println!("GOT {:?}", tcp_attack(parts[1], real, 4096)),
+        "tcp-dial" => {
+            let a = Agent::new("nobody", Tcp::new()).unwrap();
+            match a.add_remote(&unhex(parts[1])) {
+                Ok(_) => println!("GOT added"),
+                Err(e) => println!("GOT {e}"),
+            }
+        }
         _ => unreachable!(),
     }
 }
@@ -353,6 +360,25 @@ fn tcp_unauthenticated_clients_read_and_write_nothing() {
     still_serves(&with_token, |n| {
         Agent::new(n, Tcp::new().with_token(token())).unwrap()
     });
+}
+
+/// tcp without a token: an agent of another user (as root) is refused before the challenge,
+/// and its `add_remote` says why.
+#[test]
+fn tcp_another_users_agent_is_refused_and_told_why() {
+    if euid() != 0 {
+        return;
+    }
+    let open = Agent::new("target", Tcp::new()).unwrap();
+    let got = attack_as_nobody(&format!("tcp-dial {} 0", hex(&open.metadata())));
+    assert!(
+        got.contains("target refused us: we run as another user and no token is configured"),
+        "{got}"
+    );
+    assert_eq!(
+        open.peer_link("nobody"),
+        tessera_transport::LinkState::Closed
+    );
 }
 
 /// A wrong or missing token fails `add_remote` with an error saying the tokens differ.
