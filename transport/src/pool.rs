@@ -350,4 +350,65 @@ mod tests {
         drop(frozen);
         assert_eq!(pool.report().used, 0);
     }
+
+    fn pattern(len: usize) -> Vec<u8> {
+        (0..len).map(|i| (i % 251) as u8).collect()
+    }
+
+    /// A range of a block that is not the pool's first starts at the block's offset plus the
+    /// range's, as a local and as a remote descriptor, and a transfer from it moves exactly
+    /// those bytes.
+    #[test]
+    fn a_block_range_starts_at_the_block_plus_its_offset() {
+        let a = Agent::new("a", Inproc::new()).unwrap();
+        let b = Agent::new("b", Inproc::new()).unwrap();
+        let pool = RegisteredPool::new(&a, 1 << 16).unwrap();
+        let first = pool.lease(4096, 4096).unwrap();
+        let block = pool.lease(4096, 4096).unwrap();
+        assert!(block.offset() > 0);
+        first.write_at(0, &[0xEE; 4096]).unwrap();
+        block.write_at(0, &pattern(4096)).unwrap();
+        let whole = block.desc().unwrap();
+        let local = block.desc_range(100, 50).unwrap();
+        let remote = block.remote_range(100, 50).unwrap();
+        assert_eq!(
+            (local.reg(), local.offset(), local.len()),
+            (whole.reg(), whole.offset() + 100, 50)
+        );
+        assert_eq!(local.to_remote(), remote);
+        let inbox = Region::new(4096).unwrap();
+        let g = b.register(&inbox).unwrap();
+        let peer = a.add_remote(&b.metadata()).unwrap();
+        peer.write(&[local], &[g.remote(0, 50).unwrap()], None)
+            .unwrap()
+            .wait()
+            .unwrap();
+        let mut got = [0u8; 50];
+        inbox.read_at(0, &mut got).unwrap();
+        assert_eq!(got[..], pattern(4096)[100..150]);
+    }
+
+    /// A range must lie inside its block: one that runs past the block's end (into the next
+    /// block of the same registration) is out of range, an empty one is refused, for local
+    /// and remote descriptors alike.
+    #[test]
+    fn a_block_range_must_lie_inside_the_block() {
+        let a = Agent::new("a", Inproc::new()).unwrap();
+        let pool = RegisteredPool::new(&a, 1 << 16).unwrap();
+        let block = pool.lease(4096, 4096).unwrap();
+        let _next = pool.lease(4096, 4096).unwrap();
+        let (reg, n) = (block.registration().id(), block.len());
+        for (offset, len) in [(n - 96, 200), (n, 1), (0, n + 1), (u64::MAX, 2)] {
+            let out_of_range = |e: DescError| {
+                matches!(e, DescError::OutOfRange { reg: r, offset: o, len: l, reg_len }
+                    if (r, o, l, reg_len) == (reg, offset, len, n))
+            };
+            assert!(out_of_range(block.desc_range(offset, len).unwrap_err()));
+            assert!(out_of_range(block.remote_range(offset, len).unwrap_err()));
+        }
+        assert!(matches!(block.desc_range(8, 0), Err(DescError::Empty)));
+        assert!(matches!(block.remote_range(n, 0), Err(DescError::Empty)));
+        assert_eq!(block.desc_range(n - 1, 1).unwrap().len(), 1);
+        assert_eq!(block.remote_range(0, n).unwrap().len, n);
+    }
 }
