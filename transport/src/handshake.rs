@@ -217,4 +217,18 @@ mod tests {
         assert_eq!(refused("t", "me", 0), "t refused the handshake");
         assert_eq!(refused("t", "me", 200), "t refused the handshake");
     }
+
+    /// A dialer whose check of the target's proof failed says whether it has a token.
+    #[test]
+    fn a_bad_target_proof_says_whether_we_have_a_token() {
+        let token = Token::new("a secret").unwrap();
+        assert_eq!(
+            bad_target_proof("t", Some(&token)),
+            "t's proof does not match our token (ours): the tokens differ, or one side has none"
+        );
+        assert_eq!(
+            bad_target_proof("t", None),
+            "t's proof does not match our token (none): the tokens differ, or one side has none"
+        );
+    }
 }

@@ -411,4 +411,54 @@ mod tests {
         assert_eq!(block.desc_range(n - 1, 1).unwrap().len(), 1);
         assert_eq!(block.remote_range(0, n).unwrap().len, n);
     }
+
+    /// `write_at` and `read_at` address the block, not the pool: bytes written at an offset
+    /// of a block that is not the pool's first read back there and leave transfers from that
+    /// range, the blocks around it keep theirs, and an access past the block's end is out of
+    /// range even where the pool goes on.
+    #[test]
+    fn block_reads_and_writes_stay_inside_the_block() {
+        let a = Agent::new("a", Inproc::new()).unwrap();
+        let b = Agent::new("b", Inproc::new()).unwrap();
+        let pool = RegisteredPool::new(&a, 1 << 16).unwrap();
+        let first = pool.lease(4096, 4096).unwrap();
+        let block = pool.lease(4096, 4096).unwrap();
+        let next = pool.lease(4096, 4096).unwrap();
+        let n = block.len();
+        first.write_at(0, &[0xEE; 4096]).unwrap();
+        next.write_at(0, &[0xDD; 4096]).unwrap();
+        block.write_at(100, b"tensor").unwrap();
+        let mut got = [0u8; 6];
+        block.read_at(100, &mut got).unwrap();
+        assert_eq!(&got, b"tensor");
+        let inbox = Region::new(4096).unwrap();
+        let g = b.register(&inbox).unwrap();
+        let peer = a.add_remote(&b.metadata()).unwrap();
+        peer.write(
+            &[block.desc_range(100, 6).unwrap()],
+            &[g.remote(0, 6).unwrap()],
+            None,
+        )
+        .unwrap()
+        .wait()
+        .unwrap();
+        inbox.read_at(0, &mut got).unwrap();
+        assert_eq!(&got, b"tensor");
+        for (offset, len) in [(n - 2, 4u64), (n, 1), (u64::MAX, 2)] {
+            let out_of_range = |e: RegionError| {
+                matches!(e, RegionError::OutOfRange { offset: o, len: l, region_len }
+                    if (o, l, region_len) == (offset, len, n))
+            };
+            let data = vec![0xAB; len as usize];
+            assert!(out_of_range(block.write_at(offset, &data).unwrap_err()));
+            let mut out = vec![0u8; len as usize];
+            assert!(out_of_range(block.read_at(offset, &mut out).unwrap_err()));
+        }
+        block.write_at(n - 4, b"last").unwrap();
+        let mut around = vec![0u8; 4096];
+        first.read_at(0, &mut around).unwrap();
+        assert!(around.iter().all(|&x| x == 0xEE));
+        next.read_at(0, &mut around).unwrap();
+        assert!(around.iter().all(|&x| x == 0xDD));
+    }
 }
