@@ -1244,4 +1244,29 @@ mod tests {
             );
         }
     }
+
+    /// A MAP_REQ from an authenticated peer for a live, shareable registration is answered
+    /// MAP_OK with the registration's id, base in its region and length; an unknown id gets
+    /// MAP_ERR.
+    #[cfg(feature = "testing")]
+    #[test]
+    fn a_map_request_names_the_live_registration() {
+        use crate::testing::raw::{RawPeer, RawShm};
+
+        let unit = Agent::new("unit", Shm::new()).unwrap();
+        let region = Region::new(1 << 16).unwrap();
+        let g = unit.register(&region).unwrap();
+        let mut raw = RawShm::authenticated(&unit.metadata(), "raw", None).unwrap();
+        raw.send_frame(MAP_REQ, &g.id().to_le_bytes()).unwrap();
+        let (ty, body) = raw.read_frame().unwrap();
+        assert_eq!(ty, MAP_OK);
+        let at = |i: usize| u64::from_le_bytes(body[i..i + 8].try_into().unwrap());
+        assert_eq!((at(0), at(8), at(16)), (g.id(), 0, 1 << 16));
+        raw.send_frame(MAP_REQ, &(g.id() ^ 1).to_le_bytes())
+            .unwrap();
+        assert_eq!(
+            raw.read_frame().unwrap(),
+            (MAP_ERR, (g.id() ^ 1).to_le_bytes().to_vec())
+        );
+    }
 }
