@@ -723,6 +723,44 @@ fn tcp_descriptor_buffers_grow_only_as_bytes_arrive() {
     );
 }
 
+/// One request whose first span lies in an exposure of one scoped registration and whose
+/// second names another scoped registration, exposed to nobody, at the same offsets: the
+/// first span's exposure does not carry over, the request is refused `NotExposed`, and
+/// neither registration is written.
+#[test]
+fn an_exposure_does_not_cover_another_registrations_span() {
+    let unit = Agent::new("unit", Tcp::new()).unwrap();
+    let (ra, secret_a) = secret_region();
+    let (rb, secret_b) = secret_region();
+    let a = unit.register_scoped(&ra).unwrap();
+    let b = unit.register_scoped(&rb).unwrap();
+    let _open = a.expose("raw", 0, 4096, Ops::WRITE).unwrap();
+    let mut raw = RawTcp::authenticated(&unit.metadata(), "raw", None).unwrap();
+    raw.request(
+        tessera_transport::Op::Write,
+        &[Span::new(a.id(), 0, 16), Span::new(b.id(), 0, 16)],
+        &[0xAB; 32],
+    )
+    .unwrap();
+    assert_eq!(
+        raw.answer().unwrap(),
+        Answer::Rejected(RejectReason::NotExposed)
+    );
+    // The other registration's span alone is refused too.
+    raw.request(
+        tessera_transport::Op::Write,
+        &[Span::new(b.id(), 0, 16)],
+        &[0xAB; 16],
+    )
+    .unwrap();
+    assert_eq!(
+        raw.answer().unwrap(),
+        Answer::Rejected(RejectReason::NotExposed)
+    );
+    unchanged(&ra, &secret_a);
+    unchanged(&rb, &secret_b);
+}
+
 fn scoped_pair(make: fn(&str) -> Agent) {
     let unit = make("unit");
     let client = make("client");
