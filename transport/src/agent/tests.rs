@@ -436,6 +436,31 @@ fn target_grants_check_every_span_themselves() {
     assert_eq!(*engine.live.lock(), 0);
 }
 
+/// A grant without a peer name never reaches a scoped registration, even inside an exposure
+/// (an exposure names its peer): it is refused `NotExposed` and pins nothing, while the same
+/// span of an unscoped registration is granted.
+#[test]
+fn an_anonymous_grant_never_reaches_a_scoped_registration() {
+    let engine = Arc::new(Counting::default());
+    let agent = Agent::new("a", engine.clone()).unwrap();
+    let host = engine.host.lock().clone().unwrap();
+    let region = Region::anonymous(8192).unwrap();
+    let scoped = agent.register_scoped(&region).unwrap();
+    let _exposure = scoped
+        .expose("peer", 0, 8192, crate::Ops::READ_WRITE)
+        .unwrap();
+    let mut grant = Grant::new();
+    assert_eq!(
+        host.grant_into(&mut grant, [(scoped.id(), 0, 64)]),
+        Err(RejectReason::NotExposed)
+    );
+    assert!(grant.is_empty(), "a refused grant pins nothing");
+    let other = Region::anonymous(8192).unwrap();
+    let plain = agent.register(&other).unwrap();
+    host.grant_into(&mut grant, [(plain.id(), 0, 64)]).unwrap();
+    assert_eq!((grant.len(), grant.bytes()), (1, 64));
+}
+
 /// Two engine readers serving the same peer (one learns the peer's name late) return on
 /// their own threads while the owner asks: the peer reads open while either runs and
 /// closed once both returned, whatever the interleaving; the count never goes stale.
