@@ -309,3 +309,19 @@ impl fmt::Debug for Transfer {
             .finish()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each op's wire code reads back as that op; any other code is no op.
+    #[test]
+    fn op_codes_read_back_and_others_are_refused() {
+        for op in [Op::Write, Op::Read] {
+            assert_eq!(Op::from_code(op.code()), Some(op));
+        }
+        for code in [0u8, 3, 255] {
+            assert_eq!(Op::from_code(code), None);
+        }
+    }
+}

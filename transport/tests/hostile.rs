@@ -761,6 +761,31 @@ fn an_exposure_does_not_cover_another_registrations_span() {
     unchanged(&rb, &secret_b);
 }
 
+/// Two spans of one request inside one exposure (the second reusing the first's lookup)
+/// each land at their own offsets.
+#[test]
+fn spans_in_one_exposure_land_at_their_own_offsets() {
+    let unit = Agent::new("unit", Tcp::new()).unwrap();
+    let r = Region::new(8192).unwrap();
+    let a = unit.register_scoped(&r).unwrap();
+    let _open = a.expose("raw", 0, 8192, Ops::WRITE).unwrap();
+    let mut raw = RawTcp::authenticated(&unit.metadata(), "raw", None).unwrap();
+    let payload = pattern(11, 32);
+    raw.request(
+        tessera_transport::Op::Write,
+        &[Span::new(a.id(), 100, 16), Span::new(a.id(), 4000, 16)],
+        &payload,
+    )
+    .unwrap();
+    assert_eq!(raw.answer().unwrap(), Answer::Granted(Vec::new()));
+    let mut got = vec![0u8; 8192];
+    r.read_at(0, &mut got).unwrap();
+    let mut want = vec![0u8; 8192];
+    want[100..116].copy_from_slice(&payload[..16]);
+    want[4000..4016].copy_from_slice(&payload[16..]);
+    assert!(got == want, "the spans landed elsewhere");
+}
+
 fn scoped_pair(make: fn(&str) -> Agent) {
     let unit = make("unit");
     let client = make("client");
