@@ -513,3 +513,41 @@ fn loom_registration_cache_refcounts() {
         assert_eq!(*engine.live.lock(), 0);
     });
 }
+
+/// A prepared transfer posts a notification of exactly `MAX_NOTIFICATION` bytes and delivers
+/// it whole; one byte more is refused before anything moves.
+#[test]
+fn a_prepared_post_takes_a_notification_of_exactly_the_maximum() {
+    use crate::{Inproc, Op, MAX_NOTIFICATION};
+
+    let sender = Agent::new("sender", Inproc::new()).unwrap();
+    let receiver = Agent::new("receiver", Inproc::new()).unwrap();
+    let src = Region::new(4096).unwrap();
+    let dst = Region::new(4096).unwrap();
+    let gs = sender.register(&src).unwrap();
+    let gd = receiver.register(&dst).unwrap();
+    let peer = sender.add_remote(&receiver.metadata()).unwrap();
+    let prepared = peer
+        .prepare(
+            Op::Write,
+            &[gs.desc(0, 64).unwrap()],
+            &[gd.remote(0, 64).unwrap()],
+        )
+        .unwrap();
+    let max = vec![7u8; MAX_NOTIFICATION];
+    prepared.post(Some(&max)).unwrap().wait().unwrap();
+    let note = receiver
+        .try_notification()
+        .expect("delivered after the data");
+    assert_eq!(
+        (note.from.as_str(), note.msg.len()),
+        ("sender", MAX_NOTIFICATION)
+    );
+    let over = vec![7u8; MAX_NOTIFICATION + 1];
+    assert!(matches!(
+        prepared.post(Some(&over)),
+        Err(TransferError::NotificationTooLarge { len, max, .. })
+            if (len, max) == (MAX_NOTIFICATION + 1, MAX_NOTIFICATION)
+    ));
+    assert!(receiver.try_notification().is_none());
+}
