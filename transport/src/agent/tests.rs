@@ -550,4 +550,7 @@ fn a_prepared_post_takes_a_notification_of_exactly_the_maximum() {
             if (len, max) == (MAX_NOTIFICATION + 1, MAX_NOTIFICATION)
     ));
     assert!(receiver.try_notification().is_none());
+    // Its debug form is its plan's.
+    assert_eq!(format!("{prepared:?}"), format!("{:?}", prepared.plan()));
+    assert!(format!("{prepared:?}").contains("receiver"));
 }
