@@ -193,3 +193,42 @@ pub(crate) fn tcp_socket_uid(
     }
     None
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each `REFUSED` code tells the dialer its own reason; a code it does not know, only that
+    /// the handshake was refused.
+    #[test]
+    fn each_refusal_code_names_its_reason() {
+        assert_eq!(
+            refused("t", "me", REFUSED_PROOF),
+            "t refused our proof: the tokens differ, or one side has none"
+        );
+        assert_eq!(
+            refused("t", "me", REFUSED_NAME_IN_USE),
+            "t refused us: name in use (it has a live link from another agent named \"me\")"
+        );
+        assert_eq!(
+            refused("t", "me", REFUSED_UID),
+            "t refused us: we run as another user and no token is configured"
+        );
+        assert_eq!(refused("t", "me", 0), "t refused the handshake");
+        assert_eq!(refused("t", "me", 200), "t refused the handshake");
+    }
+
+    /// A dialer whose check of the target's proof failed says whether it has a token.
+    #[test]
+    fn a_bad_target_proof_says_whether_we_have_a_token() {
+        let token = Token::new("a secret").unwrap();
+        assert_eq!(
+            bad_target_proof("t", Some(&token)),
+            "t's proof does not match our token (ours): the tokens differ, or one side has none"
+        );
+        assert_eq!(
+            bad_target_proof("t", None),
+            "t's proof does not match our token (none): the tokens differ, or one side has none"
+        );
+    }
+}

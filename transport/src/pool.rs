@@ -350,4 +350,115 @@ mod tests {
         drop(frozen);
         assert_eq!(pool.report().used, 0);
     }
+
+    fn pattern(len: usize) -> Vec<u8> {
+        (0..len).map(|i| (i % 251) as u8).collect()
+    }
+
+    /// A range of a block that is not the pool's first starts at the block's offset plus the
+    /// range's, as a local and as a remote descriptor, and a transfer from it moves exactly
+    /// those bytes.
+    #[test]
+    fn a_block_range_starts_at_the_block_plus_its_offset() {
+        let a = Agent::new("a", Inproc::new()).unwrap();
+        let b = Agent::new("b", Inproc::new()).unwrap();
+        let pool = RegisteredPool::new(&a, 1 << 16).unwrap();
+        let first = pool.lease(4096, 4096).unwrap();
+        let block = pool.lease(4096, 4096).unwrap();
+        assert!(block.offset() > 0);
+        first.write_at(0, &[0xEE; 4096]).unwrap();
+        block.write_at(0, &pattern(4096)).unwrap();
+        let whole = block.desc().unwrap();
+        let local = block.desc_range(100, 50).unwrap();
+        let remote = block.remote_range(100, 50).unwrap();
+        assert_eq!(
+            (local.reg(), local.offset(), local.len()),
+            (whole.reg(), whole.offset() + 100, 50)
+        );
+        assert_eq!(local.to_remote(), remote);
+        let inbox = Region::new(4096).unwrap();
+        let g = b.register(&inbox).unwrap();
+        let peer = a.add_remote(&b.metadata()).unwrap();
+        peer.write(&[local], &[g.remote(0, 50).unwrap()], None)
+            .unwrap()
+            .wait()
+            .unwrap();
+        let mut got = [0u8; 50];
+        inbox.read_at(0, &mut got).unwrap();
+        assert_eq!(got[..], pattern(4096)[100..150]);
+    }
+
+    /// A range must lie inside its block: one that runs past the block's end (into the next
+    /// block of the same registration) is out of range, an empty one is refused, for local
+    /// and remote descriptors alike.
+    #[test]
+    fn a_block_range_must_lie_inside_the_block() {
+        let a = Agent::new("a", Inproc::new()).unwrap();
+        let pool = RegisteredPool::new(&a, 1 << 16).unwrap();
+        let block = pool.lease(4096, 4096).unwrap();
+        let _next = pool.lease(4096, 4096).unwrap();
+        let (reg, n) = (block.registration().id(), block.len());
+        for (offset, len) in [(n - 96, 200), (n, 1), (0, n + 1), (u64::MAX, 2)] {
+            let out_of_range = |e: DescError| {
+                matches!(e, DescError::OutOfRange { reg: r, offset: o, len: l, reg_len }
+                    if (r, o, l, reg_len) == (reg, offset, len, n))
+            };
+            assert!(out_of_range(block.desc_range(offset, len).unwrap_err()));
+            assert!(out_of_range(block.remote_range(offset, len).unwrap_err()));
+        }
+        assert!(matches!(block.desc_range(8, 0), Err(DescError::Empty)));
+        assert!(matches!(block.remote_range(n, 0), Err(DescError::Empty)));
+        assert_eq!(block.desc_range(n - 1, 1).unwrap().len(), 1);
+        assert_eq!(block.remote_range(0, n).unwrap().len, n);
+    }
+
+    /// `write_at` and `read_at` address the block, not the pool: bytes written at an offset
+    /// of a block that is not the pool's first read back there and leave transfers from that
+    /// range, the blocks around it keep theirs, and an access past the block's end is out of
+    /// range even where the pool goes on.
+    #[test]
+    fn block_reads_and_writes_stay_inside_the_block() {
+        let a = Agent::new("a", Inproc::new()).unwrap();
+        let b = Agent::new("b", Inproc::new()).unwrap();
+        let pool = RegisteredPool::new(&a, 1 << 16).unwrap();
+        let first = pool.lease(4096, 4096).unwrap();
+        let block = pool.lease(4096, 4096).unwrap();
+        let next = pool.lease(4096, 4096).unwrap();
+        let n = block.len();
+        first.write_at(0, &[0xEE; 4096]).unwrap();
+        next.write_at(0, &[0xDD; 4096]).unwrap();
+        block.write_at(100, b"tensor").unwrap();
+        let mut got = [0u8; 6];
+        block.read_at(100, &mut got).unwrap();
+        assert_eq!(&got, b"tensor");
+        let inbox = Region::new(4096).unwrap();
+        let g = b.register(&inbox).unwrap();
+        let peer = a.add_remote(&b.metadata()).unwrap();
+        peer.write(
+            &[block.desc_range(100, 6).unwrap()],
+            &[g.remote(0, 6).unwrap()],
+            None,
+        )
+        .unwrap()
+        .wait()
+        .unwrap();
+        inbox.read_at(0, &mut got).unwrap();
+        assert_eq!(&got, b"tensor");
+        for (offset, len) in [(n - 2, 4u64), (n, 1), (u64::MAX, 2)] {
+            let out_of_range = |e: RegionError| {
+                matches!(e, RegionError::OutOfRange { offset: o, len: l, region_len }
+                    if (o, l, region_len) == (offset, len, n))
+            };
+            let data = vec![0xAB; len as usize];
+            assert!(out_of_range(block.write_at(offset, &data).unwrap_err()));
+            let mut out = vec![0u8; len as usize];
+            assert!(out_of_range(block.read_at(offset, &mut out).unwrap_err()));
+        }
+        block.write_at(n - 4, b"last").unwrap();
+        let mut around = vec![0u8; 4096];
+        first.read_at(0, &mut around).unwrap();
+        assert!(around.iter().all(|&x| x == 0xEE));
+        next.read_at(0, &mut around).unwrap();
+        assert!(around.iter().all(|&x| x == 0xDD));
+    }
 }

@@ -245,3 +245,45 @@ impl Drop for RegEntry {
         listed.engine.deregister(self.id);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::{Agent, Inproc, Region};
+
+    /// The cache never hands a scoped registration to an unscoped `register` of the same
+    /// memory, nor an unscoped one to `register_scoped`.
+    #[test]
+    fn the_cache_keeps_scoped_and_unscoped_registrations_apart() {
+        let a = Agent::new("a", Inproc::new()).unwrap();
+        let r = Region::new(1 << 16).unwrap();
+        let scoped = a.register_scoped(&r).unwrap();
+        let plain = a.register(&r).unwrap();
+        assert_ne!(plain.id(), scoped.id());
+        assert_eq!(a.register(&r).unwrap().id(), plain.id());
+        assert_ne!(a.register_scoped(&r).unwrap().id(), plain.id());
+    }
+
+    /// The registered bytes the agent reports fall by a registration's length when it goes.
+    #[test]
+    fn registered_bytes_fall_as_registrations_go() {
+        let a = Agent::new("a", Inproc::new()).unwrap();
+        let r1 = Region::new(1 << 16).unwrap();
+        let r2 = Region::new(1 << 12).unwrap();
+        let g1 = a.register(&r1).unwrap();
+        let g2 = a.register(&r2).unwrap();
+        let report = a.report();
+        assert_eq!(
+            (report.registrations, report.registered_bytes),
+            (2, (1 << 16) + (1 << 12))
+        );
+        drop(g1);
+        let report = a.report();
+        assert_eq!(
+            (report.registrations, report.registered_bytes),
+            (1, 1 << 12)
+        );
+        drop(g2);
+        let report = a.report();
+        assert_eq!((report.registrations, report.registered_bytes), (0, 0));
+    }
+}

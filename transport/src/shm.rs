@@ -1186,4 +1186,112 @@ mod tests {
         let inproc = Agent::new("other", crate::Inproc::new()).unwrap();
         assert_eq!(inproc.peer_link("unit"), LinkState::Unknown);
     }
+
+    /// A target whose CHALLENGE carries a proof that does not verify (made under another
+    /// token, or for another name) is refused by the dialer: `add_remote` fails saying the
+    /// proofs do not match, and the dialer never sends the impostor its own proof. The target
+    /// is a raw listener that would acknowledge anything.
+    #[test]
+    fn a_dialer_refuses_a_target_whose_proof_does_not_verify() {
+        use std::io::Read;
+
+        use crate::engine::PeerInfo;
+        use crate::error::ConnectError;
+
+        let ours = Token::new("the shared secret").unwrap();
+        let theirs = Token::new("another secret").unwrap();
+        // (the dialer's token, the token the target proves under, the name it proves as)
+        for (i, (dialer_token, proving, as_name)) in [
+            (Some(ours.clone()), Some(theirs), "fake"),
+            (Some(ours.clone()), None, "fake"),
+            (None, None, "someone-else"),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let address = format!("tessera-fake-target-{}-{i}", std::process::id()).into_bytes();
+            let listener =
+                UnixListener::bind_addr(&SocketAddr::from_abstract_name(&address).unwrap())
+                    .unwrap();
+            let target = std::thread::spawn(move || {
+                let (s, _) = listener.accept().unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+                let mut head = [0u8; HEADER];
+                (&s).read_exact(&mut head).unwrap();
+                assert_eq!(head[0], HELLO);
+                let len = u32::from_le_bytes(head[4..8].try_into().unwrap()) as usize;
+                let mut hello = vec![0u8; len];
+                (&s).read_exact(&mut hello).unwrap();
+                let mut dialer_nonce = [0u8; NONCE_LEN];
+                dialer_nonce.copy_from_slice(&hello[..NONCE_LEN]);
+                let nonce = crate::auth::nonce();
+                let proof =
+                    handshake::target_proof(proving.as_ref(), KIND, &dialer_nonce, &nonce, as_name);
+                let mut out = Vec::new();
+                frame(&mut out, CHALLENGE, |b| {
+                    b.extend_from_slice(&nonce);
+                    b.extend_from_slice(&proof);
+                });
+                send_all(&s, &out).unwrap();
+                // An honest dialer hangs up here; one that answers gets acknowledged.
+                let got_auth = (&s).read_exact(&mut head).is_ok() && head[0] == AUTH;
+                if got_auth {
+                    out.clear();
+                    frame(&mut out, HELLO_ACK, |_| {});
+                    let _ = send_all(&s, &out);
+                }
+                got_auth
+            });
+            let shm = match &dialer_token {
+                Some(t) => Shm::new().with_token(t.clone()),
+                None => Shm::new(),
+            };
+            let a = Agent::new("a", shm).unwrap();
+            let meta = crate::metadata::encode(&PeerInfo {
+                name: "fake".into(),
+                kind: KIND.into(),
+                address,
+                regs: Vec::new(),
+            });
+            let outcome = a.add_remote(&meta);
+            let expected = handshake::bad_target_proof("fake", dialer_token.as_ref());
+            assert!(
+                matches!(
+                    &outcome,
+                    Err(ConnectError::Backend { peer, source })
+                        if peer == "fake" && source.message == expected
+                ),
+                "{outcome:?}"
+            );
+            assert!(
+                !target.join().unwrap(),
+                "the dialer sent its proof to a target that did not prove itself"
+            );
+        }
+    }
+
+    /// A MAP_REQ from an authenticated peer for a live, shareable registration is answered
+    /// MAP_OK with the registration's id, base in its region and length; an unknown id gets
+    /// MAP_ERR.
+    #[cfg(feature = "testing")]
+    #[test]
+    fn a_map_request_names_the_live_registration() {
+        use crate::testing::raw::{RawPeer, RawShm};
+
+        let unit = Agent::new("unit", Shm::new()).unwrap();
+        let region = Region::new(1 << 16).unwrap();
+        let g = unit.register(&region).unwrap();
+        let mut raw = RawShm::authenticated(&unit.metadata(), "raw", None).unwrap();
+        raw.send_frame(MAP_REQ, &g.id().to_le_bytes()).unwrap();
+        let (ty, body) = raw.read_frame().unwrap();
+        assert_eq!(ty, MAP_OK);
+        let at = |i: usize| u64::from_le_bytes(body[i..i + 8].try_into().unwrap());
+        assert_eq!((at(0), at(8), at(16)), (g.id(), 0, 1 << 16));
+        raw.send_frame(MAP_REQ, &(g.id() ^ 1).to_le_bytes())
+            .unwrap();
+        assert_eq!(
+            raw.read_frame().unwrap(),
+            (MAP_ERR, (g.id() ^ 1).to_le_bytes().to_vec())
+        );
+    }
 }

@@ -309,3 +309,57 @@ impl fmt::Debug for Transfer {
             .finish()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each op's wire code reads back as that op; any other code is no op.
+    #[test]
+    fn op_codes_read_back_and_others_are_refused() {
+        for op in [Op::Write, Op::Read] {
+            assert_eq!(Op::from_code(op.code()), Some(op));
+        }
+        for code in [0u8, 3, 255] {
+            assert_eq!(Op::from_code(code), None);
+        }
+    }
+
+    /// A transfer of an empty plan with `peer`, whose plan keeps `keep` alive.
+    fn started(keep: &Arc<()>) -> (Completion, Transfer, Arc<AtomicUsize>) {
+        let plan = Plan::new(Op::Write, "p".into(), Vec::new(), vec![keep.clone()], 0);
+        let in_flight = Arc::new(AtomicUsize::new(0));
+        let (done, t) = Completion::start(Arc::new(plan), in_flight.clone());
+        assert_eq!(in_flight.load(Ordering::Acquire), 1);
+        assert!(matches!(t.status(), Status::Pending));
+        (done, t, in_flight)
+    }
+
+    /// Completing reports the outcome to the handle, releases the plan and leaves the
+    /// in-flight count.
+    #[test]
+    fn completing_reports_releases_and_uncounts() {
+        let keep = Arc::new(());
+        let (done, t, in_flight) = started(&keep);
+        done.complete(Ok(()));
+        assert!(matches!(t.status(), Status::Done));
+        assert_eq!(in_flight.load(Ordering::Acquire), 0);
+        assert_eq!(Arc::strong_count(&keep), 1, "the plan was released");
+    }
+
+    /// A completion dropped unreported fails its transfer with `StatusLost`, never success,
+    /// and releases the plan and the in-flight count all the same.
+    #[test]
+    fn a_dropped_completion_fails_its_transfer_as_status_lost() {
+        let keep = Arc::new(());
+        let (done, t, in_flight) = started(&keep);
+        drop(done);
+        assert!(
+            matches!(t.status(), Status::Failed(TransferError::StatusLost { ref peer }) if peer == "p"),
+            "{:?}",
+            t.status()
+        );
+        assert_eq!(in_flight.load(Ordering::Acquire), 0);
+        assert_eq!(Arc::strong_count(&keep), 1, "the plan was released");
+    }
+}

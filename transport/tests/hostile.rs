@@ -249,6 +249,13 @@ fn attacker() {
     match parts[0] {
         "shm" => println!("GOT {:?}", shm_attack(parts[1].as_bytes(), real)),
         "tcp" => println!("GOT {:?}", tcp_attack(parts[1], real, 4096)),
+        "tcp-dial" => {
+            let a = Agent::new("nobody", Tcp::new()).unwrap();
+            match a.add_remote(&unhex(parts[1])) {
+                Ok(_) => println!("GOT added"),
+                Err(e) => println!("GOT {e}"),
+            }
+        }
         _ => unreachable!(),
     }
 }
@@ -355,6 +362,25 @@ fn tcp_unauthenticated_clients_read_and_write_nothing() {
     });
 }
 
+/// tcp without a token: an agent of another user (as root) is refused before the challenge,
+/// and its `add_remote` says why.
+#[test]
+fn tcp_another_users_agent_is_refused_and_told_why() {
+    if euid() != 0 {
+        return;
+    }
+    let open = Agent::new("target", Tcp::new()).unwrap();
+    let got = attack_as_nobody(&format!("tcp-dial {} 0", hex(&open.metadata())));
+    assert!(
+        got.contains("target refused us: we run as another user and no token is configured"),
+        "{got}"
+    );
+    assert_eq!(
+        open.peer_link("nobody"),
+        tessera_transport::LinkState::Closed
+    );
+}
+
 /// A wrong or missing token fails `add_remote` with an error saying the tokens differ.
 #[test]
 fn mismatched_tokens_fail_add_remote_clearly() {
@@ -392,6 +418,65 @@ fn mismatched_tokens_fail_add_remote_clearly() {
         }
         let ok = dialer(Some(token())).add_remote(&target(Some(token())).metadata());
         assert!(ok.is_ok(), "{ok:?}");
+    }
+}
+
+/// A dialer whose `AUTH` proof does not verify (one bit flipped), with the target's token or
+/// without one, is refused with `REFUSED` (proof): no link is filed under its name, a WRITE
+/// it sends next is never answered and lands nowhere, and the same name proving itself
+/// honestly is admitted afterwards.
+#[test]
+fn a_target_refuses_a_dialer_whose_proof_does_not_verify() {
+    fn flipped(proof: &[u8]) -> Vec<u8> {
+        let mut p = proof.to_vec();
+        p[0] ^= 1;
+        p
+    }
+    fn check<P: RawPeer + std::fmt::Debug>(
+        target: &Agent,
+        token: Option<&Token>,
+        real: u64,
+        connect: fn(&[u8]) -> std::io::Result<P>,
+        authenticate: fn(&mut P, Option<&Token>, bool) -> std::io::Result<()>,
+    ) {
+        let meta = target.metadata();
+        let mut s = connect(&meta).unwrap();
+        let err = authenticate(&mut s, token, true).unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::PermissionDenied, "{err}");
+        assert!(err.to_string().contains("refused our proof"), "{err}");
+        assert_eq!(
+            target.peer_link("raw"),
+            tessera_transport::LinkState::Closed
+        );
+        let _ = s.request(
+            tessera_transport::Op::Write,
+            &[Span::new(real, 0, 4096)],
+            &[0xAB; 4096],
+        );
+        assert_eq!(s.drain_until_closed().unwrap(), Vec::<u8>::new());
+        let mut honest = connect(&meta).unwrap();
+        authenticate(&mut honest, token, false).unwrap();
+    }
+    let t = token();
+    for token in [Some(&t), None] {
+        let (r, secret) = secret_region();
+        let shm = match token {
+            Some(t) => Agent::new("target", Shm::new().with_token(t.clone())).unwrap(),
+            None => Agent::new("target", Shm::new()).unwrap(),
+        };
+        let g = shm.register(&r).unwrap();
+        check(&shm, token, g.id(), RawShm::connect, |s, t, forge| {
+            s.authenticate_sending("raw", t, if forge { flipped } else { <[u8]>::to_vec })
+        });
+        let tcp = match token {
+            Some(t) => Agent::new("target", Tcp::new().with_token(t.clone())).unwrap(),
+            None => Agent::new("target", Tcp::new()).unwrap(),
+        };
+        let g2 = tcp.register(&r).unwrap();
+        check(&tcp, token, g2.id(), RawTcp::connect, |s, t, forge| {
+            s.authenticate_sending("raw", t, if forge { flipped } else { <[u8]>::to_vec })
+        });
+        unchanged(&r, &secret);
     }
 }
 
@@ -639,6 +724,69 @@ fn tcp_descriptor_buffers_grow_only_as_bytes_arrive() {
         before,
         "the announced descriptors were allocated"
     );
+}
+
+/// One request whose first span lies in an exposure of one scoped registration and whose
+/// second names another scoped registration, exposed to nobody, at the same offsets: the
+/// first span's exposure does not carry over, the request is refused `NotExposed`, and
+/// neither registration is written.
+#[test]
+fn an_exposure_does_not_cover_another_registrations_span() {
+    let unit = Agent::new("unit", Tcp::new()).unwrap();
+    let (ra, secret_a) = secret_region();
+    let (rb, secret_b) = secret_region();
+    let a = unit.register_scoped(&ra).unwrap();
+    let b = unit.register_scoped(&rb).unwrap();
+    let _open = a.expose("raw", 0, 4096, Ops::WRITE).unwrap();
+    let mut raw = RawTcp::authenticated(&unit.metadata(), "raw", None).unwrap();
+    raw.request(
+        tessera_transport::Op::Write,
+        &[Span::new(a.id(), 0, 16), Span::new(b.id(), 0, 16)],
+        &[0xAB; 32],
+    )
+    .unwrap();
+    assert_eq!(
+        raw.answer().unwrap(),
+        Answer::Rejected(RejectReason::NotExposed)
+    );
+    // The other registration's span alone is refused too.
+    raw.request(
+        tessera_transport::Op::Write,
+        &[Span::new(b.id(), 0, 16)],
+        &[0xAB; 16],
+    )
+    .unwrap();
+    assert_eq!(
+        raw.answer().unwrap(),
+        Answer::Rejected(RejectReason::NotExposed)
+    );
+    unchanged(&ra, &secret_a);
+    unchanged(&rb, &secret_b);
+}
+
+/// Two spans of one request inside one exposure (the second reusing the first's lookup)
+/// each land at their own offsets.
+#[test]
+fn spans_in_one_exposure_land_at_their_own_offsets() {
+    let unit = Agent::new("unit", Tcp::new()).unwrap();
+    let r = Region::new(8192).unwrap();
+    let a = unit.register_scoped(&r).unwrap();
+    let _open = a.expose("raw", 0, 8192, Ops::WRITE).unwrap();
+    let mut raw = RawTcp::authenticated(&unit.metadata(), "raw", None).unwrap();
+    let payload = pattern(11, 32);
+    raw.request(
+        tessera_transport::Op::Write,
+        &[Span::new(a.id(), 100, 16), Span::new(a.id(), 4000, 16)],
+        &payload,
+    )
+    .unwrap();
+    assert_eq!(raw.answer().unwrap(), Answer::Granted(Vec::new()));
+    let mut got = vec![0u8; 8192];
+    r.read_at(0, &mut got).unwrap();
+    let mut want = vec![0u8; 8192];
+    want[100..116].copy_from_slice(&payload[..16]);
+    want[4000..4016].copy_from_slice(&payload[16..]);
+    assert!(got == want, "the spans landed elsewhere");
 }
 
 fn scoped_pair(make: fn(&str) -> Agent) {

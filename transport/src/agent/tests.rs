@@ -436,6 +436,31 @@ fn target_grants_check_every_span_themselves() {
     assert_eq!(*engine.live.lock(), 0);
 }
 
+/// A grant without a peer name never reaches a scoped registration, even inside an exposure
+/// (an exposure names its peer): it is refused `NotExposed` and pins nothing, while the same
+/// span of an unscoped registration is granted.
+#[test]
+fn an_anonymous_grant_never_reaches_a_scoped_registration() {
+    let engine = Arc::new(Counting::default());
+    let agent = Agent::new("a", engine.clone()).unwrap();
+    let host = engine.host.lock().clone().unwrap();
+    let region = Region::anonymous(8192).unwrap();
+    let scoped = agent.register_scoped(&region).unwrap();
+    let _exposure = scoped
+        .expose("peer", 0, 8192, crate::Ops::READ_WRITE)
+        .unwrap();
+    let mut grant = Grant::new();
+    assert_eq!(
+        host.grant_into(&mut grant, [(scoped.id(), 0, 64)]),
+        Err(RejectReason::NotExposed)
+    );
+    assert!(grant.is_empty(), "a refused grant pins nothing");
+    let other = Region::anonymous(8192).unwrap();
+    let plain = agent.register(&other).unwrap();
+    host.grant_into(&mut grant, [(plain.id(), 0, 64)]).unwrap();
+    assert_eq!((grant.len(), grant.bytes()), (1, 64));
+}
+
 /// Two engine readers serving the same peer (one learns the peer's name late) return on
 /// their own threads while the owner asks: the peer reads open while either runs and
 /// closed once both returned, whatever the interleaving; the count never goes stale.
@@ -487,4 +512,45 @@ fn loom_registration_cache_refcounts() {
         assert_eq!(agent.report().registrations, 0);
         assert_eq!(*engine.live.lock(), 0);
     });
+}
+
+/// A prepared transfer posts a notification of exactly `MAX_NOTIFICATION` bytes and delivers
+/// it whole; one byte more is refused before anything moves.
+#[test]
+fn a_prepared_post_takes_a_notification_of_exactly_the_maximum() {
+    use crate::{Inproc, Op, MAX_NOTIFICATION};
+
+    let sender = Agent::new("sender", Inproc::new()).unwrap();
+    let receiver = Agent::new("receiver", Inproc::new()).unwrap();
+    let src = Region::new(4096).unwrap();
+    let dst = Region::new(4096).unwrap();
+    let gs = sender.register(&src).unwrap();
+    let gd = receiver.register(&dst).unwrap();
+    let peer = sender.add_remote(&receiver.metadata()).unwrap();
+    let prepared = peer
+        .prepare(
+            Op::Write,
+            &[gs.desc(0, 64).unwrap()],
+            &[gd.remote(0, 64).unwrap()],
+        )
+        .unwrap();
+    let max = vec![7u8; MAX_NOTIFICATION];
+    prepared.post(Some(&max)).unwrap().wait().unwrap();
+    let note = receiver
+        .try_notification()
+        .expect("delivered after the data");
+    assert_eq!(
+        (note.from.as_str(), note.msg.len()),
+        ("sender", MAX_NOTIFICATION)
+    );
+    let over = vec![7u8; MAX_NOTIFICATION + 1];
+    assert!(matches!(
+        prepared.post(Some(&over)),
+        Err(TransferError::NotificationTooLarge { len, max, .. })
+            if (len, max) == (MAX_NOTIFICATION + 1, MAX_NOTIFICATION)
+    ));
+    assert!(receiver.try_notification().is_none());
+    // Its debug form is its plan's.
+    assert_eq!(format!("{prepared:?}"), format!("{:?}", prepared.plan()));
+    assert!(format!("{prepared:?}").contains("receiver"));
 }

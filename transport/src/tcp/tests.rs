@@ -168,3 +168,81 @@ fn a_read_cut_during_its_payload_fails() {
         "{outcome:?}"
     );
 }
+
+/// A target whose CHALLENGE carries a proof that does not verify (made under another token,
+/// or for another name) is refused by the dialer: `add_remote` fails saying the proofs do not
+/// match, and the dialer never sends the impostor its own proof. The target is a raw socket
+/// that would acknowledge anything.
+#[test]
+fn a_dialer_refuses_a_target_whose_proof_does_not_verify() {
+    use std::io::{Read, Write};
+
+    use crate::engine::PeerInfo;
+    use crate::error::ConnectError;
+
+    let ours = Token::new("the shared secret").unwrap();
+    let theirs = Token::new("another secret").unwrap();
+    // (the dialer's token, the token the target proves under, the name it proves as)
+    for (dialer_token, proving, as_name) in [
+        (Some(ours.clone()), Some(theirs), "fake"),
+        (Some(ours.clone()), None, "fake"),
+        (None, None, "someone-else"),
+    ] {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let address = listener.local_addr().unwrap().to_string().into_bytes();
+        let target = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+            let mut head = [0u8; HEADER];
+            s.read_exact(&mut head).unwrap();
+            assert_eq!(head[0], KIND_HELLO);
+            let name = u32::from_le_bytes(head[8..12].try_into().unwrap()) as usize;
+            let addr = u32::from_le_bytes(head[12..16].try_into().unwrap()) as usize;
+            let mut dialer_nonce = [0u8; NONCE_LEN];
+            s.read_exact(&mut dialer_nonce).unwrap();
+            s.read_exact(&mut vec![0u8; name + addr]).unwrap();
+            let nonce = crate::auth::nonce();
+            let proof =
+                handshake::target_proof(proving.as_ref(), KIND, &dialer_nonce, &nonce, as_name);
+            let mut challenge = vec![0u8; HEADER];
+            challenge[0] = KIND_CHALLENGE;
+            challenge.extend_from_slice(&nonce);
+            challenge.extend_from_slice(&proof);
+            s.write_all(&challenge).unwrap();
+            // An honest dialer hangs up here; one that answers gets acknowledged.
+            let mut auth = [0u8; HEADER + MAC_LEN];
+            let got_auth = s.read_exact(&mut auth).is_ok();
+            if got_auth {
+                let mut ack = [0u8; HEADER];
+                ack[0] = KIND_HELLO_ACK;
+                let _ = s.write_all(&ack);
+            }
+            got_auth
+        });
+        let tcp = match &dialer_token {
+            Some(t) => Tcp::new().with_token(t.clone()),
+            None => Tcp::new(),
+        };
+        let a = Agent::new("a", tcp).unwrap();
+        let meta = crate::metadata::encode(&PeerInfo {
+            name: "fake".into(),
+            kind: KIND.into(),
+            address,
+            regs: Vec::new(),
+        });
+        let outcome = a.add_remote(&meta);
+        let expected = handshake::bad_target_proof("fake", dialer_token.as_ref());
+        assert!(
+            matches!(
+                &outcome,
+                Err(ConnectError::Backend { peer, source })
+                    if peer == "fake" && source.message == expected
+            ),
+            "{outcome:?}"
+        );
+        assert!(
+            !target.join().unwrap(),
+            "the dialer sent its proof to a target that did not prove itself"
+        );
+    }
+}

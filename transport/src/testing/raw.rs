@@ -146,6 +146,17 @@ impl RawTcp {
     /// checked), `AUTH`, then `HELLO_ACK`; a `REFUSED` or a proof that does not verify is an
     /// error.
     pub fn authenticate(&mut self, name: &str, token: Option<&Token>) -> io::Result<()> {
+        self.authenticate_sending(name, token, <[u8]>::to_vec)
+    }
+
+    /// Runs the handshake as [`authenticate`](Self::authenticate) does, but sends in `AUTH`
+    /// whatever `forge` makes of the honest proof (a flipped bit, a proof cut short).
+    pub fn authenticate_sending(
+        &mut self,
+        name: &str,
+        token: Option<&Token>,
+        forge: impl FnOnce(&[u8]) -> Vec<u8>,
+    ) -> io::Result<()> {
         let nonce = auth::nonce();
         let mut hello = vec![0u8; tcp::HEADER];
         hello[0] = tcp::KIND_HELLO;
@@ -175,7 +186,14 @@ impl RawTcp {
         ) {
             return Err(refused(handshake::bad_target_proof(&self.target, token)));
         }
-        let proof = handshake::dialer_proof(token, tcp::KIND, &nonce, &theirs, name, b"");
+        let proof = forge(&handshake::dialer_proof(
+            token,
+            tcp::KIND,
+            &nonce,
+            &theirs,
+            name,
+            b"",
+        ));
         self.send_frame(tcp::KIND_AUTH, &proof)?;
         self.stream.read_exact(&mut head)?;
         match head[0] {
@@ -315,6 +333,17 @@ impl RawShm {
     /// checked), `AUTH`, then `HELLO_ACK`; a `REFUSED` or a proof that does not verify is an
     /// error.
     pub fn authenticate(&mut self, name: &str, token: Option<&Token>) -> io::Result<()> {
+        self.authenticate_sending(name, token, <[u8]>::to_vec)
+    }
+
+    /// Runs the handshake as [`authenticate`](Self::authenticate) does, but sends in `AUTH`
+    /// whatever `forge` makes of the honest proof (a flipped bit, a proof cut short).
+    pub fn authenticate_sending(
+        &mut self,
+        name: &str,
+        token: Option<&Token>,
+        forge: impl FnOnce(&[u8]) -> Vec<u8>,
+    ) -> io::Result<()> {
         let nonce = auth::nonce();
         let mut hello = nonce.to_vec();
         hello.push(name.len() as u8);
@@ -340,7 +369,14 @@ impl RawShm {
         ) {
             return Err(refused(handshake::bad_target_proof(&self.target, token)));
         }
-        let proof = handshake::dialer_proof(token, shm::KIND, &nonce, &theirs, name, b"");
+        let proof = forge(&handshake::dialer_proof(
+            token,
+            shm::KIND,
+            &nonce,
+            &theirs,
+            name,
+            b"",
+        ));
         self.send_frame(shm::AUTH, &proof)?;
         match self.read_frame()? {
             (shm::HELLO_ACK, _) => Ok(()),
