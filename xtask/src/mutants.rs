@@ -70,8 +70,18 @@ struct FileEntry {
 struct Equivalent {
     /// The mutant's name without its `file:line:col: ` prefix.
     mutant: String,
+    /// Its line, where the name alone matches more than one mutant of the file.
+    line: Option<u64>,
     #[allow(dead_code)]
     why: String,
+}
+
+impl Equivalent {
+    /// Whether it names mutant `name` (`file:line:col: what`).
+    fn matches(&self, name: &str) -> bool {
+        let line = name.split(':').nth(1).and_then(|l| l.parse::<u64>().ok());
+        strip_position(name) == self.mutant && self.line.is_none_or(|l| Some(l) == line)
+    }
 }
 
 /// One generated mutant, as `cargo mutants --list --json` describes it.
@@ -151,8 +161,7 @@ pub(crate) fn run(
                 .iter()
                 .filter(|m| {
                     let entry = group.file.iter().find(|e| e.path == m.file);
-                    let name = strip_position(&m.name);
-                    !entry.is_some_and(|e| e.equivalent.iter().any(|q| q.mutant == name))
+                    !entry.is_some_and(|e| e.equivalent.iter().any(|q| q.matches(&m.name)))
                 })
                 .map(|m| m.name.clone())
                 .collect(),
@@ -161,8 +170,7 @@ pub(crate) fn run(
         for entry in &group.file {
             let in_file = listed.iter().filter(|m| m.file == entry.path);
             let (eq, n) = in_file.fold((0u64, 0u64), |(eq, n), m| {
-                let name = strip_position(&m.name);
-                match entry.equivalent.iter().any(|e| e.mutant == name) {
+                match entry.equivalent.iter().any(|e| e.matches(&m.name)) {
                     true => (eq + 1, n),
                     false => (eq, n + 1),
                 }
@@ -403,8 +411,11 @@ fn base_command(
     for entry in &group.file {
         cmd.args(["--file", &entry.path]);
         for eq in entry.equivalent.iter().filter(|_| exclusions) {
+            let line = eq
+                .line
+                .map_or_else(|| "[0-9]+".to_owned(), |l| l.to_string());
             cmd.arg("--exclude-re").arg(format!(
-                "^{}:[0-9]+:[0-9]+: {}$",
+                "^{}:{line}:[0-9]+: {}$",
                 escape(&entry.path),
                 escape(&eq.mutant)
             ));
@@ -471,9 +482,16 @@ fn check_list(group: &Group, listed: &[Listed]) -> Result<()> {
             );
         }
         for eq in &entry.equivalent {
+            let matching = in_file.iter().filter(|name| eq.matches(name)).count();
             ensure!(
-                in_file.iter().any(|name| strip_position(name) == eq.mutant),
+                matching > 0,
                 "{LIST}: {}: equivalent mutant {:?} is not generated (changed or gone?)",
+                entry.path,
+                eq.mutant
+            );
+            ensure!(
+                matching == 1,
+                "{LIST}: {}: equivalent mutant {:?} names {matching} mutants: give its line",
                 entry.path,
                 eq.mutant
             );
