@@ -466,7 +466,7 @@ fn a_target_refuses_a_dialer_whose_proof_does_not_verify() {
         };
         let g = shm.register(&r).unwrap();
         check(&shm, token, g.id(), RawShm::connect, |s, t, forge| {
-            s.authenticate_sending("raw", t, if forge { flipped } else { <[u8]>::to_vec })
+            s.authenticate_sending("raw", t, if forge { &flipped } else { &<[u8]>::to_vec })
         });
         let tcp = match token {
             Some(t) => Agent::new("target", Tcp::new().with_token(t.clone())).unwrap(),
@@ -474,7 +474,7 @@ fn a_target_refuses_a_dialer_whose_proof_does_not_verify() {
         };
         let g2 = tcp.register(&r).unwrap();
         check(&tcp, token, g2.id(), RawTcp::connect, |s, t, forge| {
-            s.authenticate_sending("raw", t, if forge { flipped } else { <[u8]>::to_vec })
+            s.authenticate_sending("raw", t, if forge { &flipped } else { &<[u8]>::to_vec })
         });
         unchanged(&r, &secret);
     }

@@ -58,6 +58,38 @@ pub enum Answer {
 
 /// What both raw peers offer once connected.
 pub trait RawPeer: Read + Write {
+    /// Connects to the target whose metadata is `meta`, without a handshake.
+    fn connect(meta: &[u8]) -> io::Result<Self>
+    where
+        Self: Sized;
+
+    /// Runs the handshake as [`authenticate`](Self::authenticate) does, but sends in `AUTH`
+    /// whatever `forge` makes of the honest proof (a flipped bit, a proof cut short).
+    fn authenticate_sending(
+        &mut self,
+        name: &str,
+        token: Option<&Token>,
+        forge: &dyn Fn(&[u8]) -> Vec<u8>,
+    ) -> io::Result<()>;
+
+    /// Connects and authenticates as `name` (with `token`, or without one as a process of
+    /// the target's user), advertising no address of its own.
+    fn authenticated(meta: &[u8], name: &str, token: Option<&Token>) -> io::Result<Self>
+    where
+        Self: Sized,
+    {
+        let mut s = Self::connect(meta)?;
+        s.authenticate(name, token)?;
+        Ok(s)
+    }
+
+    /// Runs the engine's handshake as `name`: `HELLO`, the target's `CHALLENGE` (its proof
+    /// checked), `AUTH`, then `HELLO_ACK`; a `REFUSED` or a proof that does not verify is an
+    /// error.
+    fn authenticate(&mut self, name: &str, token: Option<&Token>) -> io::Result<()> {
+        self.authenticate_sending(name, token, &<[u8]>::to_vec)
+    }
+
     /// Sends one frame of the engine's framing: `ty` and `body` (`shm`: the 8-byte header
     /// with the body's length; `tcp`: the 24-byte header with `ty` in its first byte and
     /// zeros elsewhere, then the body).
@@ -120,8 +152,36 @@ impl RawTcp {
     /// The kind of a dialer's first message.
     pub const HELLO: u8 = tcp::KIND_HELLO;
 
-    /// Connects to the `tcp` agent whose metadata is `meta`; sends nothing.
-    pub fn connect(meta: &[u8]) -> io::Result<Self> {
+    /// Sends a 24-byte header as given, then `body`.
+    pub fn send_header(&mut self, head: [u8; tcp::HEADER], body: &[u8]) -> io::Result<()> {
+        self.stream.write_all(&head)?;
+        self.stream.write_all(body)
+    }
+
+    /// The socket.
+    pub fn stream(&self) -> &TcpStream {
+        &self.stream
+    }
+}
+
+impl Read for RawTcp {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.stream.read(buf)
+    }
+}
+
+impl Write for RawTcp {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.stream.write(buf)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.stream.flush()
+    }
+}
+
+impl RawPeer for RawTcp {
+    fn connect(meta: &[u8]) -> io::Result<Self> {
         let (target, address) = target_of(meta)?;
         let addr = std::str::from_utf8(&address).map_err(|_| unexpected("address not UTF-8"))?;
         let stream = TcpStream::connect(addr)?;
@@ -134,28 +194,11 @@ impl RawTcp {
         })
     }
 
-    /// Connects and authenticates as `name` (with `token`, or without one as a process of
-    /// the target's user), advertising no address of its own.
-    pub fn authenticated(meta: &[u8], name: &str, token: Option<&Token>) -> io::Result<Self> {
-        let mut s = Self::connect(meta)?;
-        s.authenticate(name, token)?;
-        Ok(s)
-    }
-
-    /// Runs the engine's handshake as `name`: `HELLO`, the target's `CHALLENGE` (its proof
-    /// checked), `AUTH`, then `HELLO_ACK`; a `REFUSED` or a proof that does not verify is an
-    /// error.
-    pub fn authenticate(&mut self, name: &str, token: Option<&Token>) -> io::Result<()> {
-        self.authenticate_sending(name, token, <[u8]>::to_vec)
-    }
-
-    /// Runs the handshake as [`authenticate`](Self::authenticate) does, but sends in `AUTH`
-    /// whatever `forge` makes of the honest proof (a flipped bit, a proof cut short).
-    pub fn authenticate_sending(
+    fn authenticate_sending(
         &mut self,
         name: &str,
         token: Option<&Token>,
-        forge: impl FnOnce(&[u8]) -> Vec<u8>,
+        forge: &dyn Fn(&[u8]) -> Vec<u8>,
     ) -> io::Result<()> {
         let nonce = auth::nonce();
         let mut hello = vec![0u8; tcp::HEADER];
@@ -203,35 +246,6 @@ impl RawTcp {
         }
     }
 
-    /// Sends a 24-byte header as given, then `body`.
-    pub fn send_header(&mut self, head: [u8; tcp::HEADER], body: &[u8]) -> io::Result<()> {
-        self.stream.write_all(&head)?;
-        self.stream.write_all(body)
-    }
-
-    /// The socket.
-    pub fn stream(&self) -> &TcpStream {
-        &self.stream
-    }
-}
-
-impl Read for RawTcp {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        self.stream.read(buf)
-    }
-}
-
-impl Write for RawTcp {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        self.stream.write(buf)
-    }
-
-    fn flush(&mut self) -> io::Result<()> {
-        self.stream.flush()
-    }
-}
-
-impl RawPeer for RawTcp {
     fn send_frame(&mut self, ty: u8, body: &[u8]) -> io::Result<()> {
         let mut head = [0u8; tcp::HEADER];
         head[0] = ty;
@@ -307,8 +321,45 @@ impl RawShm {
     /// The initiator's report that a granted transfer is over.
     pub const DONE: u8 = shm::DONE;
 
-    /// Connects to the `shm` agent whose metadata is `meta`; sends nothing.
-    pub fn connect(meta: &[u8]) -> io::Result<Self> {
+    /// The next frame the target sends: its type and body (a body over the engine's limit
+    /// is an error, before anything is allocated for it). File descriptors passed with it
+    /// (`MAP_OK`) are not received, so the kernel closes them.
+    pub fn read_frame(&mut self) -> io::Result<(u8, Vec<u8>)> {
+        let mut head = [0u8; shm::HEADER];
+        self.stream.read_exact(&mut head)?;
+        let len = u32::from_le_bytes([head[4], head[5], head[6], head[7]]) as usize;
+        if len > shm::MAX_BODY {
+            return Err(unexpected("body over the engine's limit"));
+        }
+        let mut body = vec![0u8; len];
+        self.stream.read_exact(&mut body)?;
+        Ok((head[0], body))
+    }
+
+    /// The socket.
+    pub fn stream(&self) -> &UnixStream {
+        &self.stream
+    }
+}
+
+impl Read for RawShm {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.stream.read(buf)
+    }
+}
+
+impl Write for RawShm {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.stream.write(buf)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.stream.flush()
+    }
+}
+
+impl RawPeer for RawShm {
+    fn connect(meta: &[u8]) -> io::Result<Self> {
         let (target, address) = target_of(meta)?;
         let addr = SocketAddr::from_abstract_name(&address)?;
         let stream = UnixStream::connect_addr(&addr)?;
@@ -321,28 +372,11 @@ impl RawShm {
         })
     }
 
-    /// Connects and authenticates as `name` (with `token`, or without one as a process of
-    /// the target's user), advertising no address of its own.
-    pub fn authenticated(meta: &[u8], name: &str, token: Option<&Token>) -> io::Result<Self> {
-        let mut s = Self::connect(meta)?;
-        s.authenticate(name, token)?;
-        Ok(s)
-    }
-
-    /// Runs the engine's handshake as `name`: `HELLO`, the target's `CHALLENGE` (its proof
-    /// checked), `AUTH`, then `HELLO_ACK`; a `REFUSED` or a proof that does not verify is an
-    /// error.
-    pub fn authenticate(&mut self, name: &str, token: Option<&Token>) -> io::Result<()> {
-        self.authenticate_sending(name, token, <[u8]>::to_vec)
-    }
-
-    /// Runs the handshake as [`authenticate`](Self::authenticate) does, but sends in `AUTH`
-    /// whatever `forge` makes of the honest proof (a flipped bit, a proof cut short).
-    pub fn authenticate_sending(
+    fn authenticate_sending(
         &mut self,
         name: &str,
         token: Option<&Token>,
-        forge: impl FnOnce(&[u8]) -> Vec<u8>,
+        forge: &dyn Fn(&[u8]) -> Vec<u8>,
     ) -> io::Result<()> {
         let nonce = auth::nonce();
         let mut hello = nonce.to_vec();
@@ -388,44 +422,6 @@ impl RawShm {
         }
     }
 
-    /// The next frame the target sends: its type and body (a body over the engine's limit
-    /// is an error, before anything is allocated for it). File descriptors passed with it
-    /// (`MAP_OK`) are not received, so the kernel closes them.
-    pub fn read_frame(&mut self) -> io::Result<(u8, Vec<u8>)> {
-        let mut head = [0u8; shm::HEADER];
-        self.stream.read_exact(&mut head)?;
-        let len = u32::from_le_bytes([head[4], head[5], head[6], head[7]]) as usize;
-        if len > shm::MAX_BODY {
-            return Err(unexpected("body over the engine's limit"));
-        }
-        let mut body = vec![0u8; len];
-        self.stream.read_exact(&mut body)?;
-        Ok((head[0], body))
-    }
-
-    /// The socket.
-    pub fn stream(&self) -> &UnixStream {
-        &self.stream
-    }
-}
-
-impl Read for RawShm {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        self.stream.read(buf)
-    }
-}
-
-impl Write for RawShm {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        self.stream.write(buf)
-    }
-
-    fn flush(&mut self) -> io::Result<()> {
-        self.stream.flush()
-    }
-}
-
-impl RawPeer for RawShm {
     fn send_frame(&mut self, ty: u8, body: &[u8]) -> io::Result<()> {
         let mut out = Vec::with_capacity(shm::HEADER + body.len());
         shm::frame(&mut out, ty, |b| b.extend_from_slice(body));
