@@ -54,17 +54,7 @@ fn poke(v: &Value) {
 }
 
 fn header(frames: &[(u64, u32)]) -> Vec<u8> {
-    let mut m = b"TSFC".to_vec();
-    m.extend_from_slice(&1u16.to_le_bytes());
-    m.extend_from_slice(&0u16.to_le_bytes());
-    m.extend_from_slice(&(frames.len() as u32).to_le_bytes());
-    m.extend_from_slice(&[0; 4]);
-    for (len, align) in frames {
-        m.extend_from_slice(&len.to_le_bytes());
-        m.extend_from_slice(&align.to_le_bytes());
-        m.extend_from_slice(&[0; 4]);
-    }
-    m
+    common::meta(frames, &[])
 }
 
 #[derive(Debug, Clone)]

@@ -2,26 +2,13 @@
 //! refused with the typed error and its numbers. Meta frames are written by hand, so that the
 //! body and table hold exactly the sizes under test.
 
+mod common;
+
 use bytes::Bytes;
+use common::meta;
 use tessera_framecodec::{
     DType, DecodeError, Decoder, FrameTable, Limits, Tensor, TensorError, Value, MAX_FRAME_ALIGN,
 };
-
-/// A meta frame: header, one table entry per `(len, align)`, then `body`.
-fn meta(frames: &[(u64, u32)], body: &[u8]) -> Vec<u8> {
-    let mut m = b"TSFC".to_vec();
-    m.extend_from_slice(&1u16.to_le_bytes());
-    m.extend_from_slice(&0u16.to_le_bytes());
-    m.extend_from_slice(&(frames.len() as u32).to_le_bytes());
-    m.extend_from_slice(&[0; 4]);
-    for (len, align) in frames {
-        m.extend_from_slice(&len.to_le_bytes());
-        m.extend_from_slice(&align.to_le_bytes());
-        m.extend_from_slice(&[0; 4]);
-    }
-    m.extend_from_slice(body);
-    m
-}
 
 /// The frames a table of `(len, align)` asks for.
 fn frames(specs: &[(u64, u32)]) -> Vec<Bytes> {

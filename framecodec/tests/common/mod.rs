@@ -102,3 +102,19 @@ pub(crate) fn segs(path: &[(Option<String>, u64)]) -> Vec<PathSeg<'_>> {
         })
         .collect()
 }
+
+/// A meta frame: header, one table entry per `(len, align)`, then `body`.
+pub(crate) fn meta(frames: &[(u64, u32)], body: &[u8]) -> Vec<u8> {
+    let mut m = b"TSFC".to_vec();
+    m.extend_from_slice(&1u16.to_le_bytes());
+    m.extend_from_slice(&0u16.to_le_bytes());
+    m.extend_from_slice(&(frames.len() as u32).to_le_bytes());
+    m.extend_from_slice(&[0; 4]);
+    for (len, align) in frames {
+        m.extend_from_slice(&len.to_le_bytes());
+        m.extend_from_slice(&align.to_le_bytes());
+        m.extend_from_slice(&[0; 4]);
+    }
+    m.extend_from_slice(body);
+    m
+}
