@@ -49,6 +49,9 @@ enum Cmd {
         /// Test only the mutants each group's previous run did not catch (after new tests).
         #[arg(long)]
         iterate: bool,
+        /// Run nothing: tally the groups' last results (after an interrupted run).
+        #[arg(long)]
+        report: bool,
     },
     /// Run the end-to-end demo in release: a storage unit, a producer and a consumer as
     /// separate processes, RL rollouts then a weight sync, every byte checked.
@@ -90,7 +93,8 @@ fn main() -> Result<()> {
             list,
             lanes,
             iterate,
-        } => mutants::run(&root, &groups, list, lanes, iterate),
+            report,
+        } => mutants::run(&root, &groups, list, lanes, iterate, report),
     }
 }
 

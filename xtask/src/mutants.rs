@@ -120,13 +120,15 @@ impl Counts {
 
 /// Runs the groups named in `only` (all when empty) on `lanes` lanes side by side; with
 /// `list`, only checks the list and counts the mutants; with `iterate`, tests only what the
-/// previous run of each group did not catch.
+/// previous run of each group did not catch; with `report`, runs nothing and tallies the
+/// groups' last results.
 pub(crate) fn run(
     root: &Path,
     only: &[String],
     list: bool,
     lanes: usize,
     iterate: bool,
+    report: bool,
 ) -> Result<()> {
     let text = fs::read_to_string(root.join(LIST)).with_context(|| format!("reading {LIST}"))?;
     let parsed: List = toml::from_str(&text).with_context(|| format!("parsing {LIST}"))?;
@@ -153,8 +155,15 @@ pub(crate) fn run(
     let mut sizes = Vec::new();
     // Each group's mutants as generated now, equivalent ones left out: what the counts cover.
     let mut current: Vec<Vec<String>> = Vec::new();
+    // Mutants cargo-mutants lets through the function filter although they are in other
+    // functions (it does so for some struct field deletions): left out of runs and counts.
+    let mut strays: Vec<Vec<String>> = Vec::new();
     for group in &groups {
-        let listed = list_mutants(root, &tool, group, layout.as_ref())?;
+        let (listed, stray): (Vec<Listed>, Vec<Listed>) =
+            list_mutants(root, &tool, group, layout.as_ref())?
+                .into_iter()
+                .partition(|m| in_scope(group, m));
+        strays.push(stray.into_iter().map(|m| m.name).collect());
         check_list(group, &listed)?;
         current.push(
             listed
@@ -189,43 +198,16 @@ pub(crate) fn run(
         println!("{} mutants in all", sizes.iter().sum::<u64>());
         return Ok(());
     }
-    // Lanes of groups run side by side, each with a build dir of its own: much of a mutant's
-    // time is linking and tests that wait, which another lane overlaps. The largest groups
-    // are spread first.
-    let lanes = lanes.max(1);
-    let mut order: Vec<usize> = (0..groups.len()).collect();
-    order.sort_by_key(|&i| std::cmp::Reverse(sizes[i]));
-    let mut plan: Vec<(u64, Vec<usize>)> = vec![(0, Vec::new()); lanes];
-    for i in order {
-        let lane = plan
-            .iter_mut()
-            .min_by_key(|(load, _)| *load)
-            .expect("at least one lane");
-        lane.0 += sizes[i];
-        lane.1.push(i);
-    }
     let started = Instant::now();
-    let results: Vec<Result<()>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = plan
-            .iter()
-            .enumerate()
-            .map(|(lane, (_, members))| {
-                let (tool, out, layout, groups) = (&tool, &out, layout.as_ref(), &groups);
-                scope.spawn(move || -> Result<()> {
-                    for &i in members {
-                        run_group(root, tool, groups[i], layout, out, lane, iterate)?;
-                    }
-                    Ok(())
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| bail!("a lane panicked")))
-            .collect()
-    });
-    for r in results {
-        r?;
+    if !report {
+        let runner = Runner {
+            root,
+            tool: &tool,
+            layout: layout.as_ref(),
+            out: &out,
+            iterate,
+        };
+        run_lanes(&runner, &groups, &sizes, &strays, lanes)?;
     }
     let mut missed = Vec::new();
     for (group, names) in groups.iter().zip(&current) {
@@ -306,17 +288,70 @@ pub(crate) fn run(
     Ok(())
 }
 
+/// What every group's run shares.
+struct Runner<'a> {
+    root: &'a Path,
+    tool: &'a Path,
+    layout: Option<&'a deps::Layout>,
+    /// `target/tessera-mutants`.
+    out: &'a Path,
+    iterate: bool,
+}
+
+/// Runs `groups` (of `sizes` mutants, less `strays`) on `lanes` lanes side by side.
+fn run_lanes(
+    r: &Runner<'_>,
+    groups: &[&Group],
+    sizes: &[u64],
+    strays: &[Vec<String>],
+    lanes: usize,
+) -> Result<()> {
+    // Lanes of groups run side by side, each with a build dir of its own: much of a mutant's
+    // time is linking and tests that wait, which another lane overlaps. The largest groups
+    // are spread first.
+    let lanes = lanes.max(1);
+    let mut order: Vec<usize> = (0..groups.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(sizes[i]));
+    let mut plan: Vec<(u64, Vec<usize>)> = vec![(0, Vec::new()); lanes];
+    for i in order {
+        let lane = plan
+            .iter_mut()
+            .min_by_key(|(load, _)| *load)
+            .expect("at least one lane");
+        lane.0 += sizes[i];
+        lane.1.push(i);
+    }
+    let results: Vec<Result<()>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = plan
+            .iter()
+            .enumerate()
+            .map(|(lane, (_, members))| {
+                scope.spawn(move || -> Result<()> {
+                    for &i in members {
+                        run_group(r, groups[i], lane, &strays[i])?;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| bail!("a lane panicked")))
+            .collect()
+    });
+    results.into_iter().collect()
+}
+
 /// One cargo-mutants run over `group` in lane `lane`'s build dir, its output in
 /// `out/<group>.log` and its results in `out/<group>/mutants.out`.
-fn run_group(
-    root: &Path,
-    tool: &Path,
-    group: &Group,
-    layout: Option<&deps::Layout>,
-    out: &Path,
-    lane: usize,
-    iterate: bool,
-) -> Result<()> {
+fn run_group(r: &Runner<'_>, group: &Group, lane: usize, strays: &[String]) -> Result<()> {
+    let Runner {
+        root,
+        tool,
+        layout,
+        out,
+        iterate,
+    } = *r;
     let group_out = out.join(&group.name);
     if !iterate {
         // A previous run's outcomes must not be read as this one's.
@@ -327,6 +362,9 @@ fn run_group(
     let started = Instant::now();
     let mut cmd = base_command(root, tool, group, layout, true);
     cmd.env("CARGO_TARGET_DIR", out.join(format!("build-{lane}")));
+    for name in strays {
+        cmd.arg("--exclude-re").arg(format!("^{}$", escape(name)));
+    }
     cmd.arg("--output").arg(&group_out);
     if iterate {
         // Skips what the previous run caught or found unviable, and carries it over.
@@ -459,6 +497,18 @@ fn list_mutants(
         String::from_utf8_lossy(&out.stderr)
     );
     serde_json::from_slice(&out.stdout).context("parsing cargo mutants --list --json")
+}
+
+/// Whether `m` is in one of the functions its file's entry lists (or the entry lists none).
+fn in_scope(group: &Group, m: &Listed) -> bool {
+    group
+        .file
+        .iter()
+        .find(|e| e.path == m.file)
+        .is_some_and(|e| match &e.functions {
+            None => true,
+            Some(fs) => fs.iter().any(|f| names_function(&m.name, f)),
+        })
 }
 
 /// Every listed file and function yields a mutant, and every equivalent entry is one of them.
