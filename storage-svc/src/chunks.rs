@@ -337,6 +337,17 @@ mod tests {
         drop((a, c));
     }
 
+    /// A trim goes on deregistering free chunks until the idle bytes are down to the limit.
+    #[test]
+    fn a_trim_frees_every_chunk_above_the_idle_limit() {
+        let (agent, mut pool) = pool(12 * MIB, 4 * MIB, 4 * MIB);
+        let blocks: Vec<_> = (0..3).map(|_| pool.lease(4 * MIB, 64).unwrap()).collect();
+        assert_eq!(pool.usage().chunks, 3);
+        drop(blocks);
+        assert_eq!(pool.trim(), 8 * MIB);
+        assert_eq!(registered(&agent, &pool), 4 * MIB);
+    }
+
     /// A lease that fits the limit only without the free chunks replaces them.
     #[test]
     fn free_chunks_make_room_for_a_large_lease() {
