@@ -98,6 +98,8 @@ struct Counts {
     timeout: u64,
     unviable: u64,
     equivalent: u64,
+    /// Not run yet (`--report` after an interrupted run).
+    untested: u64,
 }
 
 impl Counts {
@@ -107,6 +109,7 @@ impl Counts {
         self.timeout += o.timeout;
         self.unviable += o.unviable;
         self.equivalent += o.equivalent;
+        self.untested += o.untested;
     }
 
     fn ratio(&self) -> f64 {
@@ -192,6 +195,18 @@ pub(crate) fn run(
             files.entry(entry.path.clone()).or_default().0 = group.name.clone();
             files.get_mut(&entry.path).expect("just added").1.equivalent += eq;
         }
+        if iterate {
+            // What is left to run: the mutants no earlier run caught or found unviable.
+            let dir = out.join(&group.name).join("mutants.out");
+            let done: std::collections::HashSet<String> = read_lists(&dir)?
+                .into_iter()
+                .filter(|(list, _)| !matches!(*list, "missed.txt" | "timeout.txt"))
+                .map(|(_, name)| name)
+                .collect();
+            total = current.last().map_or(0, |names| {
+                names.iter().filter(|n| !done.contains(*n)).count() as u64
+            });
+        }
         sizes.push(total);
     }
     if list {
@@ -233,6 +248,7 @@ pub(crate) fn run(
                 }
                 Some(_) => counts.unviable += 1,
                 None if iterate => counts.unviable += 1,
+                None if report => counts.untested += 1,
                 None => bail!("cargo-mutants reported no outcome for {name}"),
             }
         }
@@ -240,24 +256,31 @@ pub(crate) fn run(
     let seconds = started.elapsed().as_secs_f64();
     let mut total = Counts::default();
     println!(
-        "\n{:<44} {:>6} {:>6} {:>7} {:>8} {:>10}",
-        "file", "caught", "missed", "timeout", "unviable", "equivalent"
+        "\n{:<44} {:>6} {:>6} {:>7} {:>8} {:>10} {:>8}",
+        "file", "caught", "missed", "timeout", "unviable", "equivalent", "untested"
     );
     let mut rows = Vec::new();
     for (file, (group, c)) in &files {
         total.add(c);
         println!(
-            "{file:<44} {:>6} {:>6} {:>7} {:>8} {:>10}",
-            c.caught, c.missed, c.timeout, c.unviable, c.equivalent
+            "{file:<44} {:>6} {:>6} {:>7} {:>8} {:>10} {:>8}",
+            c.caught, c.missed, c.timeout, c.unviable, c.equivalent, c.untested
         );
         rows.push(serde_json::json!({
             "file": file, "group": group, "caught": c.caught, "missed": c.missed,
             "timeout": c.timeout, "unviable": c.unviable, "equivalent": c.equivalent,
+            "untested": c.untested,
         }));
     }
     println!(
-        "{:<44} {:>6} {:>6} {:>7} {:>8} {:>10}",
-        "total", total.caught, total.missed, total.timeout, total.unviable, total.equivalent
+        "{:<44} {:>6} {:>6} {:>7} {:>8} {:>10} {:>8}",
+        "total",
+        total.caught,
+        total.missed,
+        total.timeout,
+        total.unviable,
+        total.equivalent,
+        total.untested
     );
     println!(
         "caught_ratio {:.4} in {:.0} s ({:.1} min)",
@@ -271,6 +294,7 @@ pub(crate) fn run(
         "timeout": total.timeout,
         "unviable": total.unviable,
         "equivalent": total.equivalent,
+        "untested": total.untested,
         "caught_ratio": total.ratio(),
         "seconds": seconds.round(),
         "groups": groups.iter().map(|g| g.name.as_str()).collect::<Vec<_>>().join(","),
@@ -320,6 +344,10 @@ fn run_lanes(
             .expect("at least one lane");
         lane.0 += sizes[i];
         lane.1.push(i);
+    }
+    // Each lane runs its smallest group first: an interrupted run has finished the most groups.
+    for (_, members) in &mut plan {
+        members.sort_by_key(|&i| sizes[i]);
     }
     let results: Vec<Result<()>> = std::thread::scope(|scope| {
         let handles: Vec<_> = plan
@@ -607,7 +635,7 @@ fn escape(s: &str) -> String {
 
 /// Each mutant of a `mutants.out` with the list that names it: cargo-mutants' `caught.txt`,
 /// `missed.txt`, `timeout.txt`, `unviable.txt`, and with `--iterate` the `previously_caught.txt`
-/// of the mutants an earlier run caught and this one skipped.
+/// of the mutants an earlier run caught and this one skipped. Lists not there are empty.
 fn read_lists(dir: &Path) -> Result<Vec<(&'static str, String)>> {
     let mut out = Vec::new();
     for list in [
@@ -620,9 +648,9 @@ fn read_lists(dir: &Path) -> Result<Vec<(&'static str, String)>> {
         let path = dir.join(list);
         let text = match fs::read_to_string(&path) {
             Ok(t) => t,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound && list.starts_with("prev") => {
-                continue
-            }
+            // Missing: an earlier run's list (--iterate), or a group never run (--report);
+            // a mutant named in no list is reported as such by the caller.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
             Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
         };
         let mut names: Vec<String> = text.lines().map(str::to_owned).collect();
