@@ -293,6 +293,37 @@ fn a_fetch_that_times_out_reports_what_it_quarantined() {
 }
 
 #[test]
+fn a_replacing_put_reuses_the_blocks_of_the_object_it_replaces() {
+    let p = pair(4096, 4096);
+    let first = pattern(12, 100);
+    // Another object first, so that "x" lives at a block that does not start the pool.
+    let _a = p
+        .sender
+        .put("a", &[TensorRef::new(DType::U8, &[100], &first).unwrap()])
+        .unwrap();
+    let old = p
+        .sender
+        .put(
+            "x",
+            &[TensorRef::new(DType::U8, &[64], &first[..64]).unwrap()],
+        )
+        .unwrap();
+    assert!(old.blocks[0].remote.offset > 0);
+    let new_data = pattern(13, 64);
+    let new = p
+        .sender
+        .put("x", &[TensorRef::new(DType::U8, &[64], &new_data).unwrap()])
+        .unwrap();
+    assert_eq!(
+        new.blocks[0].remote, old.blocks[0].remote,
+        "written in place"
+    );
+    assert_eq!(p.sender.report().used, 100 + 64);
+    let got = p.receiver.fetch(&new, &p.peer).unwrap().wait().unwrap();
+    assert_eq!(got[0].data(), &new_data[..]);
+}
+
+#[test]
 fn slice_outlives_its_parent_view() {
     let p = pair(4096, 64);
     let data = pattern(2, 64);
