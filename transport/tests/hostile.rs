@@ -897,6 +897,27 @@ fn scoped_pair(make: fn(&str) -> Agent) {
     ])
     .unwrap();
     assert_eq!(e2.wait_written(200, HANG_GUARD), 200);
+    // Spans apart count as two ranges: the gap between them is still unwritten.
+    write(other.remote_range(100, 100).unwrap(), 100).unwrap();
+    assert_eq!(e2.wait_written(300, HANG_GUARD), 300);
+    // Touching spans count once each.
+    write2([
+        other.remote_range(2000, 100).unwrap(),
+        other.remote_range(2100, 100).unwrap(),
+    ])
+    .unwrap();
+    assert_eq!(e2.wait_written(500, HANG_GUARD), 500);
+    // Touching spans of two exposures count in each.
+    assert_eq!(block.offset() + 8192, other.offset());
+    let e1 = block.expose("client", Ops::WRITE);
+    write2([
+        block.remote_range(8192 - 100, 100).unwrap(),
+        other.remote_range(4000, 100).unwrap(),
+    ])
+    .unwrap();
+    assert_eq!(e2.wait_written(600, HANG_GUARD), 600);
+    assert_eq!(e1.wait_written(100, HANG_GUARD), 100);
+    assert_eq!(e2.written(), 600);
     // Unscoped registrations behave as before.
     let pb = plain.lease(4096, 4096).unwrap();
     write(pb.remote().unwrap(), 4096).unwrap();
