@@ -28,6 +28,38 @@ fn prepare(unit: &mut Unit<VecMem>, now: Instant, id: u64) -> Response {
     }
 }
 
+/// On session 1: PUT `put` prepared and committed (request `commit`), then a GET of it
+/// (request `get`) answered `GetReady`, and its GET_INTO (request `into`) turned into the
+/// unit's WRITE.
+fn get_being_written(unit: &mut Unit<VecMem>, now: Instant, [put, commit, get, into]: [u64; 4]) {
+    assert!(matches!(prepare(unit, now, put), Response::PutReady { .. }));
+    assert_eq!(
+        unit.handle(now, 1, commit, Request::Commit { put }).len(),
+        1
+    );
+    let req = Request::Get {
+        partition: "p".into(),
+        indexes: vec![put],
+        fields: vec!["x".into()],
+    };
+    assert!(matches!(
+        unit.handle(now, 1, get, req).into_iter().next(),
+        Some(Output::Reply {
+            response: Response::GetReady { .. },
+            ..
+        })
+    ));
+    let req = Request::GetInto {
+        get,
+        block: RemoteDesc::new(7, 0, 256),
+    };
+    let out = unit.handle(now, 1, into, req).into_iter().next();
+    assert!(
+        matches!(out, Some(Output::Write { get: g, id, .. }) if g == get && id == into),
+        "{out:?}"
+    );
+}
+
 /// A session's teardown, its executor finishing a GET and the timer expiring its prepared
 /// PUT, in any order on three threads: the leased and quarantined accounting ends at zero
 /// and every block is back.
@@ -59,31 +91,7 @@ fn loom_session_executor_and_timer_release_everything() {
             maybe_written: true,
         };
         assert_eq!(unit.handle(now, 1, 3, cancel).len(), 1);
-        assert!(matches!(
-            prepare(&mut unit, now, 4),
-            Response::PutReady { .. }
-        ));
-        assert_eq!(unit.handle(now, 1, 40, Request::Commit { put: 4 }).len(), 1);
-        let get = Request::Get {
-            partition: "p".into(),
-            indexes: vec![4],
-            fields: vec!["x".into()],
-        };
-        assert!(matches!(
-            unit.handle(now, 1, 5, get).into_iter().next(),
-            Some(Output::Reply {
-                response: Response::GetReady { .. },
-                ..
-            })
-        ));
-        let into = Request::GetInto {
-            get: 5,
-            block: RemoteDesc::new(7, 0, 256),
-        };
-        assert!(matches!(
-            unit.handle(now, 1, 6, into).into_iter().next(),
-            Some(Output::Write { .. })
-        ));
+        get_being_written(&mut unit, now, [4, 40, 5, 6]);
         let s = unit.stats();
         assert!(s.leased_bytes > 0 && s.quarantined_bytes > 0 && s.pending_gets == 1);
         let exposed = s.leased_bytes + s.quarantined_bytes;
@@ -253,31 +261,7 @@ fn a_get_write_done_is_answered_and_counted() {
         unit.open_session(1);
         let _ = crate::testing::handshake::open(&mut unit, now, 1, 0, vec![], None);
         unit.session_ready(1, "client");
-        assert!(matches!(
-            prepare(&mut unit, now, 1),
-            Response::PutReady { .. }
-        ));
-        assert_eq!(unit.handle(now, 1, 2, Request::Commit { put: 1 }).len(), 1);
-        let get = Request::Get {
-            partition: "p".into(),
-            indexes: vec![1],
-            fields: vec!["x".into()],
-        };
-        assert!(matches!(
-            unit.handle(now, 1, 3, get).into_iter().next(),
-            Some(Output::Reply {
-                response: Response::GetReady { .. },
-                ..
-            })
-        ));
-        let into = Request::GetInto {
-            get: 3,
-            block: RemoteDesc::new(7, 0, 256),
-        };
-        assert!(matches!(
-            unit.handle(now, 1, 4, into).into_iter().next(),
-            Some(Output::Write { get: 3, id: 4, .. })
-        ));
+        get_being_written(&mut unit, now, [1, 2, 3, 4]);
         let out = unit.transfer_done(1, 3, 4, Ok(()));
         assert!(
             matches!(
