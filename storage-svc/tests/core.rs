@@ -1399,3 +1399,38 @@ fn a_replacing_put_is_credited_what_it_replaces() {
     );
     assert_eq!(h.stats().keys, 1);
 }
+
+/// A pushed PUT waiting for its COMMIT hands the driver what it exposed, to wait for its
+/// WRITE's record on; a committed, a pulled or an unknown PUT hands nothing.
+#[test]
+fn a_pushed_put_hands_the_driver_its_exposure_until_commit() {
+    let mut h = Harness::new(UnitConfig::default());
+    let mem = VecMem::new(1 << 24);
+    h.unit = Unit::new(UnitConfig::default(), mem.clone());
+    open_session(&mut h.unit, h.now, S, "client");
+    let value = Value::Tensor(Tensor::from_slice(&[4096], &vec![1u8; 4096]).unwrap());
+    let frames = encode(&batch(1, vec![value.clone()])).unwrap();
+    let (id, r) = h.req(Request::Put {
+        partition: "p".into(),
+        indexes: vec![1],
+        fields: vec!["x".into()],
+        meta: ByteBuf::from(frames.meta.to_vec()),
+        inline: None,
+        pull: None,
+    });
+    assert!(matches!(r, Response::PutReady { .. }), "{r:?}");
+    mem.writes_land(false);
+    let written = h
+        .unit
+        .put_written(S, id)
+        .expect("a pending pushed PUT is exposed");
+    assert!(!written.is_written());
+    mem.writes_land(true);
+    assert!(written.is_written());
+    assert!(h.unit.put_written(S, id + 100).is_none());
+    assert_eq!(h.req(Request::Commit { put: id }).1, Response::Done);
+    assert!(h.unit.put_written(S, id).is_none(), "a committed PUT");
+    let mut pulled = Harness::pulling(UnitConfig::default());
+    let (id, _) = pulled.pull_put("p", &[1], &value);
+    assert!(pulled.unit.put_written(S, id).is_none(), "a pulled PUT");
+}

@@ -34,3 +34,8 @@ pub use notify::{NextNotification, Notification, MAX_NOTIFICATION};
 pub use pool::{FrozenBlock, PoolBlock, RegisteredPool};
 pub use region::Region;
 pub use transfer::{Op, Status, Transfer};
+
+/// How long a unit test waits for a transfer before it fails: a transfer that never completes
+/// fails its test rather than hanging the test binary.
+#[cfg(test)]
+const TEST_WAIT: std::time::Duration = std::time::Duration::from_secs(20);

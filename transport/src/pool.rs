@@ -381,7 +381,7 @@ mod tests {
         let peer = a.add_remote(&b.metadata()).unwrap();
         peer.write(&[local], &[g.remote(0, 50).unwrap()], None)
             .unwrap()
-            .wait()
+            .wait_timeout(crate::TEST_WAIT)
             .unwrap();
         let mut got = [0u8; 50];
         inbox.read_at(0, &mut got).unwrap();
@@ -440,7 +440,7 @@ mod tests {
             None,
         )
         .unwrap()
-        .wait()
+        .wait_timeout(crate::TEST_WAIT)
         .unwrap();
         inbox.read_at(0, &mut got).unwrap();
         assert_eq!(&got, b"tensor");

@@ -6,6 +6,15 @@ use crate::error::BackendError;
 use crate::{RejectReason, RemoteDesc, TransferError};
 use tessera_sync::{model, thread};
 
+/// The transfer's outcome: under loom once it completes, otherwise within [`crate::TEST_WAIT`],
+/// so that a transfer that never completes fails its test instead of hanging the binary.
+fn outcome(t: crate::Transfer) -> Result<(), TransferError> {
+    #[cfg(tessera_loom)]
+    return t.wait();
+    #[cfg(not(tessera_loom))]
+    t.wait_timeout(crate::TEST_WAIT)
+}
+
 /// An engine that counts registrations and parks posted transfers for the test to
 /// complete from another thread.
 #[derive(Default)]
@@ -287,7 +296,7 @@ fn loom_completion_releases_before_waking() {
         drop((block, peer));
         let xfer = engine.parked.lock().pop().unwrap();
         let completer = thread::spawn(move || xfer.done.complete(Ok(())));
-        assert_eq!(t.wait(), Ok(()));
+        assert_eq!(outcome(t), Ok(()));
         assert_eq!(pool.report().used, 0, "block released before completion");
         assert_eq!(a.report().in_flight, 0);
         completer.join().unwrap();
@@ -328,7 +337,7 @@ fn loom_local_only_registration_outlives_its_transfer() {
         let xfer = engine.parked.lock().pop().unwrap();
         assert_eq!(xfer.plan().segments()[0].local_reg, id, "the plan pins it");
         let completer = thread::spawn(move || xfer.done.complete(Ok(())));
-        assert_eq!(t.wait(), Ok(()));
+        assert_eq!(outcome(t), Ok(()));
         completer.join().unwrap();
         assert_eq!(a.report().registrations, 1);
         assert_eq!(*engine.live.lock(), 1);
@@ -358,7 +367,7 @@ fn loom_lost_status_is_a_failure() {
         let xfer = engine.parked.lock().pop().unwrap();
         let dropper = thread::spawn(move || drop(xfer));
         assert!(matches!(
-            t.wait(),
+            outcome(t),
             Err(TransferError::StatusLost { ref peer }) if peer == "b"
         ));
         dropper.join().unwrap();
@@ -535,7 +544,11 @@ fn a_prepared_post_takes_a_notification_of_exactly_the_maximum() {
         )
         .unwrap();
     let max = vec![7u8; MAX_NOTIFICATION];
-    prepared.post(Some(&max)).unwrap().wait().unwrap();
+    prepared
+        .post(Some(&max))
+        .unwrap()
+        .wait_timeout(crate::TEST_WAIT)
+        .unwrap();
     let note = receiver
         .try_notification()
         .expect("delivered after the data");

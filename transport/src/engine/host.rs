@@ -267,3 +267,50 @@ impl fmt::Debug for Grant {
             .finish()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::exposure::{Ops, Scope};
+
+    /// A WRITE's grant records each span in the exposure it lies in: touching spans of one
+    /// exposure as one range, a span that does not follow the one before it, or lies in
+    /// another exposure, on its own. A READ's grant records nothing.
+    #[test]
+    fn a_granted_write_records_each_span_in_its_own_exposure() {
+        let scope = Arc::new(Scope::new(true));
+        let a = scope.expose("p", 100, 40, Ops::READ_WRITE, None);
+        let b = scope.expose("p", 140, 20, Ops::WRITE, None);
+        let state = |offset, len| scope.check("p", Op::Write, offset, len).unwrap().unwrap();
+        let (ea, eb) = (state(100, 40), state(140, 20));
+        // Out of order, touching, and across the two exposures' common edge.
+        let exposed = vec![
+            (ea.clone(), 130, 10),
+            (ea.clone(), 100, 10),
+            (ea.clone(), 110, 10),
+            (eb, 140, 10),
+        ];
+        let read = Grant {
+            exposed: exposed.clone(),
+            op: Some(Op::Read),
+            ..Grant::default()
+        };
+        read.mark_written();
+        assert_eq!((a.written(), b.written()), (0, 0), "a READ writes nothing");
+        let write = Grant {
+            exposed,
+            op: Some(Op::Write),
+            ..Grant::default()
+        };
+        write.mark_written();
+        assert_eq!((a.written(), b.written()), (30, 10));
+        // The bytes between the spans stay unwritten: writing them completes the exposure.
+        let gap = Grant {
+            exposed: vec![(ea, 120, 10)],
+            op: Some(Op::Write),
+            ..Grant::default()
+        };
+        gap.mark_written();
+        assert!(a.is_fully_written());
+    }
+}
