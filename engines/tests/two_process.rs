@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use tessera_engines::EngineKind;
-use tessera_transport::testing::{pattern, HANG_GUARD};
+use tessera_transport::testing::{hang_guard, pattern};
 use tessera_transport::{Agent, Region, RemoteDesc};
 
 mod engines_common;
@@ -60,7 +60,7 @@ fn initiator_killed_mid_transfer(kind: &str) {
         None,
     )
     .unwrap()
-    .wait_timeout(HANG_GUARD)
+    .wait_timeout(hang_guard())
     .unwrap();
     assert_eq!(other.cmd("CHECK 0 4096 8"), "OK");
 }

@@ -8,9 +8,8 @@ use std::time::Duration;
 
 use tessera_nixl::raw::{NixlEngine, NixlPeer, NixlRegion, Pending, XferOpDesc};
 use tessera_nixl::{NixlConfig, NixlEngineError, Side, XferKind};
+use tessera_transport::testing::hang_guard;
 
-/// Hang guard only: every wait that could hang in a broken engine fails the test instead.
-const GUARD: Duration = Duration::from_secs(120);
 const MIB: usize = 1 << 20;
 /// Set in the helper process that `peer_death_mid_transfer_across_processes` spawns.
 const CHILD: &str = "TESSERA_NIXL_TEST_CHILD";
@@ -87,7 +86,8 @@ fn op(local: &Reg, local_offset: u64, remote: u64, remote_offset: u64, len: u64)
 }
 
 fn done(mut p: Pending) -> Result<(), NixlEngineError> {
-    p.wait_timeout(GUARD).expect("transfer did not finish")
+    p.wait_timeout(hang_guard())
+        .expect("transfer did not finish")
 }
 
 #[test]
@@ -195,7 +195,9 @@ fn notification_arrives_after_the_data() {
             Some(b"landed".to_vec()),
         )
         .unwrap();
-    let (from, msg) = b.recv_notification(Some(GUARD)).expect("no notification");
+    let (from, msg) = b
+        .recv_notification(Some(hang_guard()))
+        .expect("no notification");
     assert_eq!(from, "notify-a");
     assert_eq!(msg, b"landed");
     assert!(dst.bytes() == src.bytes(), "notification before the data");
@@ -225,7 +227,7 @@ fn notification_callback_receives_messages() {
     }
     let mut got: Vec<Vec<u8>> = (0..3)
         .map(|_| {
-            let (from, msg) = rx.recv_timeout(GUARD).expect("notification");
+            let (from, msg) = rx.recv_timeout(hang_guard()).expect("notification");
             assert_eq!(from, "cb-a");
             msg
         })

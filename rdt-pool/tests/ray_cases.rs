@@ -235,7 +235,7 @@ fn faulty_pair(
 
 /// Waits until the receiver's quarantine is empty again.
 fn until_released(receiver: &ReceiverPool) {
-    let deadline = std::time::Instant::now() + tessera_transport::testing::HANG_GUARD;
+    let deadline = std::time::Instant::now() + tessera_transport::testing::hang_guard();
     while receiver.report().quarantined > 0 {
         assert!(std::time::Instant::now() < deadline, "never released");
         std::thread::sleep(std::time::Duration::from_millis(5));

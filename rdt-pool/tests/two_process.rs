@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use common::pattern;
 use tessera_rdt_pool::{DType, FetchError, ObjectDescriptor, ReceiverPool, SenderPool, TensorRef};
-use tessera_transport::testing::HANG_GUARD;
+use tessera_transport::testing::hang_guard;
 use tessera_transport::{shm::Shm, tcp::Tcp, Agent};
 
 fn agent(kind: &str, name: &str) -> Arc<Agent> {
@@ -200,7 +200,7 @@ impl Child {
             if state == Some("T") || state == Some("t") {
                 return;
             }
-            assert!(guard.elapsed() < HANG_GUARD, "child never stopped");
+            assert!(guard.elapsed() < hang_guard(), "child never stopped");
             std::thread::sleep(Duration::from_millis(5));
         }
     }
@@ -234,7 +234,7 @@ fn round_trip(kind: &str) {
     let tensors = pool
         .fetch(&desc, &peer)
         .unwrap()
-        .wait_timeout(HANG_GUARD)
+        .wait_timeout(hang_guard())
         .unwrap();
     for (i, (t, s)) in tensors.iter().zip(&specs).enumerate() {
         assert_eq!(
@@ -291,7 +291,7 @@ fn round_trip(kind: &str) {
     child.signal("-CONT");
     let guard = std::time::Instant::now();
     while pool.report().quarantined > 0 {
-        assert!(guard.elapsed() < HANG_GUARD, "quarantine never resolved");
+        assert!(guard.elapsed() < hang_guard(), "quarantine never resolved");
         std::thread::sleep(Duration::from_millis(10));
     }
     assert_eq!(

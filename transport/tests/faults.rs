@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use tessera_transport::testing::{pattern, Fault, Faults, Faulty, HANG_GUARD};
+use tessera_transport::testing::{hang_guard, pattern, Fault, Faults, Faulty};
 use tessera_transport::{shm::Shm, tcp::Tcp, Agent, Inproc, Op, Peer, Region, TransferError};
 
 fn agents(engine: &str, faults: &Faults) -> (Agent, Agent) {
@@ -36,7 +36,7 @@ fn each_fault_reaches_the_caller(engine: &str) {
                 None,
             )
             .unwrap();
-        let r = t.wait_timeout(HANG_GUARD);
+        let r = t.wait_timeout(hang_guard());
         assert_eq!(faults.armed(), faults_left);
         r
     };
@@ -74,14 +74,14 @@ fn each_fault_reaches_the_caller(engine: &str) {
         )
         .unwrap();
     assert!(matches!(
-        t.wait_timeout(HANG_GUARD),
+        t.wait_timeout(hang_guard()),
         Err(TransferError::PeerGone { .. })
     ));
     assert_eq!((faults.armed(), faults.injected()), (0, 5));
 
     // Nothing a failed transfer held stays held: the registrations go once their guards do.
     drop((ga, gb, peer));
-    let deadline = Instant::now() + HANG_GUARD;
+    let deadline = Instant::now() + hang_guard();
     while a.report().registrations != 0 || b.report().registrations != 0 {
         assert!(Instant::now() < deadline, "registrations still held");
         std::thread::sleep(Duration::from_millis(5));
@@ -115,7 +115,7 @@ fn agent(engine: &str, name: &str, faults: Option<&Faults>) -> Agent {
 }
 
 fn until(what: &str, f: impl Fn() -> bool) {
-    let deadline = Instant::now() + HANG_GUARD;
+    let deadline = Instant::now() + hang_guard();
     while !f() {
         assert!(Instant::now() < deadline, "{what}");
         std::thread::sleep(Duration::from_millis(5));
@@ -125,7 +125,7 @@ fn until(what: &str, f: impl Fn() -> bool) {
 /// A fresh peer handle on `target`; the target may take a moment to see the old link end
 /// (`tcp` refuses a second link under a live name).
 fn reconnect(from: &Agent, target: &Agent) -> Peer {
-    let deadline = Instant::now() + HANG_GUARD;
+    let deadline = Instant::now() + hang_guard();
     loop {
         match from.add_remote(&target.metadata()) {
             Ok(p) => return p,
@@ -150,7 +150,7 @@ fn serves_others(engine: &str, target: &Agent) {
         None,
     )
     .unwrap()
-    .wait_timeout(HANG_GUARD)
+    .wait_timeout(hang_guard())
     .unwrap();
     let mut got = vec![0u8; 4096];
     rt.read_at(0, &mut got).unwrap();
@@ -170,7 +170,7 @@ fn transfer(
         Op::Read => peer.read(&[l], &[r], None),
     }
     .unwrap();
-    t.wait_timeout(HANG_GUARD)
+    t.wait_timeout(hang_guard())
 }
 
 /// A 64 MiB WRITE and READ whose link is cut under them fail with the engine's own error;

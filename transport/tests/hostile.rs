@@ -7,7 +7,7 @@ use std::os::unix::net::{SocketAddr, UnixStream};
 use std::time::Duration;
 
 use tessera_transport::testing::raw::{Answer, RawPeer, RawShm, RawTcp, Span};
-use tessera_transport::testing::{pattern, HANG_GUARD};
+use tessera_transport::testing::{hang_guard, pattern};
 use tessera_transport::{shm::Shm, tcp::Tcp, Agent, Region, TransferError};
 
 /// The engine address inside an agent's metadata (magic, version, name, kind, address).
@@ -34,7 +34,7 @@ fn still_serves(target: &Agent, make: impl Fn(&str) -> Agent) {
             None,
         )
         .unwrap();
-    t.wait_timeout(HANG_GUARD).unwrap();
+    t.wait_timeout(hang_guard()).unwrap();
     let mut got = vec![0u8; 4096];
     rb.read_at(0, &mut got).unwrap();
     assert_eq!(got, pattern(3, 4096));
@@ -113,7 +113,7 @@ fn shm_refuses_private_memory_as_a_target() {
             None,
         )
         .unwrap();
-    match t.wait_timeout(HANG_GUARD) {
+    match t.wait_timeout(hang_guard()) {
         Err(TransferError::Backend { peer, source }) => {
             assert_eq!(peer, "b");
             assert_eq!(source.backend, "shm");
@@ -547,7 +547,7 @@ fn a_hello_under_a_live_peers_name_leaves_its_link_working() {
                 None,
             )
             .unwrap()
-            .wait_timeout(HANG_GUARD)
+            .wait_timeout(hang_guard())
         };
         write(1).unwrap();
         let err = if shm {
@@ -652,7 +652,7 @@ fn shm_connect_to_a_full_backlog_fails_at_its_deadline() {
         );
     });
     let result = rx
-        .recv_timeout(HANG_GUARD)
+        .recv_timeout(hang_guard())
         .expect("add_remote blocked on a full backlog");
     let err = result.unwrap_err();
     assert!(err.contains("backlog"), "{err}");
@@ -694,7 +694,7 @@ fn pre_auth_bounds_close_without_allocating() {
     s.write_all(&hello).unwrap();
     let got = drain_until_closed(&s);
     assert!(got.first() != Some(&5), "a half handshake was acknowledged");
-    assert!(started.elapsed() < HANG_GUARD);
+    assert!(started.elapsed() < hang_guard());
     assert!(started.elapsed() >= deadline, "closed before the deadline");
     still_serves(&target, |n| Agent::new(n, Shm::new()).unwrap());
     still_serves(&tcp, |n| Agent::new(n, Tcp::new()).unwrap());
@@ -714,7 +714,7 @@ fn tcp_descriptor_buffers_grow_only_as_bytes_arrive() {
     head[4..8].copy_from_slice(&(1u32 << 22).to_le_bytes());
     s.send_header(head, &[0u8; 1000]).unwrap();
     drop(s);
-    let deadline = Instant::now() + HANG_GUARD;
+    let deadline = Instant::now() + hang_guard();
     while target.peer_link("raw") != tessera_transport::LinkState::Closed {
         assert!(Instant::now() < deadline, "the link never closed");
         std::thread::sleep(Duration::from_millis(10));
@@ -803,12 +803,12 @@ fn scoped_pair(make: fn(&str) -> Agent) {
     let write = |remote: tessera_transport::RemoteDesc, len: u64| {
         peer.write(&[gc.desc(0, len).unwrap()], &[remote], None)
             .unwrap()
-            .wait_timeout(HANG_GUARD)
+            .wait_timeout(hang_guard())
     };
     let read = |remote: tessera_transport::RemoteDesc, len: u64| {
         peer.read(&[gc.desc(32768, len).unwrap()], &[remote], None)
             .unwrap()
-            .wait_timeout(HANG_GUARD)
+            .wait_timeout(hang_guard())
     };
     let not_exposed = |r: Result<(), TransferError>| {
         assert!(
@@ -838,17 +838,17 @@ fn scoped_pair(make: fn(&str) -> Agent) {
     assert_eq!(e.written(), 0);
     // shm counts at the target's DONE, which may trail the initiator's completion.
     write(block.remote_range(0, 1000).unwrap(), 1000).unwrap();
-    assert_eq!(e.wait_written(1000, HANG_GUARD), 1000);
+    assert_eq!(e.wait_written(1000, hang_guard()), 1000);
     write(block.remote_range(500, 1000).unwrap(), 1000).unwrap();
     assert_eq!(
-        e.wait_written(1500, HANG_GUARD),
+        e.wait_written(1500, hang_guard()),
         1500,
         "overlapping writes count once"
     );
     assert_eq!(e.written(), 1500);
     assert!(!e.is_fully_written());
     write(block.remote_range(1500, 8192 - 1500).unwrap(), 8192 - 1500).unwrap();
-    assert!(e.wait_fully_written(HANG_GUARD));
+    assert!(e.wait_fully_written(hang_guard()));
     assert!(e.is_fully_written());
     let mut got = vec![0u8; 1500];
     block.read_at(1500, &mut got).unwrap();
@@ -871,7 +871,7 @@ fn scoped_pair(make: fn(&str) -> Agent) {
         let locals = [gc.desc(0, 100).unwrap(), gc.desc(100, 100).unwrap()];
         peer.write(&locals, &remotes, None)
             .unwrap()
-            .wait_timeout(HANG_GUARD)
+            .wait_timeout(hang_guard())
     };
     let before = {
         let mut b = vec![0u8; 8192];
@@ -896,17 +896,17 @@ fn scoped_pair(make: fn(&str) -> Agent) {
         other.remote_range(1000, 100).unwrap(),
     ])
     .unwrap();
-    assert_eq!(e2.wait_written(200, HANG_GUARD), 200);
+    assert_eq!(e2.wait_written(200, hang_guard()), 200);
     // Spans apart count as two ranges: the gap between them is still unwritten.
     write(other.remote_range(100, 100).unwrap(), 100).unwrap();
-    assert_eq!(e2.wait_written(300, HANG_GUARD), 300);
+    assert_eq!(e2.wait_written(300, hang_guard()), 300);
     // Touching spans count once each.
     write2([
         other.remote_range(2000, 100).unwrap(),
         other.remote_range(2100, 100).unwrap(),
     ])
     .unwrap();
-    assert_eq!(e2.wait_written(500, HANG_GUARD), 500);
+    assert_eq!(e2.wait_written(500, hang_guard()), 500);
     // Touching spans of two exposures count in each.
     assert_eq!(block.offset() + 8192, other.offset());
     let e1 = block.expose("client", Ops::WRITE);
@@ -915,8 +915,8 @@ fn scoped_pair(make: fn(&str) -> Agent) {
         other.remote_range(4000, 100).unwrap(),
     ])
     .unwrap();
-    assert_eq!(e2.wait_written(600, HANG_GUARD), 600);
-    assert_eq!(e1.wait_written(100, HANG_GUARD), 100);
+    assert_eq!(e2.wait_written(600, hang_guard()), 600);
+    assert_eq!(e1.wait_written(100, hang_guard()), 100);
     assert_eq!(e2.written(), 600);
     // Unscoped registrations behave as before.
     let pb = plain.lease(4096, 4096).unwrap();
@@ -925,7 +925,7 @@ fn scoped_pair(make: fn(&str) -> Agent) {
     let counted = pb.expose("client", Ops::WRITE);
     let _elsewhere = pb.expose("someone", Ops::READ);
     write(pb.remote_range(0, 100).unwrap(), 100).unwrap();
-    assert_eq!(counted.wait_written(100, HANG_GUARD), 100);
+    assert_eq!(counted.wait_written(100, hang_guard()), 100);
     read(pb.remote().unwrap(), 4096).unwrap();
 }
 
@@ -1014,7 +1014,7 @@ fn shm_reader_grows_only_as_bytes_arrive() {
     s.write_all(&header).unwrap();
     s.write_all(&[0u8; 1000]).unwrap();
     drop(s);
-    let deadline = Instant::now() + HANG_GUARD;
+    let deadline = Instant::now() + hang_guard();
     while target.peer_link("raw") != tessera_transport::LinkState::Closed {
         assert!(Instant::now() < deadline, "the link never closed");
         std::thread::sleep(Duration::from_millis(10));

@@ -6,14 +6,12 @@ use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use tessera_transport::testing::hang_guard;
 use tessera_ucx::raw::{MemRegion, RmaOp, UcxEndpoint, UcxEngine};
 use tessera_ucx::{ErrorHandling, RmaKind, Side, UcxConfig, UcxError};
 
 /// Set in the helper process that `two_processes_and_peer_death_mid_transfer` spawns.
 const CHILD: &str = "TESSERA_UCX_TEST_CHILD";
-
-/// Hang guard only: every wait that could hang in a broken engine fails the test instead.
-const GUARD: Duration = Duration::from_secs(120);
 
 /// Heap memory registered with an engine; the registration is dropped before the memory.
 struct Reg {
@@ -84,7 +82,8 @@ fn op(local: &Reg, local_offset: u64, remote: u64, remote_offset: u64, len: u64)
 }
 
 fn done(mut p: tessera_ucx::raw::Pending) -> Result<(), UcxError> {
-    p.wait_timeout(GUARD).expect("transfer did not finish")
+    p.wait_timeout(hang_guard())
+        .expect("transfer did not finish")
 }
 
 const MIB: usize = 1 << 20;
@@ -125,7 +124,7 @@ fn without_peer_error_handling_bytes_move_too() {
     .unwrap();
     assert!(dst.bytes() == src.bytes());
     assert_eq!(
-        b.recv_notification(Some(GUARD)).map(|n| n.1),
+        b.recv_notification(Some(hang_guard())).map(|n| n.1),
         Some(b"n".to_vec())
     );
 }
@@ -218,7 +217,9 @@ fn notification_arrives_after_the_data() {
             Some(b"landed".to_vec()),
         )
         .unwrap();
-    let (from, msg) = b.recv_notification(Some(GUARD)).expect("no notification");
+    let (from, msg) = b
+        .recv_notification(Some(hang_guard()))
+        .expect("no notification");
     assert_eq!(from, "notify-a");
     assert_eq!(msg, b"landed");
     assert!(dst.bytes() == src.bytes(), "notification before the data");
@@ -247,7 +248,7 @@ fn notification_callback_receives_messages() {
         .unwrap();
     }
     for i in 0..3u8 {
-        let (from, msg) = rx.recv_timeout(GUARD).expect("notification");
+        let (from, msg) = rx.recv_timeout(hang_guard()).expect("notification");
         assert_eq!(from, "cb-a");
         assert_eq!(msg, vec![i; 100]);
     }

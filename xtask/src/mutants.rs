@@ -29,6 +29,8 @@ const VERSION: &str = "27.1.0";
 
 /// The list file, at the workspace root.
 const LIST: &str = "mutants.toml";
+/// `tessera_transport::testing::hang_guard` during runs, in seconds.
+const HANG_GUARD_SECS: u64 = 20;
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -404,6 +406,16 @@ fn run_group(r: &Runner<'_>, group: &Group, lane: usize, strays: &[String]) -> R
     if !group.tests.is_empty() {
         cmd.arg("--");
         cmd.args(&group.tests);
+        // Each test binary stops at its first failing test (libtest's `--fail-fast`, an
+        // unstable option that `RUSTC_BOOTSTRAP` in the binary's own environment allows; the
+        // build never sees it): one failure decides a mutant, and a test still waiting on a
+        // transfer the mutant hung no longer holds the binary until the time limit. Only for
+        // groups that name their test targets, since doctests run under rustdoc.
+        if !group.tests.iter().any(|a| a == "--") {
+            cmd.arg("--");
+        }
+        cmd.args(["-Zunstable-options", "--fail-fast"]);
+        cmd.env(runner_var()?, "env RUSTC_BOOTSTRAP=1");
     }
     println!(
         "==> lane {lane}: group {} (log: {})",
@@ -498,13 +510,34 @@ fn base_command(
     // A caught mutant fails at once: no shrinking, and no regression file written into
     // the source tree for a failure that only the mutant causes.
     .env("PROPTEST_MAX_SHRINK_ITERS", "0")
-    .env("PROPTEST_DISABLE_FAILURE_PERSISTENCE", "1");
+    .env("PROPTEST_DISABLE_FAILURE_PERSISTENCE", "1")
+    // A mutant that hangs transfers fails the tests that wait for them well within their
+    // time limit (at least 30 s), rather than timing out: a catch, not a timeout.
+    .env("TESSERA_TEST_HANG_GUARD_SECS", HANG_GUARD_SECS.to_string());
     if let Some(layout) = layout.filter(|_| group.backend) {
         cmd.env("TESSERA_UCX_DIR", layout.ucx_dir())
             .env("TESSERA_NIXL_LIB_DIR", layout.nixl_lib_dir());
         cmd.envs(deps::TEST_ENV.iter().copied());
     }
     cmd
+}
+
+/// `CARGO_TARGET_<HOST>_RUNNER`: the variable that wraps the host's test binaries when cargo
+/// runs them.
+fn runner_var() -> Result<String> {
+    let out = Command::new("rustc")
+        .arg("-vV")
+        .output()
+        .context("running rustc -vV")?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let host = text
+        .lines()
+        .find_map(|l| l.strip_prefix("host: "))
+        .context("rustc -vV names no host")?;
+    Ok(format!(
+        "CARGO_TARGET_{}_RUNNER",
+        host.to_uppercase().replace(['-', '.'], "_")
+    ))
 }
 
 /// The mutants of `group` as cargo-mutants generates them (no build, no test), equivalent ones

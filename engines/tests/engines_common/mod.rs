@@ -7,7 +7,7 @@ use std::io::{BufRead, BufReader, Lines, Write};
 use std::process::{ChildStdin, ChildStdout, Command, Stdio};
 use std::time::Duration;
 
-use tessera_transport::testing::{pattern, Target, TargetError, HANG_GUARD};
+use tessera_transport::testing::{hang_guard, pattern, Target, TargetError};
 use tessera_transport::{Agent, LocalDesc, Op, Region, RemoteDesc, TransferError};
 
 pub(crate) struct Child {
@@ -208,7 +208,7 @@ pub(crate) fn round_trip(parent: &Agent, kind: &str, env: &[(&str, &str)]) {
         .map(|i| RemoteDesc::new(child.reg, MIB + i * 8192, 8192))
         .collect();
     let t = peer.write(&local, &remote, Some(b"scatter")).unwrap();
-    t.wait_timeout(HANG_GUARD).unwrap();
+    t.wait_timeout(hang_guard()).unwrap();
     assert_eq!(child.cmd("NOTE"), "NOTE parent scatter");
     assert_eq!(child.cmd(&format!("CHECK {MIB} {} 5", 100 * 8192)), "OK");
 
@@ -219,7 +219,7 @@ pub(crate) fn round_trip(parent: &Agent, kind: &str, env: &[(&str, &str)]) {
             None,
         )
         .unwrap();
-    t.wait_timeout(HANG_GUARD).unwrap();
+    t.wait_timeout(hang_guard()).unwrap();
     let mut got = vec![0u8; 2 * MIB as usize];
     region.read_at(2 * MIB, &mut got).unwrap();
     let expected = pattern(1, 4 * MIB as usize);
@@ -232,7 +232,7 @@ pub(crate) fn round_trip(parent: &Agent, kind: &str, env: &[(&str, &str)]) {
     let mut got = vec![0u8; 65536];
     region.read_at(0, &mut got).unwrap();
     assert_eq!(got, pattern(1, 65536));
-    let note = parent.wait_notification(HANG_GUARD).unwrap();
+    let note = parent.wait_notification(hang_guard()).unwrap();
     assert_eq!(
         (note.from.as_str(), note.msg.as_slice()),
         ("peer", &b"pushed"[..])
@@ -264,14 +264,14 @@ pub(crate) fn killed_mid_transfer(parent: &Agent, kind: &str, env: &[(&str, &str
     child.proc.kill().unwrap();
     child.proc.wait().unwrap();
     for t in in_flight {
-        match t.wait_timeout(HANG_GUARD) {
+        match t.wait_timeout(hang_guard()) {
             Ok(()) | Err(TransferError::PeerGone { .. }) => {}
             Err(e) => panic!("unexpected: {e}"),
         }
     }
     let mut error = None;
     for _ in 0..100 {
-        match prepared[0].post(None).unwrap().wait_timeout(HANG_GUARD) {
+        match prepared[0].post(None).unwrap().wait_timeout(hang_guard()) {
             Ok(()) => std::thread::sleep(Duration::from_millis(10)),
             Err(e) => {
                 error = Some(e);
@@ -297,7 +297,7 @@ pub(crate) fn killed_mid_transfer(parent: &Agent, kind: &str, env: &[(&str, &str
         None,
     )
     .unwrap()
-    .wait_timeout(HANG_GUARD)
+    .wait_timeout(hang_guard())
     .unwrap();
     assert_eq!(again.cmd("CHECK 0 4096 8"), "OK");
     drop((local, reg, peer, same));
@@ -342,7 +342,7 @@ pub(crate) fn initiator_killed_mid_write(
     let mut got = vec![0u8; 65536];
     region.read_at(0, &mut got).unwrap();
     assert_eq!(got, pattern(1, 65536));
-    let note = parent.wait_notification(HANG_GUARD).unwrap();
+    let note = parent.wait_notification(hang_guard()).unwrap();
     assert_eq!(
         (note.from.as_str(), note.msg.as_slice()),
         ("peer", &b"pushed"[..])
@@ -354,7 +354,7 @@ pub(crate) fn initiator_killed_mid_write(
         None,
     )
     .unwrap()
-    .wait_timeout(HANG_GUARD)
+    .wait_timeout(hang_guard())
     .unwrap();
     assert_eq!(other.cmd("CHECK 0 4096 8"), "OK");
     other.exit();

@@ -163,7 +163,7 @@ pub fn restarted_peer(make: Factory<'_>) {
     )
     .unwrap();
     assert_eq!(read(&rb2, 0, 4096), pattern(41, 4096));
-    assert_eq!(b2.wait_notification(HANG_GUARD).unwrap().msg, b"back");
+    assert_eq!(b2.wait_notification(hang_guard()).unwrap().msg, b"back");
 }
 
 /// New metadata from a known peer replaces the old on the same handle.

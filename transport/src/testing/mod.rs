@@ -28,9 +28,19 @@ pub use lifecycle::*;
 /// Makes a fresh agent of the backend under test.
 pub type Factory<'a> = &'a dyn Fn(&str) -> Agent;
 
-/// Generous bound on how long any one transfer may take before the suite calls it a hang.
-/// It guards against hangs only; no test asserts speed.
-pub const HANG_GUARD: Duration = Duration::from_secs(120);
+/// Generous bound on how long any one transfer may take before a test calls it a hang: 120 s,
+/// or `TESSERA_TEST_HANG_GUARD_SECS` when set (mutation runs set it low, so that a mutant that
+/// hangs transfers fails its tests within their time limit). It guards against hangs only; no
+/// test asserts speed.
+pub fn hang_guard() -> Duration {
+    static GUARD: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
+    *GUARD.get_or_init(|| {
+        std::env::var("TESSERA_TEST_HANG_GUARD_SECS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .map_or(Duration::from_secs(120), Duration::from_secs)
+    })
+}
 
 /// Instantiates the conformance suite as a module of `#[test]`s for one backend.
 ///
@@ -166,7 +176,7 @@ pub trait Target {
     fn read_at(&mut self, reg: u64, offset: u64, len: u64) -> Vec<u8>;
     /// Adds the initiator's metadata: the target's handle on the initiator.
     fn add_remote(&mut self, metadata: &[u8]);
-    /// The next notification `(from, message)`, waiting up to [`HANG_GUARD`].
+    /// The next notification `(from, message)`, waiting up to [`hang_guard`].
     fn wait_notification(&mut self) -> Option<(String, Vec<u8>)>;
     /// The next notification, without waiting.
     fn try_notification(&mut self) -> Option<(String, Vec<u8>)>;
@@ -266,7 +276,7 @@ impl Target for LocalTarget {
 
     fn wait_notification(&mut self) -> Option<(String, Vec<u8>)> {
         self.agent
-            .wait_notification(HANG_GUARD)
+            .wait_notification(hang_guard())
             .map(|n| (n.from, n.msg))
     }
 
@@ -339,8 +349,8 @@ pub fn connect(a: &Agent, b: &Agent) -> (Peer, Peer) {
 }
 
 fn finish(t: crate::Transfer) -> Result<(), TransferError> {
-    match t.wait_timeout(HANG_GUARD) {
-        Err(TransferError::Timeout { .. }) => panic!("transfer hung past {HANG_GUARD:?}"),
+    match t.wait_timeout(hang_guard()) {
+        Err(TransferError::Timeout { .. }) => panic!("transfer hung past {:?}", hang_guard()),
         other => other,
     }
 }

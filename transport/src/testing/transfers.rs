@@ -499,7 +499,7 @@ pub fn big_transfer_over_4gib(make: Factory<'_>) {
         assert_eq!(read(&dst, m, 4), vec![i as u8 + 1; 4], "mark at {m}");
     }
     assert_eq!(read(&dst, 1 << 31, 4), vec![0; 4], "overwritten");
-    assert_eq!(b.wait_notification(HANG_GUARD).unwrap().msg, b"big");
+    assert_eq!(b.wait_notification(hang_guard()).unwrap().msg, b"big");
 }
 
 /// Several threads transfer on the same peer at once, each to its own range.
@@ -563,7 +563,7 @@ pub fn concurrent_tasks(make: Factory<'_>) {
                     let l = [ga.desc(t * CHUNK, CHUNK).unwrap()];
                     let r = [gb.remote(t * CHUNK, CHUNK).unwrap()];
                     let xfer = a_to_b.write(&l, &r, None).unwrap();
-                    tokio::time::timeout(HANG_GUARD, xfer)
+                    tokio::time::timeout(hang_guard(), xfer)
                         .await
                         .expect("no hang")
                         .unwrap();
