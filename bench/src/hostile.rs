@@ -388,7 +388,7 @@ impl UnitProc {
         let text: String = text
             .lines()
             .map(|l| match l.starts_with("prepare_ttl = ") {
-                true => format!("prepare_ttl = {PREPARE_TTL_MS}\n"),
+                true => format!("prepare_ttl = \"{PREPARE_TTL_MS}ms\"\n"),
                 false => format!("{l}\n"),
             })
             .collect();
@@ -429,9 +429,7 @@ impl UnitProc {
         };
         let mut line = String::new();
         BufReader::new(stdout.context("unit stdout")?).read_line(&mut line)?;
-        unit.addr = line
-            .trim()
-            .strip_prefix("listening ")
+        unit.addr = tessera_storage::announced_addr(&line)
             .with_context(|| format!("unexpected unit output {line:?}"))?
             .to_owned();
         Ok(unit)

@@ -127,6 +127,17 @@ pub enum ClientError {
         #[source]
         source: RemoteError,
     },
+    /// The unit's control address could not be connected to.
+    #[error("cannot reach unit {unit} at {addr}: {source}")]
+    Unreachable {
+        /// Which unit.
+        unit: usize,
+        /// Its address, as given.
+        addr: String,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
     /// The control connection failed.
     #[error("connection to unit {unit}: {source}")]
     Io {
@@ -156,10 +167,21 @@ pub enum ClientError {
     /// The unit did not prove that it holds the client's token (or the client has none and
     /// the unit has one): the session is not opened, nothing was sent but a nonce and the
     /// client's agent metadata.
-    #[error("unit {unit}: the unit did not prove it holds the token (wrong or missing token)")]
+    #[error(
+        "unit {unit}: {}",
+        if *had_token {
+            "the unit did not prove it holds this client's token: the tokens differ, or the \
+             unit has none"
+        } else {
+            "the unit requires a token and this client was given none"
+        }
+    )]
     Unauthenticated {
         /// Which unit.
         unit: usize,
+        /// Whether this client had a token (without one, a unit that requires one cannot
+        /// prove it holds it).
+        had_token: bool,
     },
     /// The unit's payload backend is not this client's; there is never a fallback.
     #[error("unit {unit}: transport: unit uses backend {theirs}, client {ours}; no fallback")]

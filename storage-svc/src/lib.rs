@@ -16,12 +16,13 @@ pub mod proto;
 mod server;
 #[doc(hidden)]
 pub mod testing;
+pub mod units;
 
 pub use crate::busy_poll::BusyPoll;
 pub use crate::client::{remote_error, Client, ClientConfig, Modulo, Placement};
 pub use crate::core::{PartitionStats, PoolStats, Stats, UnitConfig};
 pub use crate::error::{ClientError, ErrorKind, MemoryError, PayloadError, RemoteError, WireError};
 pub use crate::plane::{Backend, BackendExt, ParseBackendError};
-pub use crate::server::{Server, ServerConfig, ServerError};
+pub use crate::server::{announced_addr, Server, ServerConfig, ServerError};
 pub use tessera_framecodec::{DType, Tensor, Value};
 pub use tessera_transport::auth::Token;

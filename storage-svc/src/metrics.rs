@@ -1,4 +1,5 @@
-//! Metrics through the `metrics` facade: per-operation latency histograms, bytes in and out,
+//! Metrics through the `metrics` facade: per-operation latency (recorded as histograms, which the
+//! binary's Prometheus exporter renders as summaries), bytes in and out,
 //! registered / idle / leased / quarantined bytes, pool usage, errors by kind and per-peer
 //! transfer queue depth. Without an installed recorder (the library default) they cost a
 //! branch; the binary installs the Prometheus exporter.

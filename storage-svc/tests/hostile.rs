@@ -179,6 +179,7 @@ async fn a_wrong_token_is_unauthorized_and_learns_nothing() {
     assert!(closed(&mut s).await);
     // The same through the client, with no token and a wrong one.
     for token in [None, Some(wrong)] {
+        let had = token.is_some();
         let e = Client::connect(ClientConfig {
             token,
             ..client_cfg(&server)
@@ -186,7 +187,19 @@ async fn a_wrong_token_is_unauthorized_and_learns_nothing() {
         .await
         .err()
         .expect("connected without the token");
-        assert!(matches!(e, ClientError::Unauthenticated { unit: 0 }), "{e}");
+        assert!(
+            matches!(e, ClientError::Unauthenticated { unit: 0, had_token } if had_token == had),
+            "{e}"
+        );
+        let said = e.to_string();
+        assert!(
+            said.contains(if had {
+                "the tokens differ"
+            } else {
+                "requires a token"
+            }),
+            "{said}"
+        );
         assert_eq!(e.kind(), Some(ErrorKind::Unauthorized));
     }
     // A replayed proof of another session is refused: the unit's nonce is new each time.

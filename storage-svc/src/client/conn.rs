@@ -54,11 +54,18 @@ impl Conn {
         agent: &Arc<Agent>,
     ) -> Result<Conn, ClientError> {
         let io = |source| ClientError::Io { unit, source };
+        let unreachable = |source| ClientError::Unreachable {
+            unit,
+            addr: addr.to_owned(),
+            source,
+        };
         let (r, w): (
             Box<dyn AsyncRead + Send + Unpin>,
             Box<dyn AsyncWrite + Send + Unpin>,
         ) = if let Some(path) = addr.strip_prefix("unix:") {
-            let s = tokio::net::UnixStream::connect(path).await.map_err(io)?;
+            let s = tokio::net::UnixStream::connect(path)
+                .await
+                .map_err(unreachable)?;
             let fd = s.as_raw_fd();
             let (r, w) = s.into_split();
             (
@@ -66,7 +73,9 @@ impl Conn {
                 Box::new(w),
             )
         } else {
-            let s = tokio::net::TcpStream::connect(addr).await.map_err(io)?;
+            let s = tokio::net::TcpStream::connect(addr)
+                .await
+                .map_err(unreachable)?;
             s.set_nodelay(true).map_err(io)?;
             let fd = s.as_raw_fd();
             let (r, w) = s.into_split();
@@ -101,7 +110,10 @@ impl Conn {
         if nonce.len() != auth::NONCE_LEN
             || !auth::check(cfg.token.as_ref(), proto::UNIT_PROOF, &parts, &proof)
         {
-            return Err(ClientError::Unauthenticated { unit });
+            return Err(ClientError::Unauthenticated {
+                unit,
+                had_token: cfg.token.is_some(),
+            });
         }
         let proof = auth::prove(cfg.token.as_ref(), proto::CLIENT_PROOF, &parts);
         let auth_req = Request::Auth {

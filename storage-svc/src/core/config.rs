@@ -10,33 +10,43 @@ use tessera_transport::auth::Token;
 #[serde(default, deny_unknown_fields)]
 pub struct UnitConfig {
     /// Logical bytes the unit stores at most (payloads, strings and 8 bytes per scalar).
+    #[serde(with = "crate::units::size")]
     pub capacity_bytes: u64,
     /// Payloads up to this many bytes travel inline in control messages.
+    #[serde(with = "crate::units::size")]
     pub inline_max: u64,
     /// Alignment of frames in receive blocks.
+    #[serde(with = "crate::units::size")]
     pub align: u64,
     /// Indexes times fields in one request, at most.
     pub max_keys: u64,
     /// Payload bytes of one PUT or GET, at most.
+    #[serde(with = "crate::units::size")]
     pub max_payload_bytes: u64,
     /// Bytes of one meta frame, at most.
+    #[serde(with = "crate::units::size")]
     pub max_meta_bytes: u64,
     /// Bytes of registered memory leased to prepared PUTs, at most.
+    #[serde(with = "crate::units::size")]
     pub leased_limit: u64,
     /// Bytes of registered memory leased to the prepared PUTs of one session, at most (the
     /// capacity they reserve goes with them). Keep it well under `capacity_bytes` (the default
     /// is a quarter of the default capacity), so that a few sessions that prepare PUTs and
     /// never write them cannot leave others no room; a single PUT's payload cannot exceed it.
+    #[serde(with = "crate::units::size")]
     pub session_leased_limit: u64,
     /// Bytes of quarantined registered memory, at most; PUTs are refused beyond it.
+    #[serde(with = "crate::units::size")]
     pub quarantine_limit: u64,
     /// Bytes of quarantined registered memory of one client's agent, over its open and closed
     /// sessions, at most; its PUTs that need a block are refused beyond it (other clients'
     /// are not, and the unit's `quarantine_limit` refuses only clients holding some).
+    #[serde(with = "crate::units::size")]
     pub session_quarantine_limit: u64,
     /// What a stored key costs against `capacity_bytes` besides its value: this many bytes,
     /// plus the key's length (its field name and 8 bytes of index). An empty value is not
     /// free.
+    #[serde(with = "crate::units::size")]
     pub key_overhead_bytes: u64,
     /// Stored (field, index) keys, at most.
     pub max_stored_keys: u64,
@@ -44,13 +54,13 @@ pub struct UnitConfig {
     /// driver yields to other sessions between slices.
     pub slice_keys: u64,
     /// A prepared PUT or GET that sees no COMMIT within this time expires.
-    #[serde(with = "millis")]
+    #[serde(with = "crate::units::duration")]
     pub prepare_ttl: Duration,
     /// How long the exposed blocks of a closed session stay quarantined when the payload
     /// engine cannot tell when the client's link is torn down (`ucx`, `nixl`, `inproc`: a
     /// one-sided WRITE leaves no trace at the target). Engines that can tell (`tcp`, `shm`)
     /// hold them until the link is gone instead, however long that takes.
-    #[serde(with = "millis")]
+    #[serde(with = "crate::units::duration")]
     pub late_write_grace: Duration,
     /// Compact a receive block when this fraction of it is dead (0 disables compaction).
     pub compact_dead_fraction: f64,
@@ -68,17 +78,6 @@ mod token {
             None => Ok(None),
             Some(s) => Token::new(s).map(Some).map_err(serde::de::Error::custom),
         }
-    }
-}
-
-mod millis {
-    use serde::{Deserialize, Deserializer, Serializer};
-    use std::time::Duration;
-    pub(super) fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_u64(d.as_millis() as u64)
-    }
-    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-        Ok(Duration::from_millis(u64::deserialize(d)?))
     }
 }
 

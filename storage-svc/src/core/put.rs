@@ -254,8 +254,11 @@ impl<M: Memory> Unit<M> {
             return Err(err(
                 ErrorKind::Capacity,
                 format!(
-                    "PUT of {incoming} bytes (keys included) exceeds capacity: {used} of {} \
-                     bytes stored (keys included), {reserved} reserved",
+                    "PUT of {incoming} bytes ({} of values, {} of metadata, {keys_cost} for its \
+                     keys: {overhead} bytes and the key's length each) exceeds capacity: \
+                     {used} of {} bytes stored (keys included), {reserved} reserved",
+                    layout.size,
+                    meta.len(),
                     self.cfg.capacity_bytes
                 ),
             ));

@@ -441,9 +441,21 @@ pub(super) fn missing_error(
     count: u64,
     missing: Vec<(String, u64)>,
 ) -> RemoteError {
+    const NAMED: usize = 8;
+    let mut named: Vec<String> = missing
+        .iter()
+        .take(NAMED)
+        .map(|(field, index)| format!("index {index} field {field:?}"))
+        .collect();
+    if count > named.len() as u64 {
+        named.push(format!("{} more", count - named.len() as u64));
+    }
     let mut e = err(
         ErrorKind::Missing,
-        format!("{count} key(s) not stored in partition {partition:?}"),
+        format!(
+            "{count} key(s) not stored in partition {partition:?}: {}",
+            named.join(", ")
+        ),
     );
     e.missing = missing;
     e

@@ -24,6 +24,7 @@ use crate::core::SessionId;
 use crate::error::ErrorKind;
 use crate::proto::{self, Request, Response};
 use tessera_sync::atomic::{AtomicU64, Ordering};
+use tessera_transport::ConnectError;
 
 pub(super) async fn accept_loop(
     shared: Arc<Shared>,
@@ -643,9 +644,9 @@ async fn commit_grace(shared: &Shared, sid: SessionId, put: u64) {
 
 pub(super) async fn accept_peer(shared: Arc<Shared>, sid: SessionId, id: u64, md: Vec<u8>) {
     let timeout = shared.cfg.peer_add_timeout;
-    let fail = |why: String| {
+    let fail = |kind: ErrorKind, why: String| {
         tracing::warn!(session = sid, error = %why, "cannot add the client's agent; closing the session");
-        send(&shared, sid, id, &Response::error(ErrorKind::Transfer, why));
+        send(&shared, sid, id, &Response::error(kind, why));
         shared.unit.lock().fail_session(sid);
         if let Some(h) = shared.sessions.lock().get(&sid) {
             let _ = h.close.send(true);
@@ -658,10 +659,13 @@ pub(super) async fn accept_peer(shared: Arc<Shared>, sid: SessionId, id: u64, md
     {
         Ok(Ok(p)) => p,
         _ => {
-            return fail(format!(
-                "too many clients' agents are being connected to; none became free within \
+            return fail(
+                ErrorKind::Transfer,
+                format!(
+                    "too many clients' agents are being connected to; none became free within \
                  {timeout:?}"
-            ))
+                ),
+            )
         }
     };
     let agent = shared.agent.clone();
@@ -671,12 +675,33 @@ pub(super) async fn accept_peer(shared: Arc<Shared>, sid: SessionId, id: u64, md
     });
     let peer = match tokio::time::timeout(timeout, add).await {
         Ok(Ok(Ok(p))) => p,
-        Ok(Ok(Err(e))) => return fail(format!("cannot connect to the client's agent: {e}")),
-        Ok(Err(e)) => return fail(format!("connecting to the client's agent failed: {e}")),
+        // Worded for the client, whose backend is the one to change.
+        Ok(Ok(Err(ConnectError::BackendMismatch { ours, theirs, .. }))) => {
+            return fail(
+                ErrorKind::BadRequest,
+                format!(
+                    "this unit uses the {ours} backend and the client {theirs}: connect with \
+                     the {ours} backend"
+                ),
+            )
+        }
+        Ok(Ok(Err(e))) => {
+            return fail(
+                ErrorKind::Transfer,
+                format!("cannot connect to the client's agent: {e}"),
+            )
+        }
+        Ok(Err(e)) => {
+            return fail(
+                ErrorKind::Transfer,
+                format!("connecting to the client's agent failed: {e}"),
+            )
+        }
         Err(_) => {
-            return fail(format!(
-                "the client's agent could not be connected to within {timeout:?}"
-            ))
+            return fail(
+                ErrorKind::Transfer,
+                format!("the client's agent could not be connected to within {timeout:?}"),
+            )
         }
     };
     let (tx, rx) = mpsc::channel(shared.cfg.transfer_queue);

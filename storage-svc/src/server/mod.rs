@@ -35,6 +35,16 @@ use self::connection::accept_loop;
 use self::connection::guarded_session;
 use self::timer::timer_loop;
 
+/// The address in a unit's start line. The `tessera-storage` binary prints
+/// `listening ADDR (engine ..., pool ..., ...)` on stdout once it serves; scripts and tests
+/// read ADDR with this.
+pub fn announced_addr(line: &str) -> Option<&str> {
+    line.trim()
+        .strip_prefix("listening ")?
+        .split_whitespace()
+        .next()
+}
+
 /// Configuration of a unit's server.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -50,29 +60,34 @@ pub struct ServerConfig {
     pub payload_addr: Option<std::net::SocketAddr>,
     /// Bytes of registered memory at most (the receive pool). It is registered in chunks of
     /// `pool_chunk_bytes` as PUTs need it, never per request.
+    #[serde(with = "crate::units::size")]
     pub pool_bytes: u64,
     /// Bytes of one chunk of registered memory (a PUT that needs more gets a chunk of its
     /// own size). The first chunk is registered at start.
+    #[serde(with = "crate::units::size")]
     pub pool_chunk_bytes: u64,
     /// Idle registered memory (registered, not leased) kept at most: chunks that are entirely
     /// free are deregistered, newest first, while the idle bytes exceed it.
+    #[serde(with = "crate::units::size")]
     pub idle_pool_bytes: u64,
     /// Largest control message accepted from an authenticated session, in bytes (checked
     /// before allocating).
+    #[serde(with = "crate::units::size")]
     pub max_message_bytes: u64,
     /// Largest control message accepted before the session is authenticated (its Hello and
     /// Auth), in bytes. A Hello carries the client's agent metadata, which for `nixl` (NIXL's
     /// keys of every registration) and `ucx` (the worker address and rkeys) runs to kilobytes:
     /// 64 KiB by default, so 4096 unauthenticated connections hold at most 256 MiB, each for at
     /// most `handshake_timeout`.
+    #[serde(with = "crate::units::size")]
     pub preauth_message_bytes: u64,
     /// A connection that has not completed its handshake (Hello, Challenge, Auth) this long
     /// after it was accepted is closed.
-    #[serde(with = "secs")]
+    #[serde(with = "crate::units::duration")]
     pub handshake_timeout: Duration,
     /// Once the first byte of a request arrived, the whole request must arrive within this
     /// time, or the connection is closed (a client that trickles bytes holds nothing long).
-    #[serde(with = "secs")]
+    #[serde(with = "crate::units::duration")]
     pub frame_timeout: Duration,
     /// Control connections served at once, at most. Beyond it a new connection is answered
     /// with a `Busy` error frame and closed (counted in `Stats::refused_connections`). At start
@@ -83,10 +98,10 @@ pub struct ServerConfig {
     pub max_peer_adds: usize,
     /// A client's agent that cannot be added within this time fails its session (with a
     /// `Transfer` error; other sessions are not affected).
-    #[serde(with = "secs")]
+    #[serde(with = "crate::units::duration")]
     pub peer_add_timeout: Duration,
     /// A WRITE that has not completed after this long fails its session.
-    #[serde(with = "secs")]
+    #[serde(with = "crate::units::duration")]
     pub transfer_timeout: Duration,
     /// Answers queued for one session's connection, at most. A session reads its next
     /// request only when that request's answers (and those of the GETs queued on its
@@ -104,23 +119,6 @@ pub struct ServerConfig {
     /// `busy_poll_us`).
     #[serde(skip)]
     pub busy_poll: Option<BusyPoll>,
-}
-
-mod secs {
-    use serde::{Deserialize, Deserializer, Serializer};
-    use std::time::Duration;
-    pub(super) fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_f64(d.as_secs_f64())
-    }
-    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-        let v = f64::deserialize(d)?;
-        if !(v.is_finite() && v >= 0.0) {
-            return Err(serde::de::Error::custom(
-                "seconds must be a finite, non-negative number",
-            ));
-        }
-        Ok(Duration::from_secs_f64(v))
-    }
 }
 
 impl Default for ServerConfig {
