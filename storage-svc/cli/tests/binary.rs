@@ -213,7 +213,7 @@ fn debug_log_level_prints_request_spans() {
             &mut line,
         )
         .unwrap();
-        let addr = line.trim().strip_prefix("listening ").unwrap().to_owned();
+        let addr = tessera_storage::announced_addr(&line).unwrap().to_owned();
         let stats = exe()
             .args(["stats", "--unit", &addr, "--backend", "tcp"])
             .output()

@@ -63,9 +63,7 @@ impl Unit {
         BufReader::new(child.stdout.take().unwrap())
             .read_line(&mut line)
             .unwrap();
-        let addr = line
-            .trim()
-            .strip_prefix("listening ")
+        let addr = tessera_storage::announced_addr(&line)
             .unwrap_or_else(|| panic!("unit did not start: {line:?}"))
             .to_owned();
         Unit(child, addr)
@@ -221,7 +219,7 @@ async fn idle_sockets_at_a_low_soft_nofile_do_not_lock_clients_out() {
     BufReader::new(child.stdout.take().unwrap())
         .read_line(&mut line)
         .unwrap();
-    let addr = line.trim().strip_prefix("listening ").unwrap().to_owned();
+    let addr = tessera_storage::announced_addr(&line).unwrap().to_owned();
     let unit = Unit(child, addr.clone());
     let idle: Vec<_> = (0..300)
         .map(|_| std::net::TcpStream::connect(&addr).unwrap())

@@ -29,9 +29,7 @@ impl UnitProcess {
         let mut out = BufReader::new(child.stdout.take().unwrap());
         out.read_line(&mut line)
             .expect("unit announces its address");
-        let addr = line
-            .trim()
-            .strip_prefix("listening ")
+        let addr = tessera_storage::announced_addr(&line)
             .unwrap_or_else(|| panic!("unexpected unit output {line:?}"))
             .to_owned();
         Self {

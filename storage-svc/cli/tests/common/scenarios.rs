@@ -176,7 +176,7 @@ pub fn client_process(unit: &UnitProcess, args: &[&str]) -> Kill {
 pub async fn client_killed_mid_put_and_mid_get_leaks_nothing(backend: Backend) {
     // A killed PUT's exposed block stays quarantined until the client's link is torn down;
     // on the engines that cannot tell (ucx, nixl), for the late-write grace, short here.
-    let unit = UnitProcess::start(backend, &["--late-write-grace", "300"]);
+    let unit = UnitProcess::start(backend, &["--late-write-grace", "300ms"]);
     let other = unit.client().await;
     let base = stats(&other).await.pool.used;
     let dir = tempfile::tempdir().unwrap();
