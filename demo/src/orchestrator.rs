@@ -289,7 +289,7 @@ async fn drive(
     let mut lines = BufReader::new(stdout).lines();
     let addr = tokio::time::timeout(Duration::from_secs(60), async {
         while let Some(l) = lines.next_line().await? {
-            if let Some(a) = l.strip_prefix("listening ") {
+            if let Some(a) = tessera_storage::announced_addr(&l) {
                 return Ok(a.to_owned());
             }
         }
@@ -336,6 +336,7 @@ async fn drive(
     let mut peak = before.pool.used;
     let mut peak_registered = before.pool.capacity;
     let mut tick = tokio::time::interval(Duration::from_millis(100));
+    let mut last_sample = Instant::now();
     let check = |who: &str, status: std::io::Result<ExitStatus>| -> Result<()> {
         let status = status?;
         if !status.success() {
@@ -358,7 +359,19 @@ async fn drive(
     };
     while exited != [true, true] {
         tokio::select! {
-            Some((who, line)) = rx.recv() => handle(who, line),
+            Some((who, line)) = rx.recv() => {
+                // Progress is sampled too, at most every 5 ms: a short run may end between
+                // two ticks, and the unit holds the most while rollouts are in flight.
+                let event = matches!(line, Line::Event(_));
+                handle(who, line);
+                if event && last_sample.elapsed() >= Duration::from_millis(5) {
+                    last_sample = Instant::now();
+                    if let Ok(s) = client.stats().await {
+                        peak = peak.max(s[0].pool.used);
+                        peak_registered = peak_registered.max(s[0].pool.capacity);
+                    }
+                }
+            }
             s = prod.child.wait(), if !exited[0] => {
                 check("producer", s)?;
                 exited[0] = true;
@@ -391,6 +404,21 @@ async fn drive(
     })
 }
 
+/// Rollouts per second for people: `16.5k/s`, `830/s`, `4.2/s`.
+fn fmt_rate(per_sec: f64) -> String {
+    if !per_sec.is_finite() || per_sec <= 0.0 {
+        "-".into()
+    } else if per_sec >= 1e6 {
+        format!("{:.1}M/s", per_sec / 1e6)
+    } else if per_sec >= 1e4 {
+        format!("{:.1}k/s", per_sec / 1e3)
+    } else if per_sec >= 100.0 {
+        format!("{per_sec:.0}/s")
+    } else {
+        format!("{per_sec:.1}/s")
+    }
+}
+
 /// The three progress bars (drawn on stderr, only when it is a terminal).
 struct Bars {
     multi: MultiProgress,
@@ -403,9 +431,15 @@ impl Bars {
     fn new(w: &Workload) -> Bars {
         let multi = MultiProgress::with_draw_target(ProgressDrawTarget::stderr());
         let count = ProgressStyle::with_template(
-            "{prefix:>10} {bar:36.cyan/blue} {pos:>6}/{len} rollouts {per_sec:>10} {msg}",
+            "{prefix:>10} {bar:36.cyan/blue} {pos:>6}/{len} rollouts {rate:>10} {msg}",
         )
         .expect("a valid template")
+        .with_key(
+            "rate",
+            |s: &indicatif::ProgressState, w: &mut dyn std::fmt::Write| {
+                let _ = write!(w, "{}", fmt_rate(s.per_sec()));
+            },
+        )
         .progress_chars("=> ");
         let bytes = ProgressStyle::with_template(
             "{prefix:>10} {bar:36.green/blue} {binary_bytes:>10}/{binary_total_bytes} verified {msg}",
@@ -455,5 +489,20 @@ impl Bars {
 
     fn clear(&self) {
         let _ = self.multi.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rates_read_as_people_write_them() {
+        assert_eq!(fmt_rate(16_477.705_185_108_6), "16.5k/s");
+        assert_eq!(fmt_rate(830.2), "830/s");
+        assert_eq!(fmt_rate(4.25), "4.2/s");
+        assert_eq!(fmt_rate(2.5e6), "2.5M/s");
+        assert_eq!(fmt_rate(0.0), "-");
+        assert_eq!(fmt_rate(f64::INFINITY), "-");
     }
 }

@@ -23,21 +23,7 @@ pub(crate) struct Outcome<'a> {
     pub(crate) wall: Duration,
 }
 
-/// Bytes with a binary unit: `1.00 GiB`.
-pub(crate) fn fmt_bytes(b: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = b as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u + 1 < UNITS.len() {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{b} B")
-    } else {
-        format!("{v:.2} {}", UNITS[u])
-    }
-}
+pub(crate) use tessera_storage::units::fmt_bytes;
 
 /// Decimal gigabytes per second, as NCCL and NIXL report bandwidth.
 fn gbps(bytes: u64, secs: f64) -> String {
@@ -329,7 +315,7 @@ pub(crate) fn print(o: &Outcome<'_>) -> u64 {
     ]);
     let _ = writeln!(
         out,
-        "\nRegistered pools (peak: STATS sampled every 100 ms; the unit's: leased of registered then, which grows in chunks up to the limit; holding: while a version is live)"
+        "\nRegistered pools (peak: STATS sampled every 100 ms and as the roles report progress; the unit's: leased of registered then, which grows in chunks up to the limit; holding: while a version is live)"
     );
     t.render(&mut out);
     let leaks = [
@@ -355,14 +341,17 @@ pub(crate) fn print(o: &Outcome<'_>) -> u64 {
     );
     let payload = p.puts.bytes + c.gets.bytes;
     let copied = s.bytes_in + s.bytes_out + s.compacted_bytes;
+    // Over the one-sided engines the unit READs a PUT's frames from the client; over the
+    // others the client WRITEs them into the unit's block.
+    let put_copy = match o.backend {
+        "ucx" | "nixl" => "the unit's READ of the client's frames into its block",
+        _ => "the client's WRITE into the unit's block",
+    };
     t.row(vec![
         "rollouts PUT".into(),
         fmt_bytes(p.puts.bytes),
         ratio(s.bytes_in, p.puts.bytes),
-        format!(
-            "unit STATS bytes_in {}: the client's WRITE into the unit's block",
-            fmt_bytes(s.bytes_in)
-        ),
+        format!("unit STATS bytes_in {}: {put_copy}", fmt_bytes(s.bytes_in)),
     ]);
     t.row(vec![
         "rollouts GET".into(),
@@ -498,14 +487,6 @@ mod tests {
         assert_eq!(percentile(&v, 99.0), 99);
         assert_eq!(percentile(&[7], 99.0), 7);
         assert_eq!(percentile(&[], 50.0), 0);
-    }
-
-    #[test]
-    fn bytes_read_as_people_write_them() {
-        assert_eq!(fmt_bytes(0), "0 B");
-        assert_eq!(fmt_bytes(1023), "1023 B");
-        assert_eq!(fmt_bytes(1 << 30), "1.00 GiB");
-        assert_eq!(fmt_bytes(3 << 19), "1.50 MiB");
     }
 
     /// The unit's row names its registration limit when the unit reports one.

@@ -24,8 +24,8 @@ pub(crate) struct Workload {
     /// Most tokens in a rollout.
     #[arg(long, default_value_t = 4096)]
     pub(crate) max_tokens: u64,
-    /// Bytes of the weight set.
-    #[arg(long, default_value_t = 1 << 30)]
+    /// Size of the weight set (bytes, or with a unit: 256MiB, 1G).
+    #[arg(long, default_value_t = 1 << 30, value_parser = tessera_storage::units::parse_size)]
     pub(crate) weight_bytes: u64,
     /// Tensors in the weight set.
     #[arg(long, default_value_t = 300)]

@@ -66,6 +66,27 @@ fn check_short_summary(backend: &str) {
         );
     }
     assert!(!stdout.contains("error: "), "{stdout}");
+    // Who copies a PUT's payload depends on the engine: the unit pulls over ucx and nixl.
+    let put_copy = match backend {
+        "ucx" | "nixl" => "the unit's READ of the client's frames",
+        _ => "the client's WRITE into the unit's block",
+    };
+    assert!(stdout.contains(put_copy), "{put_copy:?} in:\n{stdout}");
+    // The unit's peak is sampled as the roles report progress: a run shorter than the
+    // 100 ms tick still shows what the unit held.
+    let row = stdout
+        .lines()
+        .find(|l| l.trim_start().starts_with("storage unit"))
+        .unwrap_or_else(|| panic!("no unit row in:\n{stdout}"));
+    let columns: Vec<&str> = row
+        .split("  ")
+        .map(str::trim)
+        .filter(|c| !c.is_empty())
+        .collect();
+    assert!(
+        columns.len() == 4 && !columns[2].starts_with("0 B "),
+        "the unit's peak in {row:?}"
+    );
 }
 
 #[test]

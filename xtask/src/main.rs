@@ -62,6 +62,14 @@ enum Cmd {
         /// A few steps and a small weight set: a few seconds.
         #[arg(long)]
         short: bool,
+        /// Further flags of `tessera-demo run`, passed on as they are: the workload's
+        /// (`--steps 1`, `--weight-bytes 268435456`, ...; `tessera-demo run --help` lists them).
+        #[arg(
+            trailing_var_arg = true,
+            allow_hyphen_values = true,
+            value_name = "DEMO FLAGS"
+        )]
+        args: Vec<String>,
     },
 }
 
@@ -87,7 +95,11 @@ fn main() -> Result<()> {
         }
         Cmd::TwoNodeTest => two_node::run(&root),
         Cmd::Bench { suites } => bench(&root, &suites),
-        Cmd::Demo { backend, short } => demo(&root, &backend, short),
+        Cmd::Demo {
+            backend,
+            short,
+            args,
+        } => demo(&root, &backend, short, &args),
         Cmd::Mutants {
             groups,
             list,
@@ -393,7 +405,7 @@ fn bench(root: &Path, suites: &[String]) -> Result<()> {
 /// name and run it with the backends' test settings (`UCX_MODULES=^ib`, `UCX_NET_DEVICES=lo`:
 /// the demo's processes share this host), each unless already set. The default build needs
 /// neither a system library nor a feature; the demo itself refuses any other name.
-fn demo(root: &Path, backend: &str, short: bool) -> Result<()> {
+fn demo(root: &Path, backend: &str, short: bool, args: &[String]) -> Result<()> {
     use std::os::unix::process::CommandExt;
     let feature = matches!(backend, "ucx" | "nixl").then_some(backend);
     if feature.is_some() {
@@ -412,9 +424,11 @@ fn demo(root: &Path, backend: &str, short: bool) -> Result<()> {
     if short {
         cmd.arg("--short");
     }
+    cmd.args(args);
     println!(
-        "==> tessera-demo run --backend {backend}{}",
-        if short { " --short" } else { "" }
+        "==> tessera-demo run --backend {backend}{}{}",
+        if short { " --short" } else { "" },
+        args.iter().map(|a| format!(" {a}")).collect::<String>()
     );
     let err = cmd.exec();
     Err(err).context("starting cargo run -p tessera-demo")
@@ -440,4 +454,37 @@ fn step(name: &str, mut cmd: Command) -> Result<()> {
         bail!("{name} failed ({status})");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `cargo xtask demo` passes the flags it does not know to `tessera-demo run`, after its own.
+    #[test]
+    fn demo_passes_workload_flags_on() {
+        let cli = Cli::try_parse_from([
+            "xtask",
+            "demo",
+            "--backend",
+            "tcp",
+            "--steps",
+            "1",
+            "--weight-bytes",
+            "1048576",
+        ])
+        .unwrap();
+        let Cmd::Demo {
+            backend,
+            short,
+            args,
+        } = cli.command
+        else {
+            panic!("not the demo");
+        };
+        assert_eq!((backend.as_str(), short), ("tcp", false));
+        assert_eq!(args, ["--steps", "1", "--weight-bytes", "1048576"]);
+        let cli = Cli::try_parse_from(["xtask", "demo", "--short"]).unwrap();
+        assert!(matches!(cli.command, Cmd::Demo { short: true, ref args, .. } if args.is_empty()));
+    }
 }
