@@ -207,13 +207,7 @@ fn debug_log_level_prints_request_spans() {
             .stderr(std::process::Stdio::piped())
             .spawn()
             .unwrap();
-        let mut line = String::new();
-        std::io::BufRead::read_line(
-            &mut std::io::BufReader::new(child.stdout.take().unwrap()),
-            &mut line,
-        )
-        .unwrap();
-        let addr = tessera_storage::announced_addr(&line).unwrap().to_owned();
+        let addr = common::announced(&mut child);
         let stats = exe()
             .args(["stats", "--unit", &addr, "--backend", "tcp"])
             .output()

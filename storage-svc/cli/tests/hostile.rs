@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Read};
+use std::io::Read;
 use std::os::unix::fs::PermissionsExt;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::Duration;
@@ -59,13 +59,7 @@ impl Unit {
             .stderr(Stdio::inherit())
             .spawn()
             .unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let addr = tessera_storage::announced_addr(&line)
-            .unwrap_or_else(|| panic!("unit did not start: {line:?}"))
-            .to_owned();
+        let addr = common::announced(&mut child);
         Unit(child, addr)
     }
 }
@@ -215,11 +209,7 @@ async fn idle_sockets_at_a_low_soft_nofile_do_not_lock_clients_out() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let addr = tessera_storage::announced_addr(&line).unwrap().to_owned();
+    let addr = common::announced(&mut child);
     let unit = Unit(child, addr.clone());
     let idle: Vec<_> = (0..300)
         .map(|_| std::net::TcpStream::connect(&addr).unwrap())

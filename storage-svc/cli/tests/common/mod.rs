@@ -25,13 +25,7 @@ impl UnitProcess {
             .stderr(Stdio::inherit())
             .spawn()
             .expect("spawn unit");
-        let mut line = String::new();
-        let mut out = BufReader::new(child.stdout.take().unwrap());
-        out.read_line(&mut line)
-            .expect("unit announces its address");
-        let addr = tessera_storage::announced_addr(&line)
-            .unwrap_or_else(|| panic!("unexpected unit output {line:?}"))
-            .to_owned();
+        let addr = announced(&mut child);
         Self {
             child,
             addr,
@@ -56,6 +50,18 @@ impl UnitProcess {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// The address a unit started with `stdout` piped says it listens on (its first line). The
+/// rest of its stdout is dropped: the unit writes nothing more there.
+pub fn announced(child: &mut Child) -> String {
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("the unit's stdout is piped"))
+        .read_line(&mut line)
+        .expect("the unit's first line");
+    tessera_storage::announced_addr(&line)
+        .unwrap_or_else(|| panic!("the unit did not start: {line:?}"))
+        .to_owned()
 }
 
 impl Drop for UnitProcess {
