@@ -297,6 +297,27 @@ fn invalid_descriptors_are_rejected_before_posting() {
     assert_eq!(a.report().pending_transfers, 0);
 }
 
+/// A transfer deadline that is not reached fails nothing: with a generous timeout every
+/// transfer, in progress over several rounds of the waiter, completes.
+#[test]
+fn transfers_within_their_timeout_complete() {
+    let mut ca = NixlConfig::new("in-time-a");
+    ca.timeout = Some(hang_guard());
+    let a = NixlEngine::new(ca).unwrap();
+    let b = engine("in-time-b");
+    let src = Reg::new(&a, 32 * MIB, pattern(9));
+    let dst = Reg::new(&b, 32 * MIB, |_| 0);
+    let peer = connect(&a, &b, &[(1, &dst)]);
+    for _ in 0..8 {
+        done(
+            peer.write(&[op(&src, 0, 1, 0, 32 * MIB as u64)], None)
+                .unwrap(),
+        )
+        .expect("a transfer well within its timeout");
+    }
+    assert!(dst.bytes() == src.bytes());
+}
+
 #[test]
 fn timed_out_transfers_stay_quarantined_until_nixl_finishes_them() {
     let mut ca = NixlConfig::new("quarantine-a");
