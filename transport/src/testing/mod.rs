@@ -29,16 +29,30 @@ pub use lifecycle::*;
 pub type Factory<'a> = &'a dyn Fn(&str) -> Agent;
 
 /// Generous bound on how long any one transfer may take before a test calls it a hang: 120 s,
-/// or `TESSERA_TEST_HANG_GUARD_SECS` when set (mutation runs set it low, so that a mutant that
-/// hangs transfers fails its tests within their time limit). It guards against hangs only; no
-/// test asserts speed.
+/// or `TESSERA_TEST_HANG_GUARD_SECS` when set. It guards against hangs only; no test asserts
+/// speed.
+///
+/// Mutation runs set it low, so that a mutant that hangs transfers fails its tests within
+/// their time limit; and then a failing test ends its process at once (exit status 101, after
+/// the panic's message), since unwinding would drop agents that wait for the very transfers
+/// the mutant hung.
 pub fn hang_guard() -> Duration {
     static GUARD: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
     *GUARD.get_or_init(|| {
-        std::env::var("TESSERA_TEST_HANG_GUARD_SECS")
+        match std::env::var("TESSERA_TEST_HANG_GUARD_SECS")
             .ok()
             .and_then(|s| s.parse().ok())
-            .map_or(Duration::from_secs(120), Duration::from_secs)
+        {
+            Some(secs) => {
+                let report = std::panic::take_hook();
+                std::panic::set_hook(Box::new(move |info| {
+                    report(info);
+                    std::process::exit(101);
+                }));
+                Duration::from_secs(secs)
+            }
+            None => Duration::from_secs(120),
+        }
     })
 }
 
