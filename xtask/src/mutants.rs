@@ -160,15 +160,14 @@ pub(crate) fn run(
     let mut sizes = Vec::new();
     // Each group's mutants as generated now, equivalent ones left out: what the counts cover.
     let mut current: Vec<Vec<String>> = Vec::new();
-    // Mutants cargo-mutants lets through the function filter although they are in other
-    // functions (it does so for some struct field deletions): left out of runs and counts.
-    let mut strays: Vec<Vec<String>> = Vec::new();
     for group in &groups {
-        let (listed, stray): (Vec<Listed>, Vec<Listed>) =
-            list_mutants(root, &tool, group, layout.as_ref())?
-                .into_iter()
-                .partition(|m| in_scope(group, m));
-        strays.push(stray.into_iter().map(|m| m.name).collect());
+        // Mutants in other functions that cargo-mutants lets through the function filter
+        // (struct field deletions, which its name filters, `--exclude-re` included, do not
+        // reach) still run, but are left out of the counts.
+        let listed: Vec<Listed> = list_mutants(root, &tool, group, layout.as_ref())?
+            .into_iter()
+            .filter(|m| in_scope(group, m))
+            .collect();
         check_list(group, &listed)?;
         current.push(
             listed
@@ -224,7 +223,7 @@ pub(crate) fn run(
             out: &out,
             iterate,
         };
-        run_lanes(&runner, &groups, &sizes, &strays, lanes)?;
+        run_lanes(&runner, &groups, &sizes, lanes)?;
     }
     let mut missed = Vec::new();
     for (group, names) in groups.iter().zip(&current) {
@@ -324,14 +323,8 @@ struct Runner<'a> {
     iterate: bool,
 }
 
-/// Runs `groups` (of `sizes` mutants, less `strays`) on `lanes` lanes side by side.
-fn run_lanes(
-    r: &Runner<'_>,
-    groups: &[&Group],
-    sizes: &[u64],
-    strays: &[Vec<String>],
-    lanes: usize,
-) -> Result<()> {
+/// Runs `groups` (of `sizes` mutants) on `lanes` lanes side by side.
+fn run_lanes(r: &Runner<'_>, groups: &[&Group], sizes: &[u64], lanes: usize) -> Result<()> {
     // Lanes of groups run side by side, each with a build dir of its own: much of a mutant's
     // time is linking and tests that wait, which another lane overlaps. The largest groups
     // are spread first.
@@ -358,7 +351,7 @@ fn run_lanes(
             .map(|(lane, (_, members))| {
                 scope.spawn(move || -> Result<()> {
                     for &i in members {
-                        run_group(r, groups[i], lane, &strays[i])?;
+                        run_group(r, groups[i], lane)?;
                     }
                     Ok(())
                 })
@@ -374,7 +367,7 @@ fn run_lanes(
 
 /// One cargo-mutants run over `group` in lane `lane`'s build dir, its output in
 /// `out/<group>.log` and its results in `out/<group>/mutants.out`.
-fn run_group(r: &Runner<'_>, group: &Group, lane: usize, strays: &[String]) -> Result<()> {
+fn run_group(r: &Runner<'_>, group: &Group, lane: usize) -> Result<()> {
     let Runner {
         root,
         tool,
@@ -392,9 +385,6 @@ fn run_group(r: &Runner<'_>, group: &Group, lane: usize, strays: &[String]) -> R
     let started = Instant::now();
     let mut cmd = base_command(root, tool, group, layout, true);
     cmd.env("CARGO_TARGET_DIR", out.join(format!("build-{lane}")));
-    for name in strays {
-        cmd.arg("--exclude-re").arg(format!("^{}$", escape(name)));
-    }
     cmd.arg("--output").arg(&group_out);
     if iterate {
         // Skips what the previous run caught or found unviable, and carries it over.
