@@ -4,9 +4,11 @@
 use std::io::{Read, Write};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Once;
 use std::time::Duration;
 
-use tessera_transport::testing::raw::{Answer, RawPeer, RawShm, RawTcp, Span};
+use tessera_transport::testing::raw::{self, Answer, RawPeer, RawShm, RawTcp, Span};
 use tessera_transport::testing::{hang_guard, pattern};
 use tessera_transport::{shm::Shm, tcp::Tcp, Agent, Region, TransferError};
 
@@ -71,6 +73,147 @@ fn shm_target_survives_garbage() {
         let _ = s.write_all(&junk);
         drop(s);
     }
+    still_serves(&target, |n| Agent::new(n, Shm::new()).unwrap());
+}
+
+/// Panics on the engines' own threads (named `shm-...` and `tcp-...`) since the first call,
+/// counted by a panic hook that reports them as before.
+fn engine_panics() -> usize {
+    static COUNT: AtomicUsize = AtomicUsize::new(0);
+    static HOOK: Once = Once::new();
+    HOOK.call_once(|| {
+        let report = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let name = std::thread::current().name().unwrap_or_default().to_owned();
+            if name.starts_with("shm-") || name.starts_with("tcp-") {
+                COUNT.fetch_add(1, Ordering::SeqCst);
+            }
+            report(info);
+        }));
+    });
+    COUNT.load(Ordering::SeqCst)
+}
+
+/// The shm target reads at most `PRE_AUTH_MAX` bytes of a handshake, headers included: a
+/// HELLO that fills the budget exactly is answered; one byte more, or an AUTH past what the
+/// HELLO left, closes the connection at once, long before the (30 s) deadline, without
+/// waiting for a body. An AUTH that fits what is left is read and its proof refused.
+/// Malformed HELLOs, and a first frame of another type, close it without a CHALLENGE. No
+/// thread of the engine panics on any of it.
+#[test]
+fn shm_handshake_reads_within_its_budget_and_refuses_malformed_hellos() {
+    const H: usize = RawShm::HEADER;
+    const MAX: usize = raw::PRE_AUTH_MAX;
+    let panics = engine_panics();
+    let deadline = Duration::from_secs(30);
+    let target = Agent::new("target", Shm::new().with_handshake_deadline(deadline)).unwrap();
+    let name = address(&target.metadata());
+    let connect = || {
+        let addr = SocketAddr::from_abstract_name(&name).unwrap();
+        let s = UnixStream::connect_addr(&addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        s
+    };
+    // A well-formed HELLO body of `len` bytes: nonce, name, and an address padded out.
+    let hello = |len: usize| {
+        let mut b = auth::nonce().to_vec();
+        b.push(6);
+        b.extend_from_slice(b"client");
+        assert!(len >= b.len());
+        b.resize(len, 7);
+        b
+    };
+    let header = |ty: u8, len: usize| {
+        let mut h = vec![ty, 0, 0, 0];
+        h.extend_from_slice(&(len as u32).to_le_bytes());
+        h
+    };
+    let first_type = |s: &mut UnixStream| {
+        let mut head = [0u8; H];
+        s.read_exact(&mut head).unwrap();
+        let len = u32::from_le_bytes(head[4..8].try_into().unwrap()) as usize;
+        let mut body = vec![0u8; len];
+        s.read_exact(&mut body).unwrap();
+        head[0]
+    };
+    // Closed at once: well within the deadline, whatever it sent before.
+    let closed_at_once = |s: UnixStream, what: &str| {
+        let t = Instant::now();
+        let got = drain_until_closed(s);
+        assert!(
+            t.elapsed() < deadline / 3,
+            "{what}: closed only after {:?}",
+            t.elapsed()
+        );
+        got
+    };
+
+    // A HELLO that fills the budget exactly is answered.
+    let mut s = connect();
+    s.write_all(&shm_frame(RawShm::HELLO, &hello(MAX - H)))
+        .unwrap();
+    assert_eq!(
+        first_type(&mut s),
+        RawShm::CHALLENGE,
+        "a HELLO of the whole budget"
+    );
+    drop(s);
+    // One byte more is refused before its body arrives.
+    let mut s = connect();
+    s.write_all(&header(RawShm::HELLO, MAX - H + 1)).unwrap();
+    let got = closed_at_once(s, "a HELLO one byte over");
+    assert!(got.is_empty(), "{got:?}");
+    // An AUTH past what the HELLO left: refused before its body arrives.
+    let mut s = connect();
+    s.write_all(&shm_frame(RawShm::HELLO, &hello(100))).unwrap();
+    assert_eq!(first_type(&mut s), RawShm::CHALLENGE);
+    let left = MAX - H - 100;
+    s.write_all(&header(RawShm::AUTH, left - H + 1)).unwrap();
+    let got = closed_at_once(s, "an AUTH over what is left");
+    assert!(got.is_empty(), "{got:?}");
+    // Fewer bytes left than a header: refused without reading one.
+    let mut s = connect();
+    s.write_all(&shm_frame(RawShm::HELLO, &hello(MAX - H - 3)))
+        .unwrap();
+    assert_eq!(first_type(&mut s), RawShm::CHALLENGE);
+    s.write_all(&header(RawShm::AUTH, 0)).unwrap();
+    let got = closed_at_once(s, "an AUTH with 3 bytes left");
+    assert!(got.is_empty(), "{got:?}");
+    // Exactly a header left: the empty AUTH is read, and its proof refused.
+    let mut s = connect();
+    s.write_all(&shm_frame(RawShm::HELLO, &hello(MAX - 2 * H)))
+        .unwrap();
+    assert_eq!(first_type(&mut s), RawShm::CHALLENGE);
+    s.write_all(&header(RawShm::AUTH, 0)).unwrap();
+    let got = closed_at_once(s, "an empty AUTH that fits");
+    assert_eq!(shm_types(&got), [RawShm::REFUSED], "{got:?}");
+    // Malformed HELLOs and another first frame: closed, never challenged.
+    let good = hello(40);
+    let mut no_name = good.clone();
+    no_name[32] = 0;
+    let mut long_name = good.clone();
+    long_name[32] = 200;
+    for (what, frame) in [
+        (
+            "a HELLO shorter than its nonce",
+            shm_frame(RawShm::HELLO, &good[..32]),
+        ),
+        ("a HELLO without a name", shm_frame(RawShm::HELLO, &no_name)),
+        (
+            "a HELLO whose name overruns it",
+            shm_frame(RawShm::HELLO, &long_name),
+        ),
+        ("another first frame", shm_frame(RawShm::MAP_REQ, &good)),
+    ] {
+        let mut s = connect();
+        s.write_all(&frame).unwrap();
+        let got = closed_at_once(s, what);
+        assert!(
+            !shm_types(&got).contains(&RawShm::CHALLENGE),
+            "{what}: {got:?}"
+        );
+    }
+    assert_eq!(engine_panics(), panics, "a thread of the engine panicked");
     still_serves(&target, |n| Agent::new(n, Shm::new()).unwrap());
 }
 

@@ -27,6 +27,10 @@ use crate::{handshake, metadata, shm, tcp};
 /// How long a raw peer waits for any read before giving up (a hang guard, not a speed goal).
 pub const READ_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// Bytes a target reads of a connection's handshake at most, headers included, before it
+/// refuses it.
+pub const PRE_AUTH_MAX: usize = handshake::PRE_AUTH_MAX;
+
 /// A range a request names on the target: registration id, offset inside it, length. Any
 /// values at all: a raw peer checks nothing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -320,6 +324,12 @@ impl RawShm {
     pub const XFER: u8 = shm::XFER;
     /// The initiator's report that a granted transfer is over.
     pub const DONE: u8 = shm::DONE;
+    /// The target's answer to a `HELLO`: its nonce and proof.
+    pub const CHALLENGE: u8 = shm::CHALLENGE;
+    /// The dialer's proof.
+    pub const AUTH: u8 = shm::AUTH;
+    /// The target's refusal of a handshake (reason in the body).
+    pub const REFUSED: u8 = shm::REFUSED;
 
     /// The next frame the target sends: its type and body (a body over the engine's limit
     /// is an error, before anything is allocated for it). File descriptors passed with it
