@@ -1165,6 +1165,36 @@ fn shm_reader_grows_only_as_bytes_arrive() {
     assert_eq!(GLOBAL.bytes(), before, "the announced body was allocated");
 }
 
+/// After the handshake, a message of exactly the engine's largest body is read whole, and a
+/// header announcing one byte more closes the connection at once, before any of its body.
+#[test]
+fn shm_reader_reads_the_largest_body_and_refuses_one_byte_more() {
+    let t = token();
+    let target = Agent::new("target", Shm::new().with_token(t.clone())).unwrap();
+    let meta = target.metadata();
+    let header = |len: usize| {
+        let mut h = vec![RawShm::XFER, 0, 0, 0];
+        h.extend_from_slice(&(len as u32).to_le_bytes());
+        h
+    };
+    // The whole of the largest body is taken in: the write completes.
+    let mut s = RawShm::authenticated(&meta, "raw", Some(&t)).unwrap();
+    s.write_all(&header(RawShm::MAX_BODY)).unwrap();
+    s.write_all(&vec![0u8; RawShm::MAX_BODY])
+        .expect("the target stopped reading a body within its limit");
+    drop(s);
+    // One byte more: closed on the header.
+    let mut s = RawShm::authenticated(&meta, "raw2", Some(&t)).unwrap();
+    s.write_all(&header(RawShm::MAX_BODY + 1)).unwrap();
+    let started = Instant::now();
+    s.drain_until_closed()
+        .expect("the target waited for a body over its limit");
+    assert!(started.elapsed() < hang_guard());
+    still_serves(&target, |n| {
+        Agent::new(n, Shm::new().with_token(t.clone())).unwrap()
+    });
+}
+
 /// tcp without a token listens only on loopback.
 #[test]
 fn tcp_without_a_token_refuses_to_listen_off_loopback() {
