@@ -101,6 +101,10 @@ macro_rules! conformance_suite {
                 $crate::testing::scatter_gather_1000(&make);
             }
             #[test]
+            fn across_registrations() {
+                $crate::testing::across_registrations(&make);
+            }
+            #[test]
             fn notifications() {
                 $crate::testing::notifications(&make);
             }

@@ -133,6 +133,61 @@ pub fn scatter_gather_1000_with(a: &Agent, b: &mut dyn Target) {
     assert_eq!(read(&ra, N * SZ, (N * SZ) as usize), data);
 }
 
+/// One WRITE and one READ whose segments alternate between two registrations on each side:
+/// every segment lands in, and comes back from, its own registration.
+pub fn across_registrations(make: Factory<'_>) {
+    with_local_target(make, across_registrations_with);
+}
+
+/// [`across_registrations`] against any [`Target`].
+pub fn across_registrations_with(a: &Agent, b: &mut dyn Target) {
+    const SZ: u64 = 4096;
+    let a_to_b = a.add_remote(&b.metadata()).unwrap();
+    b.add_remote(&a.metadata());
+    let (r1, r2) = (Region::new(8 * SZ).unwrap(), Region::new(8 * SZ).unwrap());
+    let (g1, g2) = (a.register(&r1).unwrap(), a.register(&r2).unwrap());
+    let (t1, t2) = (b.register(8 * SZ), b.register(8 * SZ));
+    let a_to_b = a.add_remote(&b.metadata()).unwrap_or(a_to_b);
+    let data = pattern(5, (8 * SZ) as usize);
+    r1.write_at(0, &data[..(4 * SZ) as usize]).unwrap();
+    r2.write_at(0, &data[(4 * SZ) as usize..]).unwrap();
+    // Segment i: from local registration i % 2, to remote registration (i / 2) % 2, at
+    // offsets that differ on both sides.
+    let (locals, remotes): (Vec<LocalDesc>, Vec<RemoteDesc>) = (0..8u64)
+        .map(|i| {
+            let local = if i % 2 == 0 { &g1 } else { &g2 };
+            let remote = if (i / 2) % 2 == 0 { t1 } else { t2 };
+            (
+                local.desc((i / 2) * SZ, SZ).unwrap(),
+                RemoteDesc::new(remote, (7 - i) * SZ, SZ),
+            )
+        })
+        .unzip();
+    finish(a_to_b.write(&locals, &remotes, None).unwrap()).unwrap();
+    for (i, l) in locals.iter().enumerate() {
+        let at = (l.offset() as usize) + if i % 2 == 0 { 0 } else { (4 * SZ) as usize };
+        let r = &remotes[i];
+        assert_eq!(
+            b.read_at(r.reg, r.offset, SZ),
+            &data[at..at + SZ as usize],
+            "segment {i} in the target's registration {}",
+            r.reg
+        );
+    }
+    // Back into fresh local registrations, the same way round.
+    let (b1, b2) = (Region::new(8 * SZ).unwrap(), Region::new(8 * SZ).unwrap());
+    let (h1, h2) = (a.register(&b1).unwrap(), a.register(&b2).unwrap());
+    let backs: Vec<LocalDesc> = (0..8u64)
+        .map(|i| {
+            let local = if i % 2 == 0 { &h1 } else { &h2 };
+            local.desc((i / 2) * SZ, SZ).unwrap()
+        })
+        .collect();
+    finish(a_to_b.read(&backs, &remotes, None).unwrap()).unwrap();
+    assert_eq!(read(&b1, 0, (4 * SZ) as usize), data[..(4 * SZ) as usize]);
+    assert_eq!(read(&b2, 0, (4 * SZ) as usize), data[(4 * SZ) as usize..]);
+}
+
 /// Notifications arrive after the data landed, with the sender's name; a notification can be
 /// sent alone.
 pub fn notifications(make: Factory<'_>) {
