@@ -1177,11 +1177,19 @@ fn shm_reader_reads_the_largest_body_and_refuses_one_byte_more() {
         h.extend_from_slice(&(len as u32).to_le_bytes());
         h
     };
-    // The whole of the largest body is taken in: the write completes.
+    // The whole of the largest body is taken in, well within the hang guard (the reader's
+    // buffer grows by doubling, not by a few bytes at a time).
     let mut s = RawShm::authenticated(&meta, "raw", Some(&t)).unwrap();
     s.write_all(&header(RawShm::MAX_BODY)).unwrap();
-    s.write_all(&vec![0u8; RawShm::MAX_BODY])
-        .expect("the target stopped reading a body within its limit");
+    let started = Instant::now();
+    for chunk in vec![0u8; RawShm::MAX_BODY].chunks(1 << 20) {
+        s.write_all(chunk)
+            .expect("the target stopped reading a body within its limit");
+        assert!(
+            started.elapsed() < hang_guard(),
+            "the body was still being read"
+        );
+    }
     drop(s);
     // One byte more: closed on the header.
     let mut s = RawShm::authenticated(&meta, "raw2", Some(&t)).unwrap();
@@ -1193,6 +1201,34 @@ fn shm_reader_reads_the_largest_body_and_refuses_one_byte_more() {
     still_serves(&target, |n| {
         Agent::new(n, Shm::new().with_token(t.clone())).unwrap()
     });
+}
+
+/// Messages that arrive back to back, more of them than the reader's buffer holds and split
+/// anywhere, are each read whole and in order: the reader moves a partial message to the front
+/// of its buffer and goes on.
+#[test]
+fn shm_reader_reads_messages_that_straddle_its_buffer() {
+    let t = token();
+    let target = Agent::new("target", Shm::new().with_token(t.clone())).unwrap();
+    let mut s = RawShm::authenticated(&target.metadata(), "raw", Some(&t)).unwrap();
+    // 300 notifications of 1,000 to 1,298 bytes: about 350 KiB in one write.
+    let bodies: Vec<Vec<u8>> = (0..300u64).map(|i| pattern(i, 1000 + i as usize)).collect();
+    let burst: Vec<u8> = bodies
+        .iter()
+        .flat_map(|b| shm_frame(RawShm::NOTIFY, b))
+        .collect();
+    s.write_all(&burst).unwrap();
+    for (i, want) in bodies.iter().enumerate() {
+        let got = target
+            .wait_notification(hang_guard())
+            .unwrap_or_else(|| panic!("notification {i} never came"));
+        assert_eq!(
+            (got.from.as_str(), &got.msg),
+            ("raw", want),
+            "notification {i}"
+        );
+    }
+    drop(s);
 }
 
 /// tcp without a token listens only on loopback.

@@ -324,6 +324,8 @@ impl RawShm {
     pub const XFER: u8 = shm::XFER;
     /// The initiator's report that a granted transfer is over.
     pub const DONE: u8 = shm::DONE;
+    /// A notification for the target's agent: the body is the message.
+    pub const NOTIFY: u8 = shm::NOTIFY;
     /// The largest body of a message after the handshake.
     pub const MAX_BODY: usize = shm::MAX_BODY;
     /// The target's answer to a `HELLO`: its nonce and proof.
