@@ -869,6 +869,77 @@ fn tcp_descriptor_buffers_grow_only_as_bytes_arrive() {
     );
 }
 
+/// A tcp request header is checked before anything it announces is read: a notification of
+/// exactly the largest size is delivered and a request of exactly the most descriptors is
+/// read and answered, while one byte or one descriptor more, or a kind that is no request,
+/// closes the link at once, without an answer.
+#[test]
+fn tcp_request_headers_are_bounded_before_their_body() {
+    use tessera_transport::MAX_NOTIFICATION;
+    let t = token();
+    let target = Agent::new("target", Tcp::new().with_token(t.clone())).unwrap();
+    let meta = target.metadata();
+    // kind, op WRITE, has_note, descriptors, note length.
+    let head = |kind: u8, n: usize, note: usize| {
+        let mut h = [0u8; RawTcp::HEADER];
+        h[0] = kind;
+        h[1] = 1;
+        h[2] = u8::from(note > 0);
+        h[4..8].copy_from_slice(&(n as u32).to_le_bytes());
+        h[8..12].copy_from_slice(&(note as u32).to_le_bytes());
+        h
+    };
+    // The largest notification arrives.
+    let mut s = RawTcp::authenticated(&meta, "raw", Some(&t)).unwrap();
+    let note = pattern(9, MAX_NOTIFICATION);
+    s.send_header(head(RawTcp::XFER, 0, MAX_NOTIFICATION), &note)
+        .unwrap();
+    let got = target
+        .wait_notification(hang_guard())
+        .expect("the notification");
+    assert_eq!(got.msg, note);
+    drop(s);
+    // The most descriptors are read, and refused by the grant (registration 0 is no one's):
+    // answered, not closed.
+    let mut s = RawTcp::authenticated(&meta, "raw", Some(&t)).unwrap();
+    s.send_header(
+        head(RawTcp::XFER, RawTcp::MAX_DESCS, 0),
+        &vec![0u8; RawTcp::MAX_DESCS * 24],
+    )
+    .unwrap();
+    let mut resp = [0u8; RawTcp::HEADER];
+    s.read_exact(&mut resp)
+        .expect("an answer to the largest request");
+    assert_eq!(resp[1], 1, "the request is refused: {resp:?}");
+    drop(s);
+    // One more, or no request at all: closed at once, unanswered (a target that waited for
+    // the body would run into the read timeout).
+    for (what, h) in [
+        (
+            "one byte of notification more",
+            head(RawTcp::XFER, 0, MAX_NOTIFICATION + 1),
+        ),
+        (
+            "one descriptor more",
+            head(RawTcp::XFER, RawTcp::MAX_DESCS + 1, 0),
+        ),
+        ("a kind that is no request", head(9, 0, 0)),
+    ] {
+        let mut s = RawTcp::authenticated(&meta, "raw", Some(&t)).unwrap();
+        s.stream()
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        s.send_header(h, &[]).unwrap();
+        let got = s
+            .drain_until_closed()
+            .unwrap_or_else(|e| panic!("{what}: the link stayed open: {e}"));
+        assert!(got.is_empty(), "{what}: answered {got:?}");
+    }
+    still_serves(&target, |n| {
+        Agent::new(n, Tcp::new().with_token(t.clone())).unwrap()
+    });
+}
+
 /// One request whose first span lies in an exposure of one scoped registration and whose
 /// second names another scoped registration, exposed to nobody, at the same offsets: the
 /// first span's exposure does not carry over, the request is refused `NotExposed`, and

@@ -155,6 +155,10 @@ impl RawTcp {
     pub const XFER: u8 = tcp::KIND_XFER;
     /// The kind of a dialer's first message.
     pub const HELLO: u8 = tcp::KIND_HELLO;
+    /// A notification's message kind.
+    pub const NOTIFY: u8 = tcp::KIND_NOTIFY;
+    /// Descriptors in one request, at most.
+    pub const MAX_DESCS: usize = tcp::MAX_DESCS;
 
     /// Sends a 24-byte header as given, then `body`.
     pub fn send_header(&mut self, head: [u8; tcp::HEADER], body: &[u8]) -> io::Result<()> {
