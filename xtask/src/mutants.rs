@@ -51,6 +51,10 @@ struct Group {
     /// Whether the package needs the backends' libraries (`cargo xtask deps`) and test env.
     #[serde(default)]
     backend: bool,
+    /// Seconds one mutant takes, build and tests, as measured: how lanes are planned until a
+    /// run on this machine has timed the group (`target/tessera-mutants/timings.json`).
+    #[serde(default)]
+    secs_per_mutant: Option<f64>,
     file: Vec<FileEntry>,
 }
 
@@ -323,27 +327,49 @@ struct Runner<'a> {
     iterate: bool,
 }
 
+/// Seconds per mutant of a group that neither a run nor the list has timed.
+const UNTIMED_SECS_PER_MUTANT: f64 = 10.0;
+
+/// Seconds per mutant of each group, as the last runs measured them.
+fn read_timings(out: &Path) -> BTreeMap<String, f64> {
+    fs::read_to_string(out.join("timings.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok())
+        .unwrap_or_default()
+}
+
+/// Records that `mutants` of `group` took `seconds`.
+fn record_timing(out: &Path, group: &str, mutants: u64, seconds: f64) -> Result<()> {
+    if mutants == 0 {
+        return Ok(());
+    }
+    let mut timings = read_timings(out);
+    timings.insert(group.to_owned(), seconds / mutants as f64);
+    fs::write(
+        out.join("timings.json"),
+        serde_json::to_string_pretty(&timings)?,
+    )?;
+    Ok(())
+}
+
 /// Runs `groups` (of `sizes` mutants) on `lanes` lanes side by side.
 fn run_lanes(r: &Runner<'_>, groups: &[&Group], sizes: &[u64], lanes: usize) -> Result<()> {
     // Lanes of groups run side by side, each with a build dir of its own: much of a mutant's
-    // time is linking and tests that wait, which another lane overlaps. The largest groups
-    // are spread first.
+    // time is linking and tests that wait, which another lane overlaps. Groups are weighed by
+    // the time their mutants took last time (a transport mutant takes ten times an
+    // allocator's), and the heaviest are spread first.
     let lanes = lanes.max(1);
-    let mut order: Vec<usize> = (0..groups.len()).collect();
-    order.sort_by_key(|&i| std::cmp::Reverse(sizes[i]));
-    let mut plan: Vec<(u64, Vec<usize>)> = vec![(0, Vec::new()); lanes];
-    for i in order {
-        let lane = plan
-            .iter_mut()
-            .min_by_key(|(load, _)| *load)
-            .expect("at least one lane");
-        lane.0 += sizes[i];
-        lane.1.push(i);
-    }
-    // Each lane runs its smallest group first: an interrupted run has finished the most groups.
-    for (_, members) in &mut plan {
-        members.sort_by_key(|&i| sizes[i]);
-    }
+    let timings = read_timings(r.out);
+    let weight = |i: usize| -> u64 {
+        let per = timings
+            .get(&groups[i].name)
+            .copied()
+            .or(groups[i].secs_per_mutant)
+            .unwrap_or(UNTIMED_SECS_PER_MUTANT);
+        (sizes[i] as f64 * per) as u64
+    };
+    let weights: Vec<u64> = (0..groups.len()).map(weight).collect();
+    let plan = plan_lanes(&weights, lanes);
     let results: Vec<Result<()>> = std::thread::scope(|scope| {
         let handles: Vec<_> = plan
             .iter()
@@ -351,7 +377,7 @@ fn run_lanes(r: &Runner<'_>, groups: &[&Group], sizes: &[u64], lanes: usize) -> 
             .map(|(lane, (_, members))| {
                 scope.spawn(move || -> Result<()> {
                     for &i in members {
-                        run_group(r, groups[i], lane)?;
+                        run_group(r, groups[i], lane, sizes[i])?;
                     }
                     Ok(())
                 })
@@ -365,9 +391,31 @@ fn run_lanes(r: &Runner<'_>, groups: &[&Group], sizes: &[u64], lanes: usize) -> 
     results.into_iter().collect()
 }
 
-/// One cargo-mutants run over `group` in lane `lane`'s build dir, its output in
-/// `out/<group>.log` and its results in `out/<group>/mutants.out`.
-fn run_group(r: &Runner<'_>, group: &Group, lane: usize) -> Result<()> {
+/// Groups of `weights` (seconds) spread over `lanes`: the heaviest first, each to the lane
+/// with the least so far; each lane then runs its lightest group first, so that an
+/// interrupted run has finished the most groups.
+fn plan_lanes(weights: &[u64], lanes: usize) -> Vec<(u64, Vec<usize>)> {
+    let mut order: Vec<usize> = (0..weights.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(weights[i]));
+    let mut plan: Vec<(u64, Vec<usize>)> = vec![(0, Vec::new()); lanes.max(1)];
+    for i in order {
+        let lane = plan
+            .iter_mut()
+            .min_by_key(|(load, _)| *load)
+            .expect("at least one lane");
+        lane.0 += weights[i];
+        lane.1.push(i);
+    }
+    for (_, members) in &mut plan {
+        members.sort_by_key(|&i| weights[i]);
+    }
+    plan
+}
+
+/// One cargo-mutants run over `group` (`size` mutants to test) in lane `lane`'s build dir, its
+/// output in `out/<group>.log`, its results in `out/<group>/mutants.out` and its time per
+/// mutant in `out/timings.json`.
+fn run_group(r: &Runner<'_>, group: &Group, lane: usize, size: u64) -> Result<()> {
     let Runner {
         root,
         tool,
@@ -426,12 +474,9 @@ fn run_group(r: &Runner<'_>, group: &Group, lane: usize) -> Result<()> {
             log_path.display()
         );
     }
-    println!(
-        "==> lane {lane}: group {} took {:.0} s",
-        group.name,
-        started.elapsed().as_secs_f64()
-    );
-    Ok(())
+    let seconds = started.elapsed().as_secs_f64();
+    println!("==> lane {lane}: group {} took {seconds:.0} s", group.name);
+    record_timing(out, &group.name, size, seconds)
 }
 
 /// The cargo-mutants binary under `.deps/cargo-mutants`, installed there unless that exact
@@ -708,5 +753,17 @@ mod tests {
         assert_eq!(escape("Unit<M>::put"), "Unit<M>::put");
         assert_eq!(escape("a.rs"), "a\\.rs");
         assert_eq!(escape("State<'_, '_>::f()"), "State<'_, '_>::f\\(\\)");
+    }
+
+    /// The two heaviest groups run side by side, and the light ones fill the lighter lane,
+    /// each lane lightest first.
+    #[test]
+    fn lanes_are_balanced_by_time_not_count() {
+        // transport, transport-engines, storage, alloc, nixl (seconds).
+        let plan = plan_lanes(&[3000, 2900, 1800, 300, 250], 2);
+        assert_eq!(plan[0], (3550, vec![4, 3, 0]));
+        assert_eq!(plan[1], (4700, vec![2, 1]));
+        let one = plan_lanes(&[5, 1], 0);
+        assert_eq!(one, vec![(6, vec![1, 0])]);
     }
 }
