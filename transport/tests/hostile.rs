@@ -176,7 +176,8 @@ fn shm_handshake_reads_within_its_budget_and_refuses_malformed_hellos() {
     s.write_all(&shm_frame(RawShm::HELLO, &hello(MAX - H - 3)))
         .unwrap();
     assert_eq!(first_type(&mut s), RawShm::CHALLENGE);
-    s.write_all(&header(RawShm::AUTH, 0)).unwrap();
+    // The target may close before this arrives: it need not read it.
+    let _ = s.write_all(&header(RawShm::AUTH, 0));
     let got = closed_at_once(s, "an AUTH with 3 bytes left");
     assert!(got.is_empty(), "{got:?}");
     // Exactly a header left: the empty AUTH is read, and its proof refused.
