@@ -176,6 +176,17 @@ impl Client {
         self.pool.report().used
     }
 
+    /// The client's receive pool: GET results too large to come inline are views of it.
+    pub fn recv_pool(&self) -> &RegisteredPool {
+        &self.pool
+    }
+
+    /// Bytes of the receive pool held back from timed-out GETs (a unit may still write
+    /// them); they are counted in the pool's `used` and return when the client drops.
+    pub fn quarantined_bytes(&self) -> u64 {
+        self.quarantine.lock().iter().map(|b| b.len()).sum()
+    }
+
     fn split(&self, indexes: &[u64]) -> Vec<Vec<usize>> {
         let mut per = vec![Vec::new(); self.conns.len()];
         for (pos, i) in indexes.iter().enumerate() {
