@@ -3,7 +3,9 @@
 #![forbid(unsafe_code)]
 
 mod deps;
+mod msrv;
 mod mutants;
+mod python;
 mod two_node;
 
 use std::path::{Path, PathBuf};
@@ -26,6 +28,9 @@ enum Cmd {
     Test,
     /// Install what the `ucx` and `nixl` backends need (idempotent) and print the shell env.
     Deps,
+    /// The Python package alone: make `.venv` and install the pins (idempotent), clippy of the
+    /// extension, ruff, build and install the wheel, run `pytest python/tests`.
+    Python,
     /// As root: two agents in two network namespaces joined by a veth pair move 1 GiB each
     /// way over `tcp`, `ucx` and `nixl`, survive a killed target, and clean up.
     TwoNodeTest,
@@ -88,6 +93,7 @@ fn main() -> Result<()> {
     std::env::set_current_dir(&root)?;
     match cli.command {
         Cmd::Test => test(&root),
+        Cmd::Python => python::test(&root),
         Cmd::Deps => {
             let layout = deps::install(&root)?;
             deps::print_env(&layout);
@@ -219,6 +225,8 @@ fn test(root: &Path) -> Result<()> {
     // Clippy, docs and tests of the default members (all but tessera-ucx and tessera-nixl,
     // which need the installed libraries and are checked with their engine below).
     step("cargo fmt", cargo(&["fmt", "--all", "--check"]))?;
+    println!("==> rust-version of every package (against its dependencies')");
+    msrv::check(root)?;
     step(
         "cargo clippy",
         cargo(&[
@@ -304,6 +312,7 @@ fn test(root: &Path) -> Result<()> {
             step(&format!("{engine} engine tests of {}", row.package), cmd)?;
         }
     }
+    python::test(root).context("the Python package (cargo xtask python)")?;
     if is_root() {
         println!("==> two-node test (root: network namespaces)");
         two_node::run(root).context("cargo xtask two-node-test")?;
@@ -323,6 +332,21 @@ fn test(root: &Path) -> Result<()> {
 /// `storage` suite measures the unit over `ucx` too, so the harness is built with its `ucx`
 /// feature whenever that suite runs.
 fn bench(root: &Path, suites: &[String]) -> Result<()> {
+    let all = suites.is_empty();
+    let rest: Vec<String> = suites.iter().filter(|s| *s != "python").cloned().collect();
+    if all || !rest.is_empty() {
+        harness(root, &rest)?;
+    }
+    // The python suite runs in the package's environment (`cargo xtask python`'s), after the
+    // harness's suites.
+    if all || rest.len() < suites.len() {
+        python::bench(root)?;
+    }
+    Ok(())
+}
+
+/// The suites of the `tessera-bench` harness (all of them when `suites` is empty).
+fn harness(root: &Path, suites: &[String]) -> Result<()> {
     let mut cmd = cargo(&[
         "run",
         "--release",

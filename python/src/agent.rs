@@ -1,0 +1,391 @@
+//! Agents, peers and the tensor pools of Ray RDT's shape: a sender packs tensors into its
+//! registered pool and hands out one descriptor; a receiver reads the object into its own
+//! pool with one READ and gives each block back when the last view of it is gone.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+use pyo3::IntoPyObjectExt;
+use tessera_engines::{EngineKind, EngineOptions};
+use tessera_rdt_pool::{ObjectDescriptor, PoolReport, ReceiverPool, SenderPool, TensorRef};
+use tessera_transport::{Agent, Peer};
+
+use crate::convert::{self, TensorType};
+use crate::errors::{self, field};
+use crate::runtime;
+
+fn same_process(pid: u32) -> PyResult<()> {
+    if pid == std::process::id() {
+        Ok(())
+    } else {
+        Err(errors::forked(pid))
+    }
+}
+
+/// A named endpoint of one engine: registers memory, publishes metadata, adds peers.
+#[pyclass(name = "Agent", module = "tessera", frozen)]
+pub(crate) struct PyAgent {
+    agent: Arc<Agent>,
+    backend: EngineKind,
+    pid: u32,
+}
+
+impl PyAgent {
+    /// The agent, for the bench functions.
+    pub(crate) fn inner(&self) -> PyResult<Arc<Agent>> {
+        same_process(self.pid)?;
+        Ok(self.agent.clone())
+    }
+}
+
+#[pymethods]
+impl PyAgent {
+    #[new]
+    #[pyo3(signature = (name, backend="shm", *, token=None, tcp_bind=None))]
+    fn new(
+        py: Python<'_>,
+        name: String,
+        backend: &str,
+        token: Option<&Bound<'_, PyAny>>,
+        tcp_bind: Option<&str>,
+    ) -> PyResult<Self> {
+        let kind: EngineKind = backend
+            .parse()
+            .map_err(|e: tessera_engines::UnknownEngine| {
+                errors::error(
+                    "ConfigError",
+                    e.to_string(),
+                    vec![field("backend", backend.to_owned())],
+                )
+            })?;
+        let tcp_bind = tcp_bind
+            .map(|a| {
+                a.parse::<SocketAddr>().map_err(|e| {
+                    errors::error("ConfigError", format!("tcp_bind {a:?}: {e}"), Vec::new())
+                })
+            })
+            .transpose()?;
+        let options = EngineOptions {
+            token: crate::storage::token(token)?,
+            tcp_bind,
+            ..EngineOptions::default()
+        };
+        let agent = py
+            .detach(|| kind.agent_with(&name, &options))
+            .map_err(errors::engine)?;
+        Ok(Self {
+            agent: Arc::new(agent),
+            backend: kind,
+            pid: std::process::id(),
+        })
+    }
+
+    #[getter]
+    fn name(&self) -> &str {
+        self.agent.name()
+    }
+
+    #[getter]
+    fn backend(&self) -> &'static str {
+        self.backend.name()
+    }
+
+    /// What a peer needs to reach this agent: opaque bytes, sent any way.
+    fn metadata<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        same_process(self.pid)?;
+        let md = py.detach(|| self.agent.metadata());
+        Ok(PyBytes::new(py, &md))
+    }
+
+    /// Adds (or refreshes) the peer whose metadata this is.
+    fn add_remote(&self, py: Python<'_>, metadata: &[u8]) -> PyResult<PyPeer> {
+        same_process(self.pid)?;
+        let md = metadata.to_vec();
+        let peer = py
+            .detach(|| self.agent.add_remote(&md))
+            .map_err(errors::connect)?;
+        Ok(PyPeer {
+            peer,
+            applied: Mutex::new(md),
+            pid: self.pid,
+        })
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "tessera.Agent({:?}, backend={:?})",
+            self.agent.name(),
+            self.backend.name()
+        )
+    }
+}
+
+/// A forked child leaks an inherited agent (see `PyClient`'s `Drop`): its engine's threads are
+/// the parent's.
+impl Drop for PyAgent {
+    fn drop(&mut self) {
+        if self.pid != std::process::id() {
+            std::mem::forget(self.agent.clone());
+        }
+    }
+}
+
+impl Drop for PySenderPool {
+    fn drop(&mut self) {
+        if self.pid != std::process::id() {
+            std::mem::forget(self.pool.clone());
+        }
+    }
+}
+
+impl Drop for PyReceiverPool {
+    fn drop(&mut self) {
+        if self.pid != std::process::id() {
+            std::mem::forget(self.pool.clone());
+        }
+    }
+}
+
+/// A peer of an agent, from its metadata.
+#[pyclass(name = "Peer", module = "tessera", frozen)]
+pub(crate) struct PyPeer {
+    peer: Peer,
+    /// The peer's metadata this handle last learned (from `add_remote` or a descriptor).
+    applied: Mutex<Vec<u8>>,
+    pid: u32,
+}
+
+#[pymethods]
+impl PyPeer {
+    #[getter]
+    fn name(&self) -> &str {
+        self.peer.name()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("tessera.Peer({:?})", self.peer.name())
+    }
+}
+
+fn report_dict(py: Python<'_>, r: PoolReport) -> PyResult<Py<PyAny>> {
+    let d = PyDict::new(py);
+    d.set_item("capacity", r.capacity)?;
+    d.set_item("used", r.used)?;
+    d.set_item("leased", r.leased)?;
+    d.set_item("quarantined", r.quarantined)?;
+    d.set_item("free", r.free)?;
+    d.set_item("largest_free", r.largest_free)?;
+    d.set_item("live_objects", r.live_objects)?;
+    d.set_item("in_place", r.in_place)?;
+    d.into_py_any(py)
+}
+
+/// What `SenderPool.put` returns: the object descriptor with the sender agent's metadata at
+/// the time of the put, so that a receiver whose peer handle predates the pool (or a pool that
+/// has registered more since) learns the registrations the descriptor names.
+/// `MAGIC`, the metadata's length (u32, little-endian), the metadata, the descriptor.
+const MAGIC: &[u8; 4] = b"TSO1";
+
+fn envelope(metadata: &[u8], descriptor: &[u8]) -> PyResult<Vec<u8>> {
+    let len = u32::try_from(metadata.len())
+        .map_err(|_| errors::tessera("agent metadata over 4 GiB".into()))?;
+    let mut out = Vec::with_capacity(8 + metadata.len() + descriptor.len());
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&len.to_le_bytes());
+    out.extend_from_slice(metadata);
+    out.extend_from_slice(descriptor);
+    Ok(out)
+}
+
+/// The sender's metadata and the descriptor of an envelope.
+fn open_envelope(bytes: &[u8]) -> PyResult<(&[u8], &[u8])> {
+    let bad = || {
+        errors::error(
+            "DescriptorError",
+            "not an object descriptor from tessera.rdt.SenderPool.put".into(),
+            Vec::new(),
+        )
+    };
+    let rest = bytes.strip_prefix(MAGIC.as_slice()).ok_or_else(bad)?;
+    let (len, rest) = rest.split_first_chunk::<4>().ok_or_else(bad)?;
+    let len = u32::from_le_bytes(*len) as usize;
+    if rest.len() < len {
+        return Err(bad());
+    }
+    Ok(rest.split_at(len))
+}
+
+/// An object id: `str` or `bytes`.
+fn object_id(id: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
+    if let Ok(s) = id.extract::<String>() {
+        return Ok(s.into_bytes());
+    }
+    id.extract::<Vec<u8>>()
+        .map_err(|_| errors::value_type("an object id is a str or bytes".into()))
+}
+
+/// The sender's pool: `put` copies tensors into registered blocks (tensors already in memory
+/// registered with the agent are described in place) and returns the object's descriptor.
+#[pyclass(name = "SenderPool", module = "tessera.rdt", frozen)]
+pub(crate) struct PySenderPool {
+    pool: SenderPool,
+    pid: u32,
+}
+
+#[pymethods]
+impl PySenderPool {
+    #[new]
+    #[pyo3(signature = (agent, capacity))]
+    fn new(py: Python<'_>, agent: &PyAgent, capacity: u64) -> PyResult<Self> {
+        same_process(agent.pid)?;
+        let a = agent.agent.clone();
+        let pool = py
+            .detach(|| SenderPool::new(a, capacity))
+            .map_err(errors::pool)?;
+        Ok(Self {
+            pool,
+            pid: agent.pid,
+        })
+    }
+
+    /// Puts `tensors` under `id` and returns the descriptor (bytes) a receiver fetches with.
+    fn put<'py>(
+        &self,
+        py: Python<'py>,
+        id: &Bound<'py, PyAny>,
+        tensors: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        same_process(self.pid)?;
+        let id = object_id(id)?;
+        let tensors: Vec<tessera_framecodec::Tensor> = tensors
+            .try_iter()
+            .map_err(|_| errors::value_type("put takes a sequence of tensors".into()))?
+            .map(|t| convert::tensor(&t?))
+            .collect::<PyResult<_>>()?;
+        let refs: Vec<TensorRef<'static>> = tensors.iter().map(TensorRef::from_tensor).collect();
+        let pool = &self.pool;
+        let (desc, metadata) = py
+            .detach(|| {
+                let desc = pool.put(&id, &refs)?;
+                Ok::<_, tessera_rdt_pool::PutError>((desc, pool.agent().metadata()))
+            })
+            .map_err(errors::put)?;
+        drop(refs);
+        drop(tensors);
+        crate::release::drain(py);
+        let bytes = desc.to_bytes().map_err(errors::descriptor)?;
+        Ok(PyBytes::new(py, &envelope(&metadata, &bytes)?))
+    }
+
+    /// Frees `id`'s blocks (receivers must be done reading it).
+    fn free(&self, id: &Bound<'_, PyAny>) -> PyResult<()> {
+        same_process(self.pid)?;
+        self.pool.free(object_id(id)?).map_err(errors::free)
+    }
+
+    fn __contains__(&self, id: &Bound<'_, PyAny>) -> PyResult<bool> {
+        Ok(self.pool.contains(object_id(id)?))
+    }
+
+    fn report(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        report_dict(py, self.pool.report())
+    }
+}
+
+impl PyReceiverPool {
+    /// Brings `peer` up to the sender's `metadata` from a descriptor, if it changed.
+    fn learn(&self, py: Python<'_>, peer: &PyPeer, metadata: &[u8]) -> PyResult<()> {
+        let mut applied = peer.applied.lock().unwrap_or_else(|e| e.into_inner());
+        if applied.as_slice() == metadata {
+            return Ok(());
+        }
+        let agent = self.pool.agent();
+        let fresh = py
+            .detach(|| agent.add_remote(metadata))
+            .map_err(errors::connect)?;
+        if fresh.name() != peer.peer.name() {
+            return Err(errors::error(
+                "DescriptorError",
+                format!(
+                    "the object was put by agent {:?}, and is fetched from peer {:?}",
+                    fresh.name(),
+                    peer.peer.name()
+                ),
+                Vec::new(),
+            ));
+        }
+        *applied = metadata.to_vec();
+        Ok(())
+    }
+}
+
+/// The receiver's pool: `fetch` reads an object into its blocks with one READ; the views it
+/// returns keep their block, which returns when the last view of it is gone.
+#[pyclass(name = "ReceiverPool", module = "tessera.rdt", frozen)]
+pub(crate) struct PyReceiverPool {
+    pool: ReceiverPool,
+    tensor_type: TensorType,
+    pid: u32,
+}
+
+#[pymethods]
+impl PyReceiverPool {
+    #[new]
+    #[pyo3(signature = (agent, capacity, *, tensor_type="numpy"))]
+    fn new(py: Python<'_>, agent: &PyAgent, capacity: u64, tensor_type: &str) -> PyResult<Self> {
+        same_process(agent.pid)?;
+        let tensor_type = TensorType::parse(tensor_type)?;
+        let a = agent.agent.clone();
+        let pool = py
+            .detach(|| ReceiverPool::new(a, capacity))
+            .map_err(errors::pool)?;
+        Ok(Self {
+            pool,
+            tensor_type,
+            pid: agent.pid,
+        })
+    }
+
+    /// Reads the object `descriptor` describes from `peer`; its tensors, in put order.
+    #[pyo3(signature = (descriptor, peer, *, timeout=60.0))]
+    fn fetch(
+        &self,
+        py: Python<'_>,
+        descriptor: &[u8],
+        peer: &PyPeer,
+        timeout: f64,
+    ) -> PyResult<Py<PyAny>> {
+        same_process(self.pid)?;
+        same_process(peer.pid)?;
+        if !(timeout.is_finite() && timeout > 0.0) {
+            return Err(errors::usage(format!(
+                "timeout must be a positive number of seconds, not {timeout}"
+            )));
+        }
+        let (metadata, descriptor) = open_envelope(descriptor)?;
+        let desc = ObjectDescriptor::from_bytes(descriptor).map_err(errors::descriptor)?;
+        self.learn(py, peer, metadata)?;
+        let pool = self.pool.clone();
+        let peer = peer.peer.clone();
+        let timeout = Duration::from_secs_f64(timeout);
+        // A fetch given up on (timeout) quarantines its blocks until the READ resolves.
+        let tensors = runtime::wait(py, async move {
+            tokio::task::spawn_blocking(move || pool.fetch(&desc, &peer)?.wait_timeout(timeout))
+                .await
+        })?
+        .map_err(|e| errors::tessera(format!("fetch task failed: {e}")))?
+        .map_err(errors::fetch)?;
+        let list = PyList::empty(py);
+        for t in tensors {
+            list.append(convert::tensor_to_py(py, t, self.tensor_type)?)?;
+        }
+        list.into_py_any(py)
+    }
+
+    fn report(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        report_dict(py, self.pool.report())
+    }
+}

@@ -1,0 +1,93 @@
+import gc
+
+import numpy as np
+import pytest
+
+import tessera
+from tessera.errors import DescriptorError, TransferError, UnknownObject, UsageError
+
+
+def pair(backend="shm"):
+    a = tessera.Agent("sender", backend=backend)
+    b = tessera.Agent("receiver", backend=backend)
+    peer = b.add_remote(a.metadata())
+    a.add_remote(b.metadata())
+    return a, b, peer
+
+
+@pytest.mark.parametrize("backend", ["shm", "tcp", "inproc"])
+def test_put_fetch_free(backend):
+    a, b, peer = pair(backend)
+    sender = tessera.rdt.SenderPool(a, capacity=16 << 20)
+    receiver = tessera.rdt.ReceiverPool(b, capacity=16 << 20)
+    ws = [np.arange(1000, dtype=np.float32), np.ones((3, 7), dtype=np.int8), np.zeros(0)]
+    desc = sender.put("weights-v1", ws)
+    assert isinstance(desc, bytes) and "weights-v1" in sender
+    views = receiver.fetch(desc, peer)
+    for want, have in zip(ws, views, strict=True):
+        np.testing.assert_array_equal(have, want)
+        assert have.dtype == want.dtype
+    assert receiver.report()["leased"] > 0
+    del views
+    gc.collect()
+    assert receiver.report()["used"] == 0
+    sender.free("weights-v1")
+    assert sender.report()["used"] == 0
+    with pytest.raises(UnknownObject):
+        sender.free("weights-v1")
+
+
+def test_ten_thousand_views_of_one_tensor():
+    a, b, peer = pair()
+    big = np.arange(10_000 * 16, dtype=np.float32)
+    views = [big[i * 16 : (i + 1) * 16] for i in range(10_000)]
+    sender = tessera.rdt.SenderPool(a, capacity=8 << 20)
+    desc = sender.put(b"many", views)
+    got = tessera.rdt.ReceiverPool(b, capacity=8 << 20).fetch(desc, peer)
+    assert len(got) == 10_000
+    np.testing.assert_array_equal(got[9_999], views[9_999])
+    np.testing.assert_array_equal(np.concatenate(got[:100]), big[: 100 * 16])
+
+
+def test_an_object_that_fits_exactly():
+    a, b, peer = pair()
+    sender = tessera.rdt.SenderPool(a, capacity=1 << 20)
+    desc = sender.put("exact", [np.ones(1 << 18, dtype=np.float32)])  # 1 MiB
+    (got,) = tessera.rdt.ReceiverPool(b, capacity=1 << 20).fetch(desc, peer)
+    assert got.sum() == 1 << 18
+
+
+def test_a_failed_read_frees_its_blocks():
+    a, b, peer = pair("tcp")  # the sender's agent gone, its listener is closed
+    sender = tessera.rdt.SenderPool(a, capacity=4 << 20)
+    desc = sender.put("gone", [np.ones(1 << 20, dtype=np.uint8)])
+    receiver = tessera.rdt.ReceiverPool(b, capacity=4 << 20)
+    sender.free("gone")
+    del sender, a
+    gc.collect()
+    with pytest.raises(TransferError):
+        receiver.fetch(desc, peer, timeout=10)
+    assert receiver.report()["used"] == 0
+
+
+def test_bad_descriptors_and_arguments():
+    _, b, peer = pair()
+    receiver = tessera.rdt.ReceiverPool(b, capacity=1 << 20)
+    with pytest.raises(DescriptorError):
+        receiver.fetch(b"\x00not a descriptor", peer)
+    with pytest.raises(UsageError):
+        receiver.fetch(b"", peer, timeout=-1)
+    with pytest.raises(tessera.errors.ConfigError, match="unknown engine"):
+        tessera.Agent("x", backend="carrier-pigeon")
+    if "ucx" not in tessera.backends():
+        with pytest.raises(tessera.errors.EngineNotBuilt) as e:
+            tessera.Agent("x", backend="ucx")
+        assert e.value.feature == "ucx"
+
+
+def test_a_descriptor_from_another_agent_is_refused():
+    _, b, peer = pair()
+    other = tessera.Agent("other", backend="shm")
+    desc = tessera.rdt.SenderPool(other, capacity=1 << 20).put("x", [np.ones(4)])
+    with pytest.raises(DescriptorError, match="put by agent"):
+        tessera.rdt.ReceiverPool(b, capacity=1 << 20).fetch(desc, peer)

@@ -1,0 +1,195 @@
+//! The Python package: its environment, wheel and tests (`cargo xtask python`, and a step of
+//! `cargo xtask test`).
+//!
+//! - `.venv/`: a virtual environment of this project, made once with `python3 -m venv`;
+//! - `python/requirements-dev.txt` installed into it from `.deps/pywheels`, a cache of the
+//!   wheels that `pip download` fills only when an install from it fails (the first run, or a
+//!   changed pin); a stamp in `.venv` records what was installed, so a second run installs
+//!   nothing;
+//! - clippy of the extension crate, `ruff` over `python/`, the wheel built by maturin (the dev
+//!   profile; release for `cargo xtask bench python`) and installed into `.venv`, then
+//!   `pytest python/tests`.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+
+use crate::{cargo, step};
+
+/// The pinned development requirements.
+const REQUIREMENTS: &str = "python/requirements-dev.txt";
+/// In `.venv`: the requirements text last installed.
+const STAMP: &str = ".tessera-requirements";
+
+/// The environment's interpreter, after making the environment and installing the pins.
+pub(crate) fn env(root: &Path) -> Result<PathBuf> {
+    let venv = root.join(".venv");
+    let python = venv.join("bin/python");
+    if !python.exists() {
+        let mut cmd = Command::new("python3");
+        cmd.args(["-m", "venv"]).arg(&venv);
+        step("python3 -m venv .venv", cmd)?;
+    }
+    let req_path = root.join(REQUIREMENTS);
+    let req =
+        fs::read_to_string(&req_path).with_context(|| format!("reading {}", req_path.display()))?;
+    let stamp = venv.join(STAMP);
+    if fs::read_to_string(&stamp).ok().as_deref() == Some(req.as_str()) {
+        return Ok(python);
+    }
+    let wheels = root.join(".deps/pywheels");
+    fs::create_dir_all(&wheels).with_context(|| format!("creating {}", wheels.display()))?;
+    let install = || {
+        let mut cmd = Command::new(&python);
+        cmd.args([
+            "-m",
+            "pip",
+            "install",
+            "--disable-pip-version-check",
+            "--quiet",
+        ])
+        .args(["--no-index", "--find-links"])
+        .arg(&wheels)
+        .arg("-r")
+        .arg(&req_path);
+        cmd
+    };
+    println!("==> installing {REQUIREMENTS} into .venv from .deps/pywheels");
+    let cached = install()
+        .status()
+        .context("running pip (python3 with venv and pip is needed)")?;
+    if !cached.success() {
+        let mut download = Command::new(&python);
+        download
+            .args([
+                "-m",
+                "pip",
+                "download",
+                "--disable-pip-version-check",
+                "--quiet",
+            ])
+            .arg("--dest")
+            .arg(&wheels)
+            .arg("-r")
+            .arg(&req_path);
+        step(
+            "pip download of the Python requirements into .deps/pywheels (torch: about 3.3 GB)",
+            download,
+        )?;
+        step("pip install of the Python requirements", install())?;
+    }
+    fs::write(&stamp, &req).with_context(|| format!("writing {}", stamp.display()))?;
+    Ok(python)
+}
+
+/// Builds the wheel into `target/wheels` and installs it into the environment: in the dev
+/// profile for the tests (it reuses what `cargo test` built), in release for the benchmarks.
+pub(crate) fn install_wheel(root: &Path, python: &Path, release: bool) -> Result<PathBuf> {
+    let out = root.join("target/wheels");
+    // One wheel of ours in the directory: the one this build makes.
+    if let Ok(entries) = fs::read_dir(&out) {
+        for e in entries.flatten() {
+            if is_our_wheel(&e.path()) {
+                fs::remove_file(e.path())
+                    .with_context(|| format!("removing {}", e.path().display()))?;
+            }
+        }
+    }
+    let mut build = Command::new(root.join(".venv/bin/maturin"));
+    build.args(["build", "--locked", "--quiet"]);
+    if release {
+        build.arg("--release");
+    }
+    build
+        .arg("--manifest-path")
+        .arg(root.join("python/Cargo.toml"))
+        .arg("--out")
+        .arg(&out)
+        .arg("--interpreter")
+        .arg(python);
+    step("maturin build (the tessera-transfer wheel)", build)?;
+    let wheel = fs::read_dir(&out)
+        .with_context(|| format!("reading {}", out.display()))?
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| is_our_wheel(p))
+        .with_context(|| {
+            format!(
+                "maturin left no tessera_transfer wheel in {}",
+                out.display()
+            )
+        })?;
+    let mut install = Command::new(python);
+    install
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--disable-pip-version-check",
+            "--quiet",
+        ])
+        .args(["--no-deps", "--force-reinstall"])
+        .arg(&wheel);
+    step("pip install of the wheel into .venv", install)?;
+    Ok(wheel)
+}
+
+fn is_our_wheel(p: &Path) -> bool {
+    p.file_name()
+        .and_then(|n| n.to_str())
+        .is_some_and(|n| n.starts_with("tessera_transfer-") && n.ends_with(".whl"))
+}
+
+/// Everything `cargo xtask test` runs for the Python package.
+pub(crate) fn test(root: &Path) -> Result<()> {
+    let python = env(root)?;
+    let mut clippy = cargo(&[
+        "clippy",
+        "--locked",
+        "--all-targets",
+        "-p",
+        "tessera-python",
+        "--",
+        "-D",
+        "warnings",
+    ]);
+    clippy
+        .env("PYO3_PYTHON", &python)
+        .env("PYO3_BUILD_EXTENSION_MODULE", "1");
+    step("cargo clippy of the Python extension", clippy)?;
+    let ruff = root.join(".venv/bin/ruff");
+    let mut check = Command::new(&ruff);
+    check.args(["check", "--quiet"]).arg(root.join("python"));
+    step("ruff check python/", check)?;
+    let mut format = Command::new(&ruff);
+    format
+        .args(["format", "--check", "--quiet"])
+        .arg(root.join("python"));
+    step("ruff format --check python/", format)?;
+    install_wheel(root, &python, false)?;
+    let mut pytest = Command::new(&python);
+    pytest
+        .args(["-m", "pytest", "-q", "-p", "no:cacheprovider"])
+        .arg(root.join("python/tests"))
+        .env("TESSERA_REQUIRE_TORCH", "1")
+        .current_dir(root);
+    let status = pytest.status().context("running pytest")?;
+    if !status.success() {
+        bail!("pytest python/tests failed ({status})");
+    }
+    Ok(())
+}
+
+/// `cargo xtask bench python`: the Python package's figures beside the Rust client's, in one
+/// run (`python/bench/bench_python.py`), into `target/tessera-bench/python.{json,md}`.
+pub(crate) fn bench(root: &Path) -> Result<()> {
+    let python = env(root)?;
+    install_wheel(root, &python, true)?;
+    let mut cmd = Command::new(&python);
+    cmd.arg(root.join("python/bench/bench_python.py"))
+        .arg(root.join("target/tessera-bench"))
+        .current_dir(root);
+    step("the python suite", cmd)
+}
