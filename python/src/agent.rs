@@ -227,6 +227,27 @@ fn object_id(id: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
         .map_err(|_| errors::value_type("an object id is a str or bytes".into()))
 }
 
+/// Bytes of a put copied from borrowed views with the GIL held, at most (see `put`).
+const BORROW_MAX: usize = 1 << 20;
+
+/// A put's reference to a borrowed view's bytes.
+fn borrowed_ref(v: &convert::View) -> PyResult<TensorRef<'_>> {
+    let data: &[u8] = if v.span == 0 {
+        &[]
+    } else {
+        // SAFETY: `v` is a producer's view of a tensor that the caller's `objs` keeps alive,
+        // and the GIL stays held from when the view was taken until the put has copied these
+        // bytes, so no Python code can free or resize the memory meanwhile; `span` bytes from
+        // `ptr` reach past its last element.
+        unsafe { std::slice::from_raw_parts(v.ptr, v.span) }
+    };
+    let r = match &v.strides {
+        None => TensorRef::new(v.dtype, &v.shape, data),
+        Some(st) => TensorRef::strided(v.dtype, &v.shape, st, data),
+    };
+    r.map_err(|e| errors::error("CodecError", errors::chain(&e), Vec::new()))
+}
+
 /// The sender's pool: `put` copies tensors into registered blocks (tensors already in memory
 /// registered with the agent are described in place) and returns the object's descriptor.
 #[pyclass(name = "SenderPool", module = "tessera.rdt", frozen)]
@@ -260,21 +281,51 @@ impl PySenderPool {
     ) -> PyResult<Bound<'py, PyBytes>> {
         same_process(self.pid)?;
         let id = object_id(id)?;
-        let tensors: Vec<tessera_framecodec::Tensor> = tensors
+        let objs: Vec<Bound<'py, PyAny>> = tensors
             .try_iter()
             .map_err(|_| errors::value_type("put takes a sequence of tensors".into()))?
-            .map(|t| convert::tensor(&t?))
             .collect::<PyResult<_>>()?;
-        let refs: Vec<TensorRef<'static>> = tensors.iter().map(TensorRef::from_tensor).collect();
-        let pool = &self.pool;
-        let (desc, metadata) = py
-            .detach(|| {
-                let desc = pool.put(&id, &refs)?;
-                Ok::<_, tessera_rdt_pool::PutError>((desc, pool.agent().metadata()))
+        // Small tensors of a producer with a borrowed view (torch) are copied from that view
+        // with the GIL held: no managed tensor, no handle to release per tensor. Otherwise
+        // (or past `BORROW_MAX` bytes in all) the tensors are held through handles that keep
+        // their memory alive, and the copy runs without the GIL.
+        let mut views = Vec::with_capacity(objs.len());
+        let mut borrowed = 0usize;
+        let mut apis = Vec::new();
+        for obj in &objs {
+            match convert::borrowed_view(obj, &mut apis)? {
+                Some(v) if borrowed + v.span <= BORROW_MAX => {
+                    borrowed += v.span;
+                    views.push(Some(v));
+                }
+                _ => views.push(None),
+            }
+        }
+        let owned: Vec<Option<tessera_framecodec::Tensor>> = objs
+            .iter()
+            .zip(&views)
+            .map(|(obj, v)| match v {
+                Some(_) => Ok(None),
+                None => convert::tensor(obj).map(Some),
             })
-            .map_err(errors::put)?;
+            .collect::<PyResult<_>>()?;
+        let mut refs: Vec<TensorRef<'_>> = Vec::with_capacity(objs.len());
+        for (v, t) in views.iter().zip(&owned) {
+            refs.push(match (v, t) {
+                (_, Some(t)) => TensorRef::from_tensor(t),
+                (Some(v), None) => borrowed_ref(v)?,
+                (None, None) => return Err(errors::tessera("a tensor without a source".into())),
+            });
+        }
+        let pool = &self.pool;
+        let put = || {
+            let desc = pool.put(&id, &refs)?;
+            Ok::<_, tessera_rdt_pool::PutError>((desc, pool.agent().metadata()))
+        };
+        let (desc, metadata) =
+            if borrowed > 0 { put() } else { py.detach(put) }.map_err(errors::put)?;
         drop(refs);
-        drop(tensors);
+        drop(owned);
         crate::release::drain(py);
         let bytes = desc.to_bytes().map_err(errors::descriptor)?;
         Ok(PyBytes::new(py, &envelope(&metadata, &bytes)?))

@@ -18,7 +18,8 @@ use crate::storage::PyClient;
 fn tensors(count: usize, bytes: usize) -> Vec<Value> {
     (0..count)
         .map(|i| {
-            let data = Bytes::from(vec![(i % 251) as u8; bytes]);
+            // Not zero: a zeroed vector's pages would all be the shared zero page, never touched.
+            let data = Bytes::from(vec![1 + (i % 251) as u8; bytes]);
             Value::Tensor(Tensor::new(DType::U8, &[bytes as u64], data).expect("u8 tensor"))
         })
         .collect()

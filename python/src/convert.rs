@@ -14,11 +14,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
 use dlpark::ffi::DLDeviceType;
+use dlpark::python::consumer::exchange::ExchangeApi;
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 use pyo3::{intern, IntoPyObjectExt};
-use tessera_framecodec::{Tensor, Value};
+use tessera_framecodec::{DType, Tensor, Value};
 
 use crate::dtype;
 use crate::errors::{self, field};
@@ -296,6 +297,90 @@ fn from_dlpack(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
     }
 }
 
+/// A tensor's memory seen through its producer's borrowed DLPack view: valid while the
+/// producer's object is alive and nothing resizes it, so only while the GIL is held.
+pub(crate) struct View {
+    pub(crate) dtype: DType,
+    pub(crate) shape: Vec<u64>,
+    /// In elements, when not row-major contiguous (never negative).
+    pub(crate) strides: Option<Vec<u64>>,
+    pub(crate) ptr: *const u8,
+    /// Bytes from `ptr` to past the last element.
+    pub(crate) span: usize,
+}
+
+/// `obj`'s memory through the C exchange API's borrowed view (torch has it), without making a
+/// managed tensor: for callers that copy the bytes before they release the GIL. `None` for
+/// producers without the API and for negative strides (left to [`tensor`], which copies).
+///
+/// `apis` caches each type's API (a put of many tensors asks once per type).
+pub(crate) fn borrowed_view(
+    obj: &Bound<'_, PyAny>,
+    apis: &mut Vec<(usize, Option<ExchangeApi>)>,
+) -> PyResult<Option<View>> {
+    if obj.cast::<PyTensor>().is_ok() || obj.cast::<numpy::PyUntypedArray>().is_ok() {
+        return Ok(None);
+    }
+    let ty = obj.get_type().as_ptr() as usize;
+    let at = match apis.iter().position(|(t, _)| *t == ty) {
+        Some(i) => i,
+        None => {
+            apis.push((ty, ExchangeApi::from_object(obj.as_borrowed())?));
+            apis.len() - 1
+        }
+    };
+    let Some(api) = &apis[at].1 else {
+        return Ok(None);
+    };
+    api.with_tensor_view_no_sync(obj.as_borrowed(), |raw, _stream| {
+        // SAFETY: the producer keeps the view, its shape and its strides readable and
+        // unchanged for the duration of this callback, which is all this borrow lasts.
+        let t = unsafe { dlpark::TensorRef::from_raw(raw) }
+            .map_err(|e| errors::value_type(format!("a malformed DLPack tensor: {e}")))?;
+        if !host_memory(&t.device()) {
+            return Err(device_error(t.device()));
+        }
+        let dtype = dtype::from_dlpack(t.dtype()).ok_or_else(|| {
+            errors::value_type(format!(
+                "DLPack dtype (code {}, {} bits, {} lanes) has no tessera dtype",
+                t.dtype().code.0,
+                t.dtype().bits,
+                t.dtype().lanes
+            ))
+        })?;
+        let shape: Vec<u64> = t.shape().iter().map(|&d| d.max(0) as u64).collect();
+        let strides = match t.strides() {
+            Some(st) if !t.is_compact().unwrap_or(false) => {
+                if st.iter().any(|&x| x < 0) {
+                    return Ok(None);
+                }
+                Some(st.iter().map(|&x| x as u64).collect::<Vec<u64>>())
+            }
+            _ => None,
+        };
+        let item = dtype.size();
+        let span = if shape.contains(&0) {
+            0
+        } else {
+            match &strides {
+                None => t.num_bytes(),
+                Some(st) => {
+                    let last: u64 = shape.iter().zip(st).map(|(&d, &s)| (d - 1) * s).sum();
+                    (last as usize + 1) * item
+                }
+            }
+        };
+        let ptr = (t.data_ptr() as *const u8).wrapping_add(t.byte_offset() as usize);
+        Ok(Some(View {
+            dtype,
+            shape,
+            strides,
+            ptr,
+            span,
+        }))
+    })?
+}
+
 /// Copies the items of a strided array into a contiguous row-major vector (whole rows at a
 /// time when the last dimension is contiguous).
 ///
@@ -400,10 +485,11 @@ pub(crate) fn to_py(py: Python<'_>, v: Value, tt: TensorType) -> PyResult<Py<PyA
 
 /// `t` as `tt` asks.
 pub(crate) fn tensor_to_py(py: Python<'_>, t: Tensor, tt: TensorType) -> PyResult<Py<PyAny>> {
-    let owner = Bound::new(py, PyTensor { tensor: t })?;
     Ok(match tt {
-        TensorType::Tessera => owner.into_any().unbind(),
-        TensorType::Numpy => crate::tensor::numpy_view(&owner)?.unbind(),
-        TensorType::Torch => crate::tensor::torch_view(&owner)?.unbind(),
+        TensorType::Tessera => Bound::new(py, PyTensor { tensor: t })?.into_any().unbind(),
+        TensorType::Numpy => {
+            crate::tensor::numpy_view(&Bound::new(py, PyTensor { tensor: t })?)?.unbind()
+        }
+        TensorType::Torch => crate::tensor::torch_tensor(py, t)?.unbind(),
     })
 }

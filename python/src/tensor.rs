@@ -6,6 +6,7 @@ use std::ffi::c_void;
 
 use dlpark::ffi::{DLDevice, DLManagedTensor, DLManagedTensorVersioned};
 use dlpark::metadata::Dynamic;
+use dlpark::python::consumer::exchange::ExchangeApi;
 use dlpark::python::{export_dlpack, DlpackExporter, ExportRequest};
 use dlpark::{DlpackFlags, Managed, ManagedTensorBase};
 use numpy::npyffi::{self, NpyTypes, NPY_ARRAY_WRITEABLE, PY_ARRAY_API};
@@ -25,42 +26,41 @@ pub(crate) struct PyTensor {
     pub(crate) tensor: Tensor,
 }
 
-impl PyTensor {
-    fn shape_i64(&self) -> Vec<i64> {
-        self.tensor.shape().iter().map(|&d| d as i64).collect()
-    }
+fn shape_i64(t: &Tensor) -> Vec<i64> {
+    t.shape().iter().map(|&d| d as i64).collect()
+}
 
-    /// Strides in elements: the tensor's own, or row-major ones.
-    fn strides_i64(&self) -> Vec<i64> {
-        match self.tensor.strides() {
-            Some(s) => s.iter().map(|&s| s as i64).collect(),
-            None => {
-                let shape = self.tensor.shape();
-                let mut out = vec![1i64; shape.len()];
-                for i in (0..shape.len().saturating_sub(1)).rev() {
-                    out[i] = out[i + 1] * shape[i + 1].max(1) as i64;
-                }
-                out
+/// Strides in elements: the tensor's own, or row-major ones.
+fn strides_i64(t: &Tensor) -> Vec<i64> {
+    match t.strides() {
+        Some(s) => s.iter().map(|&s| s as i64).collect(),
+        None => {
+            let shape = t.shape();
+            let mut out = vec![1i64; shape.len()];
+            for i in (0..shape.len().saturating_sub(1)).rev() {
+                out[i] = out[i + 1] * shape[i + 1].max(1) as i64;
             }
+            out
         }
     }
+}
 
-    fn managed<M: ManagedTensorBase>(&self) -> PyResult<Managed<M>> {
-        let data = self.tensor.data().clone();
-        let ptr = data.as_ptr() as *mut c_void;
-        let mut init = Dynamic::new(self.shape_i64(), self.strides_i64())
-            .initialize_as::<M>(Box::new(data))
-            .map_err(|e| errors::tessera(format!("exporting a tensor through DLPack: {e}")))?;
-        init.set_data(ptr)
-            .set_dtype(dtype::to_dlpack(self.tensor.dtype()))
-            .set_device(DLDevice::CPU);
-        // SAFETY: the data pointer is the start of the tensor's `Bytes`, which the managed
-        // tensor's own context (the boxed clone above) keeps alive until its deleter runs;
-        // shape and strides are the tensor's, checked against its byte length when it was
-        // built, so every element they address lies inside those bytes; the dtype is the
-        // tensor's and the device the host's.
-        Ok(unsafe { init.finish() })
-    }
+/// A DLPack managed tensor over `t`'s memory, owning a handle on it.
+fn managed<M: ManagedTensorBase>(t: &Tensor) -> PyResult<Managed<M>> {
+    let data = t.data().clone();
+    let ptr = data.as_ptr() as *mut c_void;
+    let mut init = Dynamic::new(shape_i64(t), strides_i64(t))
+        .initialize_as::<M>(Box::new(data))
+        .map_err(|e| errors::tessera(format!("exporting a tensor through DLPack: {e}")))?;
+    init.set_data(ptr)
+        .set_dtype(dtype::to_dlpack(t.dtype()))
+        .set_device(DLDevice::CPU);
+    // SAFETY: the data pointer is the start of the tensor's `Bytes`, which the managed
+    // tensor's own context (the boxed clone above) keeps alive until its deleter runs; shape
+    // and strides are the tensor's, checked against its byte length when it was built, so
+    // every element they address lies inside those bytes; the dtype is the tensor's and the
+    // device the host's.
+    Ok(unsafe { init.finish() })
 }
 
 impl DlpackExporter for PyTensor {
@@ -77,11 +77,11 @@ impl DlpackExporter for PyTensor {
     }
 
     fn export_legacy(&self, _py: Python<'_>) -> PyResult<Managed<DLManagedTensor>> {
-        self.managed()
+        managed(&self.tensor)
     }
 
     fn export_versioned(&self, _py: Python<'_>) -> PyResult<Managed<DLManagedTensorVersioned>> {
-        self.managed()
+        managed(&self.tensor)
     }
 }
 
@@ -169,12 +169,8 @@ pub(crate) fn numpy_view<'py>(owner: &Bound<'py, PyTensor>) -> PyResult<Bound<'p
     let descr = PyArrayDescr::new(py, typestr)?;
     let item = t.dtype().size() as isize;
     let mut dims: Vec<npyffi::npy_intp> = t.shape().iter().map(|&d| d as isize).collect();
-    let mut strides: Vec<npyffi::npy_intp> = owner
-        .get()
-        .strides_i64()
-        .iter()
-        .map(|&s| s as isize * item)
-        .collect();
+    let mut strides: Vec<npyffi::npy_intp> =
+        strides_i64(t).iter().map(|&s| s as isize * item).collect();
     let rank = std::ffi::c_int::try_from(dims.len())
         .map_err(|_| errors::usage("rank too high for NumPy".into()))?;
     let data = t.data().as_ptr() as *mut c_void;
@@ -204,19 +200,41 @@ pub(crate) fn numpy_view<'py>(owner: &Bound<'py, PyTensor>) -> PyResult<Bound<'p
     }
 }
 
-static FROM_DLPACK: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+/// `torch.Tensor` and `torch.from_dlpack`, once torch is imported.
+struct Torch {
+    tensor_type: Py<PyAny>,
+    from_dlpack: Py<PyAny>,
+}
 
-/// A torch tensor over `owner`'s memory (`torch.from_dlpack`, which keeps `owner` alive).
-pub(crate) fn torch_view<'py>(owner: &Bound<'py, PyTensor>) -> PyResult<Bound<'py, PyAny>> {
-    let py = owner.py();
-    let from_dlpack = FROM_DLPACK.get_or_try_init(py, || {
+static TORCH: PyOnceLock<Torch> = PyOnceLock::new();
+
+fn torch(py: Python<'_>) -> PyResult<&Torch> {
+    TORCH.get_or_try_init(py, || {
         let torch = py.import("torch").map_err(|e| {
             errors::usage(format!(
                 "tensor_type=\"torch\" needs torch, which does not import here ({e}): install \
                  torch or ask for tensor_type=\"numpy\""
             ))
         })?;
-        Ok::<_, PyErr>(torch.getattr("from_dlpack")?.unbind())
-    })?;
-    from_dlpack.bind(py).call1((owner,))
+        Ok::<_, PyErr>(Torch {
+            tensor_type: torch.getattr("Tensor")?.unbind(),
+            from_dlpack: torch.getattr("from_dlpack")?.unbind(),
+        })
+    })
+}
+
+/// A torch tensor over `t`'s memory that keeps it alive: handed to torch through its DLPack C
+/// exchange API when it has one (no Python call, no capsule), else `torch.from_dlpack`.
+pub(crate) fn torch_tensor(py: Python<'_>, t: Tensor) -> PyResult<Bound<'_, PyAny>> {
+    let torch = torch(py)?;
+    if let Some(api) = ExchangeApi::from_object(torch.tensor_type.bind(py).as_borrowed())? {
+        return api.managed_tensor_to_py_object_no_sync(managed(&t)?, py);
+    }
+    let owner = Bound::new(py, PyTensor { tensor: t })?;
+    torch.from_dlpack.bind(py).call1((owner,))
+}
+
+/// A torch tensor over `owner`'s memory (see [`torch_tensor`]).
+pub(crate) fn torch_view<'py>(owner: &Bound<'py, PyTensor>) -> PyResult<Bound<'py, PyAny>> {
+    torch_tensor(owner.py(), owner.get().tensor.clone())
 }

@@ -36,7 +36,8 @@ enum Cmd {
     TwoNodeTest,
     /// Run benchmark suites, print their tables and write target/tessera-bench/SUITE.json.
     Bench {
-        /// Suites to run (default: all).
+        /// Suites to run (default: all): alloc, codec, transport, pool, storage, hostile (the
+        /// harness's) and python (the Python package, in `.venv`).
         suites: Vec<String>,
     },
     /// Mutation testing (cargo-mutants, installed under .deps) of what mutants.toml lists;
