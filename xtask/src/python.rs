@@ -8,13 +8,15 @@
 //!   nothing;
 //! - clippy of the extension crate, `ruff` over `python/`, the wheel built by maturin (the dev
 //!   profile; release for `cargo xtask bench python`) and installed into `.venv`, then
-//!   `pytest python/tests`.
+//!   `pytest python/tests`, then TransferQueue's own e2e tests against the `Tessera` backend
+//!   (`tessera.integrations.transfer_queue.pytest_plugin`). The tests' Ray clusters write under
+//!   a directory of the run (`RAY_TMPDIR`), removed afterwards.
 
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, Context, Result};
 
 use crate::{cargo, step};
 
@@ -175,11 +177,52 @@ pub(crate) fn test(root: &Path) -> Result<()> {
         .arg(root.join("python/tests"))
         .env("TESSERA_REQUIRE_TORCH", "1")
         .current_dir(root);
+    let ray_dir = ray_tmpdir()?;
+    pytest.env("RAY_TMPDIR", &ray_dir);
     let status = pytest.status().context("running pytest")?;
-    if !status.success() {
-        bail!("pytest python/tests failed ({status})");
-    }
-    Ok(())
+    let e2e = if status.success() {
+        transfer_queue_e2e(&python, &ray_dir)
+    } else {
+        Err(anyhow!("pytest python/tests failed ({status})"))
+    };
+    // What the Ray clusters of the tests left (their logs and sockets), on failure too.
+    let _ = fs::remove_dir_all(&ray_dir);
+    e2e
+}
+
+/// Where the tests' Ray clusters write (`RAY_TMPDIR`) instead of the machine's `/tmp/ray`:
+/// a directory of this run, removed afterwards. Under `/tmp`, not the checkout: Ray's Unix
+/// sockets live below it, and their paths must stay under 108 bytes.
+fn ray_tmpdir() -> Result<PathBuf> {
+    let dir = std::env::temp_dir().join(format!("tessera-ray-{}", std::process::id()));
+    fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    Ok(dir)
+}
+
+/// TransferQueue's own end-to-end tests, as its wheel installs them (a top-level `tests`
+/// package), against the `Tessera` backend: the plugin adds it to their `BACKEND_CONFIGS`.
+fn transfer_queue_e2e(python: &Path, ray_dir: &Path) -> Result<()> {
+    let out = Command::new(python)
+        .args([
+            "-c",
+            "import sysconfig; print(sysconfig.get_paths()['purelib'])",
+        ])
+        .output()
+        .context("asking .venv for its site-packages")?;
+    let site = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+    let e2e = site.join("tests/e2e");
+    let mut cmd = Command::new(python);
+    cmd.args(["-m", "pytest", "-q", "-p", "no:cacheprovider"])
+        .args(["-p", "tessera.integrations.transfer_queue.pytest_plugin"])
+        .arg(e2e.join("test_e2e_lifecycle_consistency.py"))
+        .arg(e2e.join("test_kv_interface_e2e.py"))
+        .env("TQ_TEST_BACKEND", "Tessera")
+        .env("RAY_TMPDIR", ray_dir)
+        .current_dir(&e2e);
+    step(
+        "TransferQueue's e2e tests with TQ_TEST_BACKEND=Tessera",
+        cmd,
+    )
 }
 
 /// `cargo xtask bench python`: the Python package's figures beside the Rust client's, in one
