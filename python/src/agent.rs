@@ -346,6 +346,63 @@ impl PySenderPool {
     }
 }
 
+/// How a fetch ended.
+enum Fetched {
+    Done(Vec<tessera_framecodec::Tensor>),
+    Failed(tessera_rdt_pool::FetchError),
+    TimedOut,
+    Cancelled,
+}
+
+/// A cancellation that any thread may set, once; fetches given it end when it is set.
+#[derive(Default)]
+pub(crate) struct Cancellation {
+    set: std::sync::atomic::AtomicBool,
+    notify: tokio::sync::Notify,
+}
+
+impl Cancellation {
+    async fn cancelled(&self) {
+        loop {
+            let notified = self.notify.notified();
+            if self.set.load(std::sync::atomic::Ordering::Acquire) {
+                return;
+            }
+            notified.await;
+        }
+    }
+}
+
+/// `tessera.rdt.Cancel`: pass it to `ReceiverPool.fetch(..., cancel=c)`, call `c.cancel()`
+/// from anywhere to abort the fetch.
+#[pyclass(name = "Cancel", module = "tessera.rdt", frozen)]
+pub(crate) struct PyCancel {
+    inner: Arc<Cancellation>,
+}
+
+#[pymethods]
+impl PyCancel {
+    #[new]
+    fn new() -> Self {
+        Self {
+            inner: Arc::new(Cancellation::default()),
+        }
+    }
+
+    /// Aborts the fetches given this (now and later). Idempotent.
+    fn cancel(&self) {
+        self.inner
+            .set
+            .store(true, std::sync::atomic::Ordering::Release);
+        self.inner.notify.notify_waiters();
+    }
+
+    #[getter]
+    fn cancelled(&self) -> bool {
+        self.inner.set.load(std::sync::atomic::Ordering::Acquire)
+    }
+}
+
 impl PyReceiverPool {
     /// Brings `peer` up to the sender's `metadata` from a descriptor, if it changed.
     fn learn(&self, py: Python<'_>, peer: &PyPeer, metadata: &[u8]) -> PyResult<()> {
@@ -401,13 +458,16 @@ impl PyReceiverPool {
     }
 
     /// Reads the object `descriptor` describes from `peer`; its tensors, in put order.
-    #[pyo3(signature = (descriptor, peer, *, timeout=60.0))]
+    /// `cancel` (a [`PyCancel`]) aborts it from another thread: the fetch then fails with
+    /// `TransferError`, and its blocks return once the READ has resolved.
+    #[pyo3(signature = (descriptor, peer, *, timeout=60.0, cancel=None))]
     fn fetch(
         &self,
         py: Python<'_>,
         descriptor: &[u8],
         peer: &PyPeer,
         timeout: f64,
+        cancel: Option<&PyCancel>,
     ) -> PyResult<Py<PyAny>> {
         same_process(self.pid)?;
         same_process(peer.pid)?;
@@ -420,15 +480,52 @@ impl PyReceiverPool {
         let desc = ObjectDescriptor::from_bytes(descriptor).map_err(errors::descriptor)?;
         self.learn(py, peer, metadata)?;
         let pool = self.pool.clone();
+        let peer_name = peer.peer.name().to_owned();
         let peer = peer.peer.clone();
-        let timeout = Duration::from_secs_f64(timeout);
-        // A fetch given up on (timeout) quarantines its blocks until the READ resolves.
-        let tensors = runtime::wait(py, async move {
-            tokio::task::spawn_blocking(move || pool.fetch(&desc, &peer)?.wait_timeout(timeout))
-                .await
-        })?
-        .map_err(|e| errors::tessera(format!("fetch task failed: {e}")))?
-        .map_err(errors::fetch)?;
+        let after = Duration::from_secs_f64(timeout);
+        let cancel = cancel.map(|c| c.inner.clone());
+        // A fetch given up on (timeout, cancel) is dropped, which quarantines its blocks until
+        // the READ resolves.
+        let outcome = runtime::wait(py, async move {
+            let fetch = match pool.fetch(&desc, &peer) {
+                Ok(f) => f,
+                Err(e) => return Fetched::Failed(e),
+            };
+            let cancelled = async {
+                match &cancel {
+                    Some(c) => c.cancelled().await,
+                    None => std::future::pending().await,
+                }
+            };
+            // A cancellation wins over a completion that comes at the same time.
+            tokio::select! {
+                biased;
+                _ = cancelled => Fetched::Cancelled,
+                r = fetch => match r {
+                    Ok(t) => Fetched::Done(t),
+                    Err(e) => Fetched::Failed(e),
+                },
+                _ = tokio::time::sleep(after) => Fetched::TimedOut,
+            }
+        })?;
+        let tensors = match outcome {
+            Fetched::Done(t) => t,
+            Fetched::Failed(e) => return Err(errors::fetch(e)),
+            Fetched::TimedOut => {
+                return Err(errors::error(
+                    "TesseraTimeout",
+                    format!("fetch from peer {peer_name:?}: no completion within {after:?}"),
+                    vec![field("after", after.as_secs_f64())],
+                ))
+            }
+            Fetched::Cancelled => {
+                return Err(errors::error(
+                    "TransferError",
+                    format!("fetch from peer {peer_name:?}: cancelled"),
+                    vec![field("cancelled", true)],
+                ))
+            }
+        };
         let list = PyList::empty(py);
         for t in tensors {
             list.append(convert::tensor_to_py(py, t, self.tensor_type)?)?;

@@ -57,6 +57,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<agent::PyPeer>()?;
     m.add_class::<agent::PySenderPool>()?;
     m.add_class::<agent::PyReceiverPool>()?;
+    m.add_class::<agent::PyCancel>()?;
     m.add_class::<storage::PyServer>()?;
     m.add_class::<storage::PyClient>()?;
     m.add_function(wrap_pyfunction!(storage_cli, m)?)?;

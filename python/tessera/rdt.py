@@ -11,6 +11,6 @@ pool when the last view of it (or of a slice of it) is gone::
     sender.free("weights-v1")
 """
 
-from ._native import ReceiverPool, SenderPool
+from ._native import Cancel, ReceiverPool, SenderPool
 
-__all__ = ["ReceiverPool", "SenderPool"]
+__all__ = ["Cancel", "ReceiverPool", "SenderPool"]

@@ -67,3 +67,30 @@ def test_ray_put_from_the_driver(cluster):
     assert ray.get(c.sums.remote(ref), timeout=60) == [float(t.sum()), float(t.sum() * 2)]
     # The receiver's views are gone with the call: its blocks are back.
     assert eventually(lambda: ray.get(c.receiver_report.remote())["used"] == 0)
+
+
+def test_mixed_dtypes(cluster):
+    p, c = cluster.Producer.remote(), cluster.Consumer.remote()
+    got = ray.get(c.describe.remote(p.mixed.remote()), timeout=60)
+    assert got == [
+        ("torch.bfloat16", (4, 4)),
+        ("torch.int64", (10,)),
+        ("torch.bool", (2,)),
+        ("torch.complex64", (3,)),
+        ("torch.float8_e4m3fn", (2,)),
+    ]
+
+
+def test_ten_thousand_views(cluster):
+    p, c = cluster.Producer.remote(), cluster.Consumer.remote()
+    assert ray.get(c.count_and_check.remote(p.views.remote(10_000)), timeout=120) == (10_000, True)
+
+
+def test_a_sender_killed_before_the_fetch_fails_it_and_frees_the_blocks(cluster):
+    p, c = cluster.Producer.remote(), cluster.Consumer.remote()
+    ref = p.make.remote(1 << 20, 2)
+    ray.wait([ref], timeout=60)
+    ray.kill(p)
+    with pytest.raises(Exception):  # noqa: B017  (Ray wraps the transfer error its own way)
+        ray.get(c.sums.remote(ref), timeout=60)
+    assert eventually(lambda: (ray.get(c.receiver_report.remote()) or {"used": 0})["used"] == 0)

@@ -1,4 +1,5 @@
 import gc
+import time
 
 import numpy as np
 import pytest
@@ -91,3 +92,23 @@ def test_a_descriptor_from_another_agent_is_refused():
     desc = tessera.rdt.SenderPool(other, capacity=1 << 20).put("x", [np.ones(4)])
     with pytest.raises(DescriptorError, match="put by agent"):
         tessera.rdt.ReceiverPool(b, capacity=1 << 20).fetch(desc, peer)
+
+
+def test_a_cancelled_fetch_fails_and_frees_its_blocks():
+    _, b, peer = pair()
+    a2 = tessera.Agent("sender-c", backend="shm")
+    peer = b.add_remote(a2.metadata())
+    sender = tessera.rdt.SenderPool(a2, capacity=8 << 20)
+    desc = sender.put("c", [np.ones(4 << 20, np.uint8)])
+    receiver = tessera.rdt.ReceiverPool(b, capacity=8 << 20)
+    cancel = tessera.rdt.Cancel()
+    cancel.cancel()
+    assert cancel.cancelled
+    with pytest.raises(TransferError, match="cancelled"):
+        receiver.fetch(desc, peer, cancel=cancel)
+    deadline = time.monotonic() + 10
+    while receiver.report()["used"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert receiver.report()["used"] == 0
+    (got,) = receiver.fetch(desc, peer, cancel=tessera.rdt.Cancel())
+    assert got.sum() == 4 << 20

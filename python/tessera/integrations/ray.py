@@ -82,6 +82,8 @@ class TesseraTensorTransport(TensorTransportManager):
         self._receiver: tessera.rdt.ReceiverPool | None = None
         self._peers: dict[str, tessera.Peer] = {}
         self._objects: set[str] = set()
+        # Fetches in flight (and aborts that came first), by object id.
+        self._cancels: dict[str, tessera.rdt.Cancel] = {}
 
     def tensor_transport_backend(self) -> str:
         return NAME
@@ -92,8 +94,8 @@ class TesseraTensorTransport(TensorTransportManager):
 
     @staticmethod
     def can_abort_transport() -> bool:
-        # A fetch ends by itself (its timeout), and frees its blocks when it fails.
-        return False
+        # An aborted fetch fails at once; its blocks return when its READ has resolved.
+        return True
 
     def actor_has_tensor_transport(self, actor: Any) -> bool:
         # Every process with tessera installed has it; agents are made on first use.
@@ -174,7 +176,13 @@ class TesseraTensorTransport(TensorTransportManager):
         meta = tensor_transport_metadata
         if not meta.tensor_meta:
             return []
-        views = self._receiver_pool().fetch(meta.descriptor, self._peer(meta))
+        with self._lock:
+            cancel = self._cancels.setdefault(obj_id, tessera.rdt.Cancel())
+        try:
+            views = self._receiver_pool().fetch(meta.descriptor, self._peer(meta), cancel=cancel)
+        finally:
+            with self._lock:
+                self._cancels.pop(obj_id, None)
         if target_buffers:
             for buf, view in zip(target_buffers, views, strict=True):
                 buf.copy_(view)
@@ -201,8 +209,11 @@ class TesseraTensorTransport(TensorTransportManager):
             sender.free(obj_id)
 
     def abort_transport(self, obj_id: str, communicator_metadata: CommunicatorMetadata) -> None:
-        # Never called (can_abort_transport is False).
-        pass
+        # Receiver: the fetch in flight (or the one about to start) fails. Sender: nothing to do,
+        # garbage_collect frees the object when Ray lets it go.
+        with self._lock:
+            cancel = self._cancels.setdefault(obj_id, tessera.rdt.Cancel())
+        cancel.cancel()
 
 
 def register() -> None:
