@@ -37,7 +37,8 @@ enum Cmd {
     /// Run benchmark suites, print their tables and write target/tessera-bench/SUITE.json.
     Bench {
         /// Suites to run (default: all): alloc, codec, transport, pool, storage, hostile (the
-        /// harness's) and python (the Python package, in `.venv`).
+        /// harness's), python (the Python package) and integrations (TransferQueue's and Ray's
+        /// backends side by side), both in `.venv`.
         suites: Vec<String>,
     },
     /// Mutation testing (cargo-mutants, installed under .deps) of what mutants.toml lists;
@@ -334,14 +335,21 @@ fn test(root: &Path) -> Result<()> {
 /// feature whenever that suite runs.
 fn bench(root: &Path, suites: &[String]) -> Result<()> {
     let all = suites.is_empty();
-    let rest: Vec<String> = suites.iter().filter(|s| *s != "python").cloned().collect();
+    let wants = |name: &str| all || suites.iter().any(|s| s == name);
+    let rest: Vec<String> = suites
+        .iter()
+        .filter(|s| !python::SUITES.contains(&s.as_str()))
+        .cloned()
+        .collect();
     if all || !rest.is_empty() {
         harness(root, &rest)?;
     }
-    // The python suite runs in the package's environment (`cargo xtask python`'s), after the
+    // The Python suites run in the package's environment (`cargo xtask python`'s), after the
     // harness's suites.
-    if all || rest.len() < suites.len() {
-        python::bench(root)?;
+    for suite in python::SUITES {
+        if wants(suite) {
+            python::bench(root, suite)?;
+        }
     }
     Ok(())
 }

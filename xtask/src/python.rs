@@ -225,14 +225,23 @@ fn transfer_queue_e2e(python: &Path, ray_dir: &Path) -> Result<()> {
     )
 }
 
-/// `cargo xtask bench python`: the Python package's figures beside the Rust client's, in one
-/// run (`python/bench/bench_python.py`), into `target/tessera-bench/python.{json,md}`.
-pub(crate) fn bench(root: &Path) -> Result<()> {
+/// The benchmark suites that run in the package's environment, each a script
+/// `python/bench/bench_SUITE.py` writing `target/tessera-bench/SUITE.{json,md}`: `python` (the
+/// package beside the Rust client) and `integrations` (TransferQueue's and Ray's backends side
+/// by side).
+pub(crate) const SUITES: [&str; 2] = ["python", "integrations"];
+
+/// `cargo xtask bench SUITE` for one of [`SUITES`], with the release wheel.
+pub(crate) fn bench(root: &Path, suite: &str) -> Result<()> {
     let python = env(root)?;
     install_wheel(root, &python, true)?;
+    let ray_dir = ray_tmpdir()?;
     let mut cmd = Command::new(&python);
-    cmd.arg(root.join("python/bench/bench_python.py"))
+    cmd.arg(root.join(format!("python/bench/bench_{suite}.py")))
         .arg(root.join("target/tessera-bench"))
+        .env("RAY_TMPDIR", &ray_dir)
         .current_dir(root);
-    step("the python suite", cmd)
+    let out = step(&format!("the {suite} suite"), cmd);
+    let _ = fs::remove_dir_all(&ray_dir);
+    out
 }
