@@ -214,6 +214,20 @@ fn host_memory(d: &dlpark::ffi::DLDevice) -> bool {
     d.device_type == DLDeviceType::CPU || d.device_type == DLDeviceType::CUDAHOST
 }
 
+/// The dtype of a DLPack tensor in host memory, or why it cannot be stored.
+fn host_dtype(t: &dlpark::TensorRef<'_>) -> PyResult<DType> {
+    if !host_memory(&t.device()) {
+        return Err(device_error(t.device()));
+    }
+    let dl = t.dtype();
+    dtype::from_dlpack(dl).ok_or_else(|| {
+        errors::value_type(format!(
+            "DLPack dtype (code {}, {} bits, {} lanes) has no tessera dtype",
+            dl.code.0, dl.bits, dl.lanes
+        ))
+    })
+}
+
 fn device_error(device: dlpark::ffi::DLDevice) -> PyErr {
     let name = match device.device_type {
         DLDeviceType::CUDA => "cuda",
@@ -254,17 +268,7 @@ fn from_dlpack(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
         let t = imported
             .validate()
             .map_err(|e| errors::value_type(format!("a malformed DLPack tensor: {e}")))?;
-        if !host_memory(&t.device()) {
-            return Err(device_error(t.device()));
-        }
-        let dtype = dtype::from_dlpack(t.dtype()).ok_or_else(|| {
-            errors::value_type(format!(
-                "DLPack dtype (code {}, {} bits, {} lanes) has no tessera dtype",
-                t.dtype().code.0,
-                t.dtype().bits,
-                t.dtype().lanes
-            ))
-        })?;
+        let dtype = host_dtype(&t)?;
         let compact = t.is_compact().unwrap_or(false);
         let shape: Vec<u64> = t.shape().iter().map(|&d| d.max(0) as u64).collect();
         let strides = (!compact)
@@ -337,17 +341,7 @@ pub(crate) fn borrowed_view(
         // unchanged for the duration of this callback, which is all this borrow lasts.
         let t = unsafe { dlpark::TensorRef::from_raw(raw) }
             .map_err(|e| errors::value_type(format!("a malformed DLPack tensor: {e}")))?;
-        if !host_memory(&t.device()) {
-            return Err(device_error(t.device()));
-        }
-        let dtype = dtype::from_dlpack(t.dtype()).ok_or_else(|| {
-            errors::value_type(format!(
-                "DLPack dtype (code {}, {} bits, {} lanes) has no tessera dtype",
-                t.dtype().code.0,
-                t.dtype().bits,
-                t.dtype().lanes
-            ))
-        })?;
+        let dtype = host_dtype(&t)?;
         let shape: Vec<u64> = t.shape().iter().map(|&d| d.max(0) as u64).collect();
         let strides = match t.strides() {
             Some(st) if !t.is_compact().unwrap_or(false) => {
