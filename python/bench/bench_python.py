@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,31 +38,13 @@ def timed(fn, iters):
 
 
 def start_unit(cpu: int | None):
-    cmd = [
-        sys.executable,
-        "-m",
-        "tessera.storage",
-        "serve",
-        "--bind",
-        "127.0.0.1:0",
-        "--pool",
-        "1536MiB",
-        "--capacity",
-        "1GiB",
-        "--quiet",
-        "--announce",
-    ]
-
     def pin():
         if cpu is not None:
             os.sched_setaffinity(0, {cpu})
 
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, preexec_fn=pin)
-    line = proc.stdout.readline()
-    if not line.startswith("listening "):
-        proc.kill()
-        raise SystemExit(f"the unit did not start: {line!r}")
-    return proc, line.split()[1]
+    return tessera.storage.serve_process(
+        "--bind", "127.0.0.1:0", "--pool", "1536MiB", "--capacity", "1GiB", preexec_fn=pin
+    )
 
 
 def main() -> None:

@@ -392,3 +392,20 @@ def test_python_m_tessera_storage_runs_the_command_line():
         timeout=60,
     )
     assert bad.returncode == 2 and "--all" in bad.stderr
+
+
+def test_serve_process_starts_a_unit_and_says_where():
+    proc, address = tessera.storage.serve_process(
+        "--bind", "127.0.0.1:0", "--pool", "64MiB", token="a-token-of-sixteen-bytes"
+    )
+    try:
+        with tessera.storage.Client(
+            units=[address], recv_pool_bytes=1 << 20, token="a-token-of-sixteen-bytes"
+        ) as c:
+            c.put("sp", [0], {"f": [1]})
+            assert c.get("sp", [0], ["f"]) == {"f": [1]}
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0
+    with pytest.raises(tessera.errors.ServerError, match="did not start"):
+        tessera.storage.serve_process("--bind", "256.0.0.1:0")

@@ -23,12 +23,15 @@ held. A client belongs to the process that made it: a forked child gets ``Forked
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from tessera import _native
 
-__all__ = ["AsyncClient", "Client", "Server"]
+__all__ = ["AsyncClient", "Client", "Server", "serve_process"]
 
 # `ServerConfig.unit` (the protocol core's settings), given flat to `Server(...)`.
 _UNIT_KEYS = frozenset(
@@ -142,6 +145,29 @@ class Server:
     def __repr__(self) -> str:
         state = "closed" if self.closed else self.address
         return f"tessera.storage.Server({state}, backend={self.backend!r})"
+
+
+def serve_process(
+    *flags: str,
+    token: str | bytes | None = None,
+    preexec_fn: Callable[[], None] | None = None,
+) -> tuple[subprocess.Popen, str]:
+    """Starts ``python -m tessera.storage serve FLAGS...`` as a child process and returns it
+    with the address it listens on (once it does). ``token`` goes to it through
+    ``TESSERA_TOKEN``, never its command line. Stop it with ``terminate()``."""
+    cmd = [sys.executable, "-m", "tessera.storage", "serve", "--quiet", "--announce", *flags]
+    env = None
+    if token:
+        env = dict(os.environ, TESSERA_TOKEN=token.decode() if isinstance(token, bytes) else token)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, preexec_fn=preexec_fn)
+    line = proc.stdout.readline() if proc.stdout else ""
+    if not line.startswith("listening "):
+        proc.kill()
+        proc.wait()
+        from tessera.errors import ServerError
+
+        raise ServerError(f"the unit did not start: {line.strip()!r}")
+    return proc, line.split()[1]
 
 
 def _client_args(

@@ -38,7 +38,6 @@ from __future__ import annotations
 import atexit
 import pickle
 import subprocess
-import sys
 import threading
 from collections import defaultdict
 from typing import Any
@@ -206,11 +205,7 @@ _LOCK = threading.Lock()
 
 
 def _start_process(s: dict[str, Any]) -> tuple[subprocess.Popen, str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "tessera.storage",
-        "serve",
+    return tessera.storage.serve_process(
         "--bind",
         "127.0.0.1:0",
         "--backend",
@@ -219,21 +214,8 @@ def _start_process(s: dict[str, Any]) -> tuple[subprocess.Popen, str]:
         str(s["pool_bytes"]),
         "--capacity",
         str(s["capacity_bytes"]),
-        "--quiet",
-        "--announce",
-    ]
-    env = None
-    if s["token"]:
-        import os
-
-        env = dict(os.environ, TESSERA_TOKEN=str(s["token"]))
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
-    line = proc.stdout.readline() if proc.stdout else ""
-    if not line.startswith("listening "):
-        proc.kill()
-        proc.wait()
-        raise tessera.errors.ServerError(f"a Tessera unit did not start: {line.strip()!r}")
-    return proc, line.split()[1]
+        token=s["token"],
+    )
 
 
 def _start_actor(s: dict[str, Any]) -> tuple[Any, str]:
