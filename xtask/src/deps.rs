@@ -193,6 +193,7 @@ fn ensure_wheel(whl: &Path, wheel: &Wheel) -> Result<PathBuf> {
             "pip",
             "download",
             "-q",
+            "--no-cache-dir",
             "--no-deps",
             "--only-binary=:all:",
         ])

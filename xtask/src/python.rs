@@ -2,10 +2,10 @@
 //! `cargo xtask test`).
 //!
 //! - `.venv/`: a virtual environment of this project, made once with `python3 -m venv`;
-//! - `python/requirements-dev.txt` installed into it from `.deps/pywheels`, a cache of the
-//!   wheels that `pip download` fills only when an install from it fails (the first run, or a
-//!   changed pin); a stamp in `.venv` records what was installed, so a second run installs
-//!   nothing;
+//! - `python/requirements-dev.txt` installed into it by `uv` (pinned, installed once under
+//!   `.deps/uv`), whose cache `.deps/uv-cache` holds every package unpacked and hard-links it
+//!   into `.venv`: torch's 5 GB are on disk once, a second environment costs no download, and a
+//!   stamp in `.venv` records what was installed, so a second run installs nothing;
 //! - clippy of the extension crate, `ruff` over `python/`, the wheel built by maturin (the dev
 //!   profile; release for `cargo xtask bench python`) and installed into `.venv`, then
 //!   `pytest python/tests`, then TransferQueue's own e2e tests against the `Tessera` backend
@@ -24,6 +24,45 @@ use crate::{cargo, step};
 const REQUIREMENTS: &str = "python/requirements-dev.txt";
 /// In `.venv`: the requirements text last installed.
 const STAMP: &str = ".tessera-requirements";
+/// The installer of the environment, from PyPI.
+const UV: &str = "uv==0.13.9";
+
+/// `uv`, installed under `.deps/uv` on first use (again when [`UV`] changes).
+fn uv(root: &Path) -> Result<PathBuf> {
+    let dir = root.join(".deps/uv");
+    let bin = dir.join("bin/uv");
+    let marker = dir.join(".tessera-version");
+    if bin.exists() && fs::read_to_string(&marker).is_ok_and(|m| m == UV) {
+        return Ok(bin);
+    }
+    if dir.exists() {
+        fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
+    }
+    let mut cmd = Command::new("python3");
+    cmd.args(["-m", "pip", "install", "--disable-pip-version-check"])
+        .args(["--quiet", "--no-cache-dir", "--target"])
+        .arg(&dir)
+        .arg(UV);
+    step(&format!("pip install {UV} into .deps/uv"), cmd)?;
+    fs::write(&marker, UV).with_context(|| format!("writing {}", marker.display()))?;
+    Ok(bin)
+}
+
+/// `uv pip install` into the environment of `python`: through the project's cache, or
+/// (`cached` false, for the wheel each run builds anew) copied from a cache of this command.
+fn uv_install(root: &Path, python: &Path, cached: bool) -> Result<Command> {
+    let mut cmd = Command::new(uv(root)?);
+    cmd.args(["pip", "install", "--quiet", "--python"])
+        .arg(python);
+    if cached {
+        cmd.arg("--cache-dir")
+            .arg(root.join(".deps/uv-cache"))
+            .args(["--link-mode", "hardlink"]);
+    } else {
+        cmd.args(["--no-cache", "--link-mode", "copy"]);
+    }
+    Ok(cmd)
+}
 
 /// The environment's interpreter, after making the environment and installing the pins.
 pub(crate) fn env(root: &Path) -> Result<PathBuf> {
@@ -41,47 +80,17 @@ pub(crate) fn env(root: &Path) -> Result<PathBuf> {
     if fs::read_to_string(&stamp).ok().as_deref() == Some(req.as_str()) {
         return Ok(python);
     }
-    let wheels = root.join(".deps/pywheels");
-    fs::create_dir_all(&wheels).with_context(|| format!("creating {}", wheels.display()))?;
-    let install = || {
-        let mut cmd = Command::new(&python);
-        cmd.args([
-            "-m",
-            "pip",
-            "install",
-            "--disable-pip-version-check",
-            "--quiet",
-        ])
-        .args(["--no-index", "--find-links"])
-        .arg(&wheels)
-        .arg("-r")
-        .arg(&req_path);
-        cmd
-    };
-    println!("==> installing {REQUIREMENTS} into .venv from .deps/pywheels");
-    let cached = install()
-        .status()
-        .context("running pip (python3 with venv and pip is needed)")?;
-    if !cached.success() {
-        let mut download = Command::new(&python);
-        download
-            .args([
-                "-m",
-                "pip",
-                "download",
-                "--disable-pip-version-check",
-                "--quiet",
-            ])
-            .arg("--dest")
-            .arg(&wheels)
-            .arg("-r")
-            .arg(&req_path);
-        step(
-            "pip download of the Python requirements into .deps/pywheels (torch: about 3.3 GB)",
-            download,
-        )?;
-        step("pip install of the Python requirements", install())?;
+    // The wheel cache of the pip-based layout, superseded by uv's.
+    let old = root.join(".deps/pywheels");
+    if old.exists() {
+        fs::remove_dir_all(&old).with_context(|| format!("removing {}", old.display()))?;
     }
+    let mut install = uv_install(root, &python, true)?;
+    install.arg("-r").arg(&req_path);
+    step(
+        &format!("installing {REQUIREMENTS} into .venv (the first time: torch, about 3.3 GB)"),
+        install,
+    )?;
     fs::write(&stamp, &req).with_context(|| format!("writing {}", stamp.display()))?;
     Ok(python)
 }
@@ -123,18 +132,9 @@ pub(crate) fn install_wheel(root: &Path, python: &Path, release: bool) -> Result
                 out.display()
             )
         })?;
-    let mut install = Command::new(python);
-    install
-        .args([
-            "-m",
-            "pip",
-            "install",
-            "--disable-pip-version-check",
-            "--quiet",
-        ])
-        .args(["--no-deps", "--force-reinstall"])
-        .arg(&wheel);
-    step("pip install of the wheel into .venv", install)?;
+    let mut install = uv_install(root, python, false)?;
+    install.args(["--no-deps", "--reinstall"]).arg(&wheel);
+    step("installing the wheel into .venv", install)?;
     Ok(wheel)
 }
 
