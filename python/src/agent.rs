@@ -11,7 +11,7 @@ use pyo3::types::{PyBytes, PyDict, PyList};
 use pyo3::IntoPyObjectExt;
 use tessera_engines::{EngineKind, EngineOptions};
 use tessera_rdt_pool::{ObjectDescriptor, PoolReport, ReceiverPool, SenderPool, TensorRef};
-use tessera_transport::{Agent, Peer};
+use tessera_transport::{Agent, LocalDesc, Peer, Region};
 
 use crate::convert::{self, TensorType};
 use crate::errors::{self, field};
@@ -347,11 +347,57 @@ impl PySenderPool {
 }
 
 /// How a fetch ended.
-enum Fetched {
-    Done(Vec<tessera_framecodec::Tensor>),
+enum Fetched<T> {
+    Done(T),
     Failed(tessera_rdt_pool::FetchError),
     TimedOut,
     Cancelled,
+}
+
+impl<T> Fetched<T> {
+    /// The fetched value, or the Python error of how it ended.
+    fn into_result(self, peer: &str, after: Duration) -> PyResult<T> {
+        match self {
+            Fetched::Done(t) => Ok(t),
+            Fetched::Failed(e) => Err(errors::fetch(e)),
+            Fetched::TimedOut => Err(errors::error(
+                "TesseraTimeout",
+                format!("fetch from peer {peer:?}: no completion within {after:?}"),
+                vec![field("after", after.as_secs_f64())],
+            )),
+            Fetched::Cancelled => Err(errors::error(
+                "TransferError",
+                format!("fetch from peer {peer:?}: cancelled"),
+                vec![field("cancelled", true)],
+            )),
+        }
+    }
+}
+
+/// `fetch` until it resolves, `cancel` is set or `after` has passed; a cancellation wins over
+/// a completion that comes at the same time. What `fetch` holds is dropped when it loses: a
+/// pool fetch then quarantines its blocks, and a READ's plan keeps its memory until it
+/// resolves.
+async fn until_resolved<T>(
+    fetch: impl std::future::Future<Output = Result<T, tessera_rdt_pool::FetchError>>,
+    cancel: Option<Arc<Cancellation>>,
+    after: Duration,
+) -> Fetched<T> {
+    let cancelled = async {
+        match &cancel {
+            Some(c) => c.cancelled().await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        biased;
+        _ = cancelled => Fetched::Cancelled,
+        r = fetch => match r {
+            Ok(t) => Fetched::Done(t),
+            Err(e) => Fetched::Failed(e),
+        },
+        _ = tokio::time::sleep(after) => Fetched::TimedOut,
+    }
 }
 
 /// A cancellation that any thread may set, once; fetches given it end when it is set.
@@ -404,6 +450,62 @@ impl PyCancel {
 }
 
 impl PyReceiverPool {
+    /// The caller's `into` tensors as destinations of the object's tensors: each checked
+    /// against its tensor's dtype and shape, and registered for this pool's agent as the
+    /// local side of a READ (a registration holds the Python object until dropped).
+    fn targets<'py>(
+        &self,
+        into: &Bound<'py, PyAny>,
+        desc: &ObjectDescriptor,
+    ) -> PyResult<(Bound<'py, PyList>, Vec<Option<LocalDesc>>)> {
+        let targets = PyList::empty(into.py());
+        for obj in into.try_iter()? {
+            targets.append(obj?)?;
+        }
+        if targets.len() != desc.tensors.len() {
+            return Err(errors::usage(format!(
+                "into= gives {} tensors for an object of {}",
+                targets.len(),
+                desc.tensors.len()
+            )));
+        }
+        let agent = self.pool.agent();
+        let mut dsts = Vec::with_capacity(targets.len());
+        for (i, (obj, t)) in targets.iter().zip(&desc.tensors).enumerate() {
+            let target = convert::target(&obj)?;
+            if target.dtype != t.dtype || target.shape.as_slice() != &t.shape[..] {
+                return Err(errors::usage(format!(
+                    "into[{i}] is {}{:?}; the object's tensor {i} is {}{:?}",
+                    target.dtype.name(),
+                    target.shape,
+                    t.dtype.name(),
+                    &t.shape[..]
+                )));
+            }
+            let Some(ptr) = std::ptr::NonNull::new(target.ptr).filter(|_| target.len > 0) else {
+                dsts.push(None);
+                continue;
+            };
+            let len = target.len as u64;
+            let owner: Box<dyn std::any::Any + Send + Sync> = Box::new(Mutex::new(target.hold));
+            // SAFETY: `ptr..ptr + len` is the writable, contiguous host memory of the target
+            // tensor, valid while the export in `owner` (a DLPack import or a buffer export of
+            // the Python object) is held, which the region keeps until it drops; nothing in
+            // this package reads or writes it through references. The caller gave the tensor
+            // to be written and does not touch it until the fetch returns.
+            let region = unsafe { Region::from_raw_parts(ptr, len, Some(owner)) }
+                .map_err(|e| errors::usage(format!("into[{i}]: {e}")))?;
+            let reg = agent
+                .register_local(&region)
+                .map_err(|e| errors::error("EngineError", errors::chain(&e), Vec::new()))?;
+            dsts.push(Some(
+                reg.desc(0, len)
+                    .map_err(|e| errors::usage(format!("into[{i}]: {e}")))?,
+            ));
+        }
+        Ok((targets, dsts))
+    }
+
     /// Brings `peer` up to the sender's `metadata` from a descriptor, if it changed.
     fn learn(&self, py: Python<'_>, peer: &PyPeer, metadata: &[u8]) -> PyResult<()> {
         let mut applied = peer.applied.lock().unwrap_or_else(|e| e.into_inner());
@@ -460,7 +562,12 @@ impl PyReceiverPool {
     /// Reads the object `descriptor` describes from `peer`; its tensors, in put order.
     /// `cancel` (a [`PyCancel`]) aborts it from another thread: the fetch then fails with
     /// `TransferError`, and its blocks return once the READ has resolved.
-    #[pyo3(signature = (descriptor, peer, *, timeout=60.0, cancel=None))]
+    ///
+    /// `into`: the caller's own tensors, one per tensor of the object, of its dtype and
+    /// shape, contiguous and writable; the READ lands in them directly (no pool block, no
+    /// copy) and they are returned. A fetch that fails, times out or is cancelled leaves
+    /// their contents undefined, and holds them until its READ has resolved.
+    #[pyo3(signature = (descriptor, peer, *, timeout=60.0, cancel=None, into=None))]
     fn fetch(
         &self,
         py: Python<'_>,
@@ -468,6 +575,7 @@ impl PyReceiverPool {
         peer: &PyPeer,
         timeout: f64,
         cancel: Option<&PyCancel>,
+        into: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
         same_process(self.pid)?;
         same_process(peer.pid)?;
@@ -484,48 +592,46 @@ impl PyReceiverPool {
         let peer = peer.peer.clone();
         let after = Duration::from_secs_f64(timeout);
         let cancel = cancel.map(|c| c.inner.clone());
+        if let Some(into) = into {
+            let (targets, dsts) = self.targets(into, &desc)?;
+            let transfer = py
+                .detach(|| pool.read_into_tensors(&desc, &peer, &dsts))
+                .map_err(errors::fetch)?;
+            if let Some(transfer) = transfer {
+                // A READ given up on is handed to the runtime with the destinations, whose
+                // registrations keep the caller's memory alive until it resolves.
+                let outcome = runtime::wait(
+                    py,
+                    until_resolved(
+                        async move {
+                            let r = transfer.await;
+                            drop(dsts);
+                            r.map_err(tessera_rdt_pool::FetchError::Transfer)
+                        },
+                        cancel,
+                        after,
+                    ),
+                )?;
+                outcome.into_result(&peer_name, after)?;
+            }
+            return targets.into_py_any(py);
+        }
         // A fetch given up on (timeout, cancel) is dropped, which quarantines its blocks until
         // the READ resolves.
-        let outcome = runtime::wait(py, async move {
-            let fetch = match pool.fetch(&desc, &peer) {
-                Ok(f) => f,
-                Err(e) => return Fetched::Failed(e),
-            };
-            let cancelled = async {
-                match &cancel {
-                    Some(c) => c.cancelled().await,
-                    None => std::future::pending().await,
-                }
-            };
-            // A cancellation wins over a completion that comes at the same time.
-            tokio::select! {
-                biased;
-                _ = cancelled => Fetched::Cancelled,
-                r = fetch => match r {
-                    Ok(t) => Fetched::Done(t),
-                    Err(e) => Fetched::Failed(e),
+        let outcome = runtime::wait(
+            py,
+            until_resolved(
+                async move {
+                    match pool.fetch(&desc, &peer) {
+                        Ok(f) => f.await,
+                        Err(e) => Err(e),
+                    }
                 },
-                _ = tokio::time::sleep(after) => Fetched::TimedOut,
-            }
-        })?;
-        let tensors = match outcome {
-            Fetched::Done(t) => t,
-            Fetched::Failed(e) => return Err(errors::fetch(e)),
-            Fetched::TimedOut => {
-                return Err(errors::error(
-                    "TesseraTimeout",
-                    format!("fetch from peer {peer_name:?}: no completion within {after:?}"),
-                    vec![field("after", after.as_secs_f64())],
-                ))
-            }
-            Fetched::Cancelled => {
-                return Err(errors::error(
-                    "TransferError",
-                    format!("fetch from peer {peer_name:?}: cancelled"),
-                    vec![field("cancelled", true)],
-                ))
-            }
-        };
+                cancel,
+                after,
+            ),
+        )?;
+        let tensors = outcome.into_result(&peer_name, after)?;
         let list = PyList::empty(py);
         for t in tensors {
             list.append(convert::tensor_to_py(py, t, self.tensor_type)?)?;

@@ -301,6 +301,108 @@ fn from_dlpack(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
     }
 }
 
+/// A caller's tensor that a READ fills in place (Ray's `target_buffers`): contiguous,
+/// writable host memory, kept alive by `hold`.
+pub(crate) struct Target {
+    pub(crate) dtype: DType,
+    pub(crate) shape: Vec<u64>,
+    pub(crate) ptr: *mut u8,
+    pub(crate) len: usize,
+    pub(crate) hold: Deferred,
+}
+
+/// `obj` as a [`Target`]: a torch tensor or other DLPack producer, or a writable buffer
+/// (NumPy, `bytearray`), contiguous and in host memory; anything else is an error that says
+/// why (a read-only or strided tensor cannot be received into in place).
+pub(crate) fn target(obj: &Bound<'_, PyAny>) -> PyResult<Target> {
+    let py = obj.py();
+    if obj.cast::<PyTensor>().is_ok() {
+        return Err(errors::usage(
+            "a tessera.Tensor is a read-only view of a pool: receive into a torch tensor or a \
+             NumPy array"
+                .into(),
+        ));
+    }
+    let numpy = obj.cast::<numpy::PyUntypedArray>().is_ok();
+    if !numpy && obj.hasattr(intern!(py, "__dlpack__"))? {
+        let detached;
+        let obj = match obj.getattr_opt(intern!(py, "requires_grad"))? {
+            Some(flag) if flag.is_truthy()? => {
+                detached = obj.call_method0(intern!(py, "detach"))?;
+                &detached
+            }
+            _ => obj,
+        };
+        let request = dlpark::python::ImportRequest::new(obj.as_borrowed())?;
+        if let Some(device) = request.device().ok().filter(|d| !host_memory(d)) {
+            return Err(device_error(device));
+        }
+        let imported = request.import(None, Some(false))?;
+        if imported.flags().contains(dlpark::DlpackFlags::READ_ONLY) {
+            return Err(errors::usage(
+                "the target tensor is read-only: receive into a writable one".into(),
+            ));
+        }
+        let (dtype, shape, ptr, len) = {
+            let t = imported
+                .validate()
+                .map_err(|e| errors::value_type(format!("a malformed DLPack tensor: {e}")))?;
+            let dtype = host_dtype(&t)?;
+            if !t.is_compact().unwrap_or(false) {
+                return Err(errors::usage(
+                    "the target tensor is not contiguous: receive into a contiguous one \
+                     (.contiguous()) and copy from it"
+                        .into(),
+                ));
+            }
+            let shape: Vec<u64> = t.shape().iter().map(|&d| d.max(0) as u64).collect();
+            let ptr = (t.data_ptr() as *mut u8).wrapping_add(t.byte_offset() as usize);
+            (dtype, shape, ptr, t.num_bytes())
+        };
+        return Ok(Target {
+            dtype,
+            shape,
+            ptr,
+            len,
+            hold: Deferred::new(imported.into_deleter()),
+        });
+    }
+    let buf = PyUntypedBuffer::get(obj).map_err(|e| {
+        errors::value_type(format!(
+            "cannot receive into a {}: give a torch tensor, a NumPy array or another \
+             writable buffer ({})",
+            type_name(obj),
+            e.value(py)
+        ))
+    })?;
+    if buf.readonly() {
+        return Err(errors::usage(
+            "the target buffer is read-only: receive into a writable one".into(),
+        ));
+    }
+    if !buf.is_c_contiguous() || buf.suboffsets().is_some() {
+        return Err(errors::usage(
+            "the target buffer is not C-contiguous: receive into a contiguous one and copy \
+             from it"
+                .into(),
+        ));
+    }
+    let format = buf
+        .format()
+        .to_str()
+        .map_err(|_| errors::value_type("a buffer's format is not ASCII".into()))?;
+    let dtype = dtype::from_format(format, buf.item_size()).map_err(errors::value_type)?;
+    let shape: Vec<u64> = buf.shape().iter().map(|&d| d as u64).collect();
+    let (ptr, len) = (buf.buf_ptr() as *mut u8, buf.len_bytes());
+    Ok(Target {
+        dtype,
+        shape,
+        ptr,
+        len,
+        hold: Deferred::new(buf),
+    })
+}
+
 /// A tensor's memory seen through its producer's borrowed DLPack view: valid while the
 /// producer's object is alive and nothing resizes it, so only while the GIL is held.
 pub(crate) struct View {

@@ -245,6 +245,9 @@ pub(crate) fn fetch(e: FetchError) -> PyErr {
         ),
         FetchError::Transfer(_) => error("TransferError", message, Vec::new()),
         FetchError::Timeout { .. } => error("TesseraTimeout", message, Vec::new()),
+        FetchError::Destinations { .. }
+        | FetchError::DestinationMismatch { .. }
+        | FetchError::DestinationTooSmall { .. } => error("UsageError", message, Vec::new()),
         _ => error("PoolError", message, Vec::new()),
     }
 }

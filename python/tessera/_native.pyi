@@ -75,6 +75,7 @@ class ReceiverPool:
         *,
         timeout: float = 60.0,
         cancel: Cancel | None = None,
+        into: Iterable[Any] | None = None,
     ) -> list[Any]: ...
     def report(self) -> dict[str, int]: ...
 

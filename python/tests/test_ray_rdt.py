@@ -94,3 +94,16 @@ def test_a_sender_killed_before_the_fetch_fails_it_and_frees_the_blocks(cluster)
     with pytest.raises(Exception):  # noqa: B017  (Ray wraps the transfer error its own way)
         ray.get(c.sums.remote(ref), timeout=60)
     assert eventually(lambda: (ray.get(c.receiver_report.remote()) or {"used": 0})["used"] == 0)
+
+
+def test_target_buffers_receive_the_tensors_in_place(cluster):
+    from ray.experimental import set_target_for_ref
+
+    p = cluster.Producer.remote()
+    ref = p.make.remote(1000, 3)
+    into = [torch.empty(1000) for _ in range(3)]
+    set_target_for_ref(ref, into)
+    got = ray.get(ref, timeout=60)
+    assert [t.data_ptr() for t in got] == [t.data_ptr() for t in into]
+    assert [t[0].item() for t in into] == [0.0, 1.0, 2.0]
+    assert all(bool((t == t[0]).all()) for t in into)

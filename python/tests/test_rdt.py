@@ -112,3 +112,54 @@ def test_a_cancelled_fetch_fails_and_frees_its_blocks():
     assert receiver.report()["used"] == 0
     (got,) = receiver.fetch(desc, peer, cancel=tessera.rdt.Cancel())
     assert got.sum() == 4 << 20
+
+
+@pytest.mark.parametrize("backend", ["shm", "tcp"])
+def test_a_fetch_into_the_callers_buffers_lands_in_them(backend):
+    a, b, peer = pair(backend)
+    sender = tessera.rdt.SenderPool(a, capacity=8 << 20)
+    ws = [np.arange(100_000, dtype=np.float32), np.zeros(0, np.int8), np.full((3, 5), 7, np.int16)]
+    desc = sender.put("into", ws)
+    receiver = tessera.rdt.ReceiverPool(b, capacity=1 << 20)
+    into = [np.empty_like(w) for w in ws]
+    ptrs = [t.ctypes.data for t in into]
+    copies = tessera.copies()
+    got = receiver.fetch(desc, peer, into=into)
+    assert [t.ctypes.data for t in got] == ptrs
+    for want, have in zip(ws, into, strict=True):
+        np.testing.assert_array_equal(have, want)
+    # No receive block was taken: the object is larger than the receive pool.
+    assert receiver.report()["used"] == 0
+    assert tessera.copies() == copies
+    # Again into the same buffers, after the sender changed nothing: same bytes.
+    into[0][:] = 0
+    receiver.fetch(desc, peer, into=into)
+    np.testing.assert_array_equal(into[0], ws[0])
+
+
+def test_a_fetch_into_checks_every_buffer_first():
+    a, b, peer = pair()
+    sender = tessera.rdt.SenderPool(a, capacity=1 << 20)
+    desc = sender.put("chk", [np.ones(16, np.float32), np.ones(4, np.int64)])
+    receiver = tessera.rdt.ReceiverPool(b, capacity=1 << 20)
+    good = [np.zeros(16, np.float32), np.zeros(4, np.int64)]
+    with pytest.raises(UsageError, match="gives 1 tensors for an object of 2"):
+        receiver.fetch(desc, peer, into=good[:1])
+    with pytest.raises(
+        UsageError, match=r"into\[1\] is int32\[4\]; the object's tensor 1 is int64\[4\]"
+    ):
+        receiver.fetch(desc, peer, into=[good[0], np.zeros(4, np.int32)])
+    with pytest.raises(UsageError, match=r"into\[0\] is float32\[8\]"):
+        receiver.fetch(desc, peer, into=[np.zeros(8, np.float32), good[1]])
+    ro = np.zeros(16, np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(UsageError, match="read-only"):
+        receiver.fetch(desc, peer, into=[ro, good[1]])
+    with pytest.raises(UsageError, match="not C-contiguous"):
+        receiver.fetch(desc, peer, into=[np.zeros(32, np.float32)[::2], good[1]])
+    with pytest.raises(tessera.errors.ValueTypeError):
+        receiver.fetch(desc, peer, into=[object(), good[1]])
+    # A refused fetch wrote nothing.
+    assert not good[0].any() and not good[1].any()
+    receiver.fetch(desc, peer, into=good)
+    assert good[0].sum() == 16 and good[1].sum() == 4

@@ -137,3 +137,24 @@ def test_a_tensor_that_requires_grad_is_stored_by_its_data(torch_client):
     (got,) = torch_client.get("grad", [0], ["w"])["w"]
     same(got, w.detach())
     assert not got.requires_grad
+
+
+def test_a_fetch_lands_in_the_callers_torch_tensors():
+    a, b = tessera.Agent("tx", backend="shm"), tessera.Agent("rx", backend="shm")
+    peer = b.add_remote(a.metadata())
+    ws = [sample(torch.bfloat16, (64, 32)), sample(torch.float8_e4m3fn, (7,)), torch.zeros(0)]
+    sender = tessera.rdt.SenderPool(a, capacity=1 << 20)
+    desc = sender.put("w", ws)
+    receiver = tessera.rdt.ReceiverPool(b, capacity=1 << 20, tensor_type="torch")
+    into = [torch.empty_like(w) for w in ws]
+    got = receiver.fetch(desc, peer, into=into)
+    assert all(g is t for g, t in zip(got, into, strict=True))
+    for want, have in zip(ws, into, strict=True):
+        same(want, have)
+    assert receiver.report()["used"] == 0
+    # A tensor that requires grad is received into through its data.
+    grad = torch.zeros(64, 32, dtype=torch.bfloat16, requires_grad=True)
+    receiver.fetch(desc, peer, into=[grad, into[1], into[2]])
+    same(ws[0], grad.detach())
+    with pytest.raises(UsageError, match="not contiguous"):
+        receiver.fetch(desc, peer, into=[torch.empty(32, 64, dtype=torch.bfloat16).t(), *into[1:]])

@@ -116,6 +116,24 @@ pub enum FetchError {
         /// Bytes needed.
         needed: u64,
     },
+    /// Destinations given for another number of tensors than the object has (caller misuse).
+    #[error("{given} destinations for an object of {tensors} tensors")]
+    Destinations {
+        /// Destinations given.
+        given: usize,
+        /// Tensors of the object.
+        tensors: usize,
+    },
+    /// A destination is not exactly its tensor's size (caller misuse).
+    #[error("destination of tensor {tensor} is {len} bytes; the tensor has {needed}")]
+    DestinationMismatch {
+        /// Which tensor.
+        tensor: usize,
+        /// Bytes given.
+        len: u64,
+        /// Bytes the tensor has.
+        needed: u64,
+    },
     /// The fetch was polled again after it resolved (caller misuse).
     #[error("the fetch already resolved")]
     AlreadyResolved,

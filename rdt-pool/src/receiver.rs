@@ -313,6 +313,69 @@ impl ReceiverPool {
         Ok(layout)
     }
 
+    /// Starts reading each tensor of the object straight into its own destination, the
+    /// caller's memory (Ray's `target_buffers`): `dsts[i]` receives tensor `i`, is exactly its
+    /// bytes long, and is `None` exactly for a tensor without bytes. Register the caller's
+    /// buffers with [`Agent::register_local`] to describe them. One READ with one descriptor
+    /// per tensor (the engine coalesces neighbours); no pool block is taken. `None` when no
+    /// tensor has bytes.
+    ///
+    /// The engine writes into `dsts` until the returned transfer resolves: keep them (their
+    /// registrations hold their memory) until then, whatever else gives up waiting.
+    pub fn read_into_tensors(
+        &self,
+        desc: &ObjectDescriptor,
+        peer: &Peer,
+        dsts: &[Option<LocalDesc>],
+    ) -> Result<Option<Transfer>, FetchError> {
+        desc.validate()?;
+        if dsts.len() != desc.tensors.len() {
+            return Err(FetchError::Destinations {
+                given: dsts.len(),
+                tensors: desc.tensors.len(),
+            });
+        }
+        let mut locals = Vec::with_capacity(dsts.len());
+        let mut remotes = Vec::with_capacity(dsts.len());
+        for (i, (t, dst)) in desc.tensors.iter().zip(dsts).enumerate() {
+            let needed = t.place.map_or(0, |_| t.bytes());
+            let len = dst.as_ref().map_or(0, LocalDesc::len);
+            let (Some(place), Some(dst)) = (t.place, dst) else {
+                if len == needed {
+                    continue;
+                }
+                return Err(FetchError::DestinationMismatch {
+                    tensor: i,
+                    len,
+                    needed,
+                });
+            };
+            if len != needed {
+                return Err(FetchError::DestinationMismatch {
+                    tensor: i,
+                    len,
+                    needed,
+                });
+            }
+            // Inside its block: `validate` checked `offset + bytes <= block length`. A block
+            // placed where no sum fits names no registration's range; saturated, the
+            // initiator's check against the peer's metadata refuses it.
+            let block = desc.blocks[place.block as usize].remote;
+            remotes.push(RemoteDesc {
+                reg: block.reg,
+                offset: block.offset.saturating_add(place.offset),
+                len: needed,
+            });
+            locals.push(dst.clone());
+        }
+        if locals.is_empty() {
+            return Ok(None);
+        }
+        peer.read(&locals, &remotes, None)
+            .map(Some)
+            .map_err(FetchError::Transfer)
+    }
+
     fn fetch_oom(&self, e: PoolError, desc: &ObjectDescriptor) -> FetchError {
         match e {
             PoolError::Alloc(AllocError::OutOfMemory {

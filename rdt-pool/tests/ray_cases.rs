@@ -614,3 +614,89 @@ fn fetch_is_a_future() {
     drop(fetch);
     assert_eq!(p.receiver.report().used, 0);
 }
+
+#[test]
+fn read_into_tensors_lands_each_tensor_in_its_own_buffer() {
+    let p = pair(4096, 4096);
+    let a = pattern(1, 10);
+    let b = pattern(2, 32);
+    let d = p
+        .sender
+        .put(
+            "t",
+            &[
+                TensorRef::new(DType::U8, &[10], &a).unwrap(),
+                TensorRef::new(DType::F32, &[0], &[]).unwrap(),
+                TensorRef::new(DType::Complex128, &[2], &b).unwrap(),
+            ],
+        )
+        .unwrap();
+    // The caller's own memory, registered only as the local side of READs.
+    let (ra, rb) = (Region::new(10).unwrap(), Region::new(64).unwrap());
+    let (ga, gb) = (
+        p.receiver_agent.register_local(&ra).unwrap(),
+        p.receiver_agent.register_local(&rb).unwrap(),
+    );
+    let dsts = [
+        Some(ga.desc(0, 10).unwrap()),
+        None,
+        Some(gb.desc(16, 32).unwrap()),
+    ];
+    p.receiver
+        .read_into_tensors(&d, &p.peer, &dsts)
+        .unwrap()
+        .expect("a READ")
+        .wait()
+        .unwrap();
+    let (mut got_a, mut got_b) = (vec![0u8; 10], vec![0u8; 32]);
+    ra.read_at(0, &mut got_a).unwrap();
+    rb.read_at(16, &mut got_b).unwrap();
+    assert_eq!((got_a, got_b), (a.clone(), b.clone()));
+    assert_eq!(p.receiver.report().used, 0);
+    // Every destination is checked before anything is read.
+    let wrong = [dsts[0].clone(), None];
+    assert!(matches!(
+        p.receiver.read_into_tensors(&d, &p.peer, &wrong),
+        Err(FetchError::Destinations {
+            given: 2,
+            tensors: 3
+        })
+    ));
+    let short = [dsts[0].clone(), None, Some(gb.desc(0, 31).unwrap())];
+    assert!(matches!(
+        p.receiver.read_into_tensors(&d, &p.peer, &short),
+        Err(FetchError::DestinationMismatch {
+            tensor: 2,
+            len: 31,
+            needed: 32
+        })
+    ));
+    let extra = [dsts[0].clone(), Some(gb.desc(0, 4).unwrap()), dsts[2].clone()];
+    assert!(matches!(
+        p.receiver.read_into_tensors(&d, &p.peer, &extra),
+        Err(FetchError::DestinationMismatch {
+            tensor: 1,
+            len: 4,
+            needed: 0
+        })
+    ));
+    let missing = [None, None, dsts[2].clone()];
+    assert!(matches!(
+        p.receiver.read_into_tensors(&d, &p.peer, &missing),
+        Err(FetchError::DestinationMismatch {
+            tensor: 0,
+            len: 0,
+            needed: 10
+        })
+    ));
+    // An object without bytes reads nothing.
+    let empty = p
+        .sender
+        .put("e", &[TensorRef::new(DType::F32, &[0], &[]).unwrap()])
+        .unwrap();
+    assert!(p
+        .receiver
+        .read_into_tensors(&empty, &p.peer, &[None])
+        .unwrap()
+        .is_none());
+}

@@ -19,7 +19,9 @@ tensors into the process's :class:`tessera.rdt.SenderPool` (packed into as few r
 blocks as fit, one descriptor for all of them) and hands Ray that descriptor, which carries the
 sender agent's metadata; the receiver reads the object with one READ into its
 :class:`tessera.rdt.ReceiverPool` and gets torch tensors that are views of its pool blocks, each
-block returned when the last view of it is gone. ``garbage_collect`` frees the sender's blocks.
+block returned when the last view of it is gone; with ``target_buffers``
+(``ray.experimental.set_target_for_ref``) the READ lands in the caller's own tensors
+instead. ``garbage_collect`` frees the sender's blocks.
 
 Settings (environment variables, read when the transport first runs in a process):
 ``TESSERA_RAY_BACKEND`` (``shm``: one host; ``tcp`` across hosts), ``TESSERA_RAY_SEND_POOL_BYTES``
@@ -179,15 +181,17 @@ class TesseraTensorTransport(TensorTransportManager):
         with self._lock:
             cancel = self._cancels.setdefault(obj_id, tessera.rdt.Cancel())
         try:
-            views = self._receiver_pool().fetch(meta.descriptor, self._peer(meta), cancel=cancel)
+            # With target buffers the READ lands in them (registered for it, no copy);
+            # otherwise in the receive pool, whose views are returned.
+            return self._receiver_pool().fetch(
+                meta.descriptor,
+                self._peer(meta),
+                cancel=cancel,
+                into=list(target_buffers) if target_buffers else None,
+            )
         finally:
             with self._lock:
                 self._cancels.pop(obj_id, None)
-        if target_buffers:
-            for buf, view in zip(target_buffers, views, strict=True):
-                buf.copy_(view)
-            return list(target_buffers)
-        return views
 
     def send_multiple_tensors(
         self,
