@@ -173,6 +173,26 @@ pub(crate) fn client(e: ClientError) -> PyErr {
             error("ProtocolError", message, vec![field("unit", unit)])
         }
         ClientError::Decode(_) => error("ProtocolError", message, Vec::new()),
+        ClientError::Replicas { failed } => {
+            let units: Vec<usize> = failed.iter().filter_map(ClientError::unit).collect();
+            error(
+                "StorageError",
+                message,
+                vec![field("kind", "replicas"), field("units", units)],
+            )
+        }
+        ClientError::Lost { indexes, causes } => {
+            let units: Vec<usize> = causes.iter().filter_map(ClientError::unit).collect();
+            error(
+                "StorageError",
+                message,
+                vec![
+                    field("kind", "lost"),
+                    field("indexes", indexes),
+                    field("units", units),
+                ],
+            )
+        }
         _ => tessera(message),
     }
 }

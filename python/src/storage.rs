@@ -7,7 +7,10 @@ use std::time::Duration;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 use pyo3::IntoPyObjectExt;
-use tessera_storage::{Backend, Client, ClientConfig, Server, ServerConfig, Token, Value};
+use tessera_storage::{
+    Backend, Client, ClientConfig, Modulo, Placement, Rendezvous, Server, ServerConfig, Token,
+    Value,
+};
 
 use crate::convert::{self, TensorType};
 use crate::errors::{self, field};
@@ -184,6 +187,21 @@ fn config(
     })
 }
 
+/// A placement by name: `"modulo"` (index % units, replicas the units after it) or
+/// `"rendezvous"` (highest-random-weight hashing of partition and index over the units'
+/// addresses).
+fn placement_of(name: &str) -> PyResult<Box<dyn Placement>> {
+    match name {
+        "modulo" => Ok(Box::new(Modulo)),
+        "rendezvous" => Ok(Box::new(Rendezvous)),
+        other => Err(errors::error(
+            "ConfigError",
+            format!("placement {other:?}: expected \"modulo\" or \"rendezvous\""),
+            Vec::new(),
+        )),
+    }
+}
+
 /// `obj` as indexes: ints 0 or more.
 fn indexes(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
     let mut out = Vec::new();
@@ -290,7 +308,7 @@ impl PyClient {
 #[pymethods]
 impl PyClient {
     #[new]
-    #[pyo3(signature = (units, backend="shm", recv_pool_bytes=1 << 30, token=None, tensor_type="numpy", timeout=60.0, payload_addr=None, max_message_bytes=256 << 20))]
+    #[pyo3(signature = (units, backend="shm", recv_pool_bytes=1 << 30, token=None, tensor_type="numpy", timeout=60.0, payload_addr=None, max_message_bytes=256 << 20, replicas=1, placement="modulo"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -302,6 +320,8 @@ impl PyClient {
         timeout: f64,
         payload_addr: Option<&str>,
         max_message_bytes: u64,
+        replicas: usize,
+        placement: &str,
     ) -> PyResult<Self> {
         let tensor_type = TensorType::parse(tensor_type)?;
         let cfg = config(
@@ -313,8 +333,11 @@ impl PyClient {
             payload_addr,
             max_message_bytes,
         )?;
+        let cfg = ClientConfig { replicas, ..cfg };
+        let placement = placement_of(placement)?;
         let backend = cfg.backend.name();
-        let client = runtime::wait(py, Client::connect(cfg))?.map_err(errors::client)?;
+        let client =
+            runtime::wait(py, Client::connect_with(cfg, placement))?.map_err(errors::client)?;
         Ok(Self {
             client: RwLock::new(Some(Arc::new(client))),
             tensor_type,
@@ -326,7 +349,7 @@ impl PyClient {
 
     /// `Client(...)`, connecting without blocking the event loop.
     #[staticmethod]
-    #[pyo3(signature = (units, backend="shm", recv_pool_bytes=1 << 30, token=None, tensor_type="numpy", timeout=60.0, payload_addr=None, max_message_bytes=256 << 20))]
+    #[pyo3(signature = (units, backend="shm", recv_pool_bytes=1 << 30, token=None, tensor_type="numpy", timeout=60.0, payload_addr=None, max_message_bytes=256 << 20, replicas=1, placement="modulo"))]
     #[allow(clippy::too_many_arguments)]
     fn connect_async<'py>(
         py: Python<'py>,
@@ -338,6 +361,8 @@ impl PyClient {
         timeout: f64,
         payload_addr: Option<&str>,
         max_message_bytes: u64,
+        replicas: usize,
+        placement: &str,
     ) -> PyResult<Bound<'py, PyAny>> {
         let tensor_type = TensorType::parse(tensor_type)?;
         let cfg = config(
@@ -349,9 +374,13 @@ impl PyClient {
             payload_addr,
             max_message_bytes,
         )?;
+        let cfg = ClientConfig { replicas, ..cfg };
+        let placement = placement_of(placement)?;
         let backend = cfg.backend.name();
         runtime::awaitable(py, async move {
-            let client = Client::connect(cfg).await.map_err(errors::client)?;
+            let client = Client::connect_with(cfg, placement)
+                .await
+                .map_err(errors::client)?;
             Python::attach(|py| {
                 Py::new(
                     py,

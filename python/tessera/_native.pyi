@@ -102,6 +102,8 @@ class Client:
         timeout: float = 60.0,
         payload_addr: str | None = None,
         max_message_bytes: int = ...,
+        replicas: int = 1,
+        placement: str = "modulo",
     ) -> None: ...
     @staticmethod
     def connect_async(
@@ -113,6 +115,8 @@ class Client:
         timeout: float = 60.0,
         payload_addr: str | None = None,
         max_message_bytes: int = ...,
+        replicas: int = 1,
+        placement: str = "modulo",
     ) -> Awaitable[Client]: ...
     @property
     def units(self) -> list[str]: ...

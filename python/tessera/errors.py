@@ -63,7 +63,9 @@ class EngineNotBuilt(EngineError):
 
 
 class StorageError(TesseraError):
-    """A unit answered with an error; ``kind`` is its kind (``"busy"``, ``"too_large"``, ...)."""
+    """A unit answered with an error; ``kind`` is its kind (``"busy"``, ``"too_large"``, ...).
+    With replicas: ``"replicas"`` (a PUT some units holding copies did not store; ``units``
+    names them) and ``"lost"`` (``indexes`` whose every replica failed; ``units``)."""
 
 
 class MissingKeys(StorageError):

@@ -409,3 +409,40 @@ def test_serve_process_starts_a_unit_and_says_where():
         assert proc.wait(30) == 0
     with pytest.raises(tessera.errors.ServerError, match="did not start"):
         tessera.storage.serve_process("--bind", "256.0.0.1:0")
+
+
+@pytest.mark.parametrize("placement", ["modulo", "rendezvous"])
+def test_replicas_outlive_a_unit_and_lost_values_say_so(placement):
+    units = [
+        tessera.storage.Server(bind="127.0.0.1:0", backend="shm", pool_bytes=16 << 20)
+        for _ in range(3)
+    ]
+    try:
+        with tessera.storage.Client(
+            units=[u.address for u in units],
+            backend="shm",
+            recv_pool_bytes=16 << 20,
+            replicas=2,
+            placement=placement,
+            timeout=10,
+        ) as c:
+            idx = list(range(60))
+            c.put("r", idx, {"x": [np.full(8, i, np.int32) for i in idx]})
+            assert sum(s["keys"] for s in c.stats()) == 120
+            units[0].close()
+            got = c.get("r", idx, ["x"])["x"]
+            assert [int(a[0]) for a in got] == idx
+            with pytest.raises(StorageError) as e:
+                c.put("r", idx, {"x": [np.zeros(8, np.int32)] * 60})
+            assert e.value.kind == "replicas" and e.value.units == [0]
+            units[1].close()
+            with pytest.raises(StorageError) as e:
+                c.get("r", idx, ["x"])
+            assert e.value.kind == "lost" and e.value.indexes and set(e.value.units) <= {0, 1}
+    finally:
+        for u in units:
+            u.close()
+    with pytest.raises(tessera.errors.UsageError, match="replicas"):
+        tessera.storage.Client(units=["127.0.0.1:1"], replicas=2)
+    with pytest.raises(tessera.errors.ConfigError, match="placement"):
+        tessera.storage.Client(units=["127.0.0.1:1"], placement="random")

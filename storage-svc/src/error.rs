@@ -259,6 +259,76 @@ pub enum ClientError {
         /// The timeout that passed.
         after: Duration,
     },
+    /// A PUT with several replicas that some units holding a copy did not store (each error
+    /// names its unit); the others stored theirs.
+    #[error("{} of the units holding copies failed: {}", failed.len(), join(failed))]
+    Replicas {
+        /// What each failed unit answered.
+        failed: Vec<ClientError>,
+    },
+    /// Every replica of these indexes failed: their values are lost (or out of reach), not
+    /// missing.
+    #[error("{} indexes lost: every replica failed ({})", indexes.len(), join(causes))]
+    Lost {
+        /// The indexes asked for that no replica could serve.
+        indexes: Vec<u64>,
+        /// What the failed units answered.
+        causes: Vec<ClientError>,
+    },
+}
+
+fn join(errors: &[ClientError]) -> String {
+    errors
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+impl ClientError {
+    /// The unit the error came from, where one did.
+    pub fn unit(&self) -> Option<usize> {
+        match self {
+            ClientError::Remote { unit, .. }
+            | ClientError::Unreachable { unit, .. }
+            | ClientError::Io { unit, .. }
+            | ClientError::Wire { unit, .. }
+            | ClientError::Unexpected { unit, .. }
+            | ClientError::Unauthenticated { unit, .. }
+            | ClientError::BackendMismatch { unit, .. }
+            | ClientError::Connect { unit, .. }
+            | ClientError::Transfer { unit, .. }
+            | ClientError::Timeout { unit, .. } => Some(*unit),
+            _ => None,
+        }
+    }
+
+    /// A unit lacks keys asked for.
+    pub fn is_missing(&self) -> bool {
+        matches!(self, ClientError::Remote { source, .. } if source.kind == ErrorKind::Missing)
+    }
+
+    /// The unit, its session or the payload path failed, so another replica may serve the
+    /// request: the unit is unreachable, its connection broke, a transfer failed, it did
+    /// not answer in time, or it is shutting down, failed the session or failed inside.
+    pub fn is_unit_failure(&self) -> bool {
+        match self {
+            ClientError::Unreachable { .. }
+            | ClientError::Io { .. }
+            | ClientError::Wire { .. }
+            | ClientError::Connect { .. }
+            | ClientError::Transfer { .. }
+            | ClientError::Timeout { .. } => true,
+            ClientError::Remote { source, .. } => matches!(
+                source.kind,
+                ErrorKind::ShuttingDown
+                    | ErrorKind::PeerFailed
+                    | ErrorKind::Internal
+                    | ErrorKind::Transfer
+            ),
+            _ => false,
+        }
+    }
 }
 
 /// The payload plane's local memory: leasing from the registered pool, registering more of

@@ -19,7 +19,7 @@ pub mod testing;
 pub mod units;
 
 pub use crate::busy_poll::BusyPoll;
-pub use crate::client::{remote_error, Client, ClientConfig, Modulo, Placement};
+pub use crate::client::{remote_error, Client, ClientConfig, Modulo, Placement, Rendezvous};
 pub use crate::core::{PartitionStats, PoolStats, Stats, UnitConfig};
 pub use crate::error::{ClientError, ErrorKind, MemoryError, PayloadError, RemoteError, WireError};
 pub use crate::plane::{Backend, BackendExt, ParseBackendError};

@@ -179,6 +179,8 @@ def _client_args(
     timeout: float,
     payload_addr: str | None,
     max_message_bytes: int,
+    replicas: int,
+    placement: str,
 ) -> tuple:
     if isinstance(units, str):
         units = [units]
@@ -191,11 +193,21 @@ def _client_args(
         float(timeout),
         payload_addr,
         max_message_bytes,
+        int(replicas),
+        placement,
     )
 
 
 class Client:
     """A client of one or more units; index ``i`` lives on unit ``i % len(units)``.
+
+    ``replicas`` (1 to the number of units) keeps that many copies of every value: a PUT
+    succeeds only when every unit holding a copy stored it (else ``StorageError`` with
+    ``kind == "replicas"``), a GET falls over to the next copy when a unit fails, and indexes
+    whose every copy failed raise ``StorageError`` with ``kind == "lost"``. ``placement``:
+    ``"modulo"`` (the copies of ``i`` on the units after ``i % len(units)``) or
+    ``"rendezvous"`` (highest-random-weight hashing over the units' addresses: a unit added
+    to or removed from the list moves only its share of the keys).
 
     ``tensor_type`` says what GET returns for tensors: ``"numpy"`` arrays, ``"torch"``
     tensors, or ``"tessera"`` (:class:`tessera.Tensor`, viewable by both without a copy).
@@ -211,6 +223,8 @@ class Client:
         timeout: float = 60.0,
         payload_addr: str | None = None,
         max_message_bytes: int = 256 << 20,
+        replicas: int = 1,
+        placement: str = "modulo",
     ) -> None:
         self._native = _native.Client(
             *_client_args(
@@ -222,6 +236,8 @@ class Client:
                 timeout,
                 payload_addr,
                 max_message_bytes,
+                replicas,
+                placement,
             )
         )
 
@@ -320,6 +336,8 @@ class AsyncClient:
         timeout: float = 60.0,
         payload_addr: str | None = None,
         max_message_bytes: int = 256 << 20,
+        replicas: int = 1,
+        placement: str = "modulo",
     ) -> AsyncClient:
         native = await _native.Client.connect_async(
             *_client_args(
@@ -331,6 +349,8 @@ class AsyncClient:
                 timeout,
                 payload_addr,
                 max_message_bytes,
+                replicas,
+                placement,
             )
         )
         return cls(native)

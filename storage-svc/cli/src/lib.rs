@@ -18,8 +18,8 @@ use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{Args, Parser, Subcommand};
 use tessera_storage::units::{fmt_bytes, parse_duration, parse_size};
 use tessera_storage::{
-    Backend, BusyPoll, Client, ClientConfig, ClientError, ErrorKind, Server, ServerConfig, Stats,
-    Token, Value,
+    Backend, BusyPoll, Client, ClientConfig, ClientError, ErrorKind, Modulo, Placement, Rendezvous,
+    Server, ServerConfig, Stats, Token, Value,
 };
 
 #[derive(Parser)]
@@ -140,6 +140,19 @@ struct Conn {
     /// tcp backend: this host's address for the client's payload engine (default 127.0.0.1).
     #[arg(long, value_parser = parse_socket_addr)]
     payload_addr: Option<SocketAddr>,
+    /// Copies of every value, on that many of the units (1 to their number).
+    #[arg(long, default_value_t = 1)]
+    replicas: usize,
+    /// Which units hold an index: `modulo` (index % units, copies on the units after it) or
+    /// `rendezvous` (highest-random-weight hashing over the units' addresses).
+    #[arg(long, value_enum, default_value = "modulo")]
+    placement: PlacementArg,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum PlacementArg {
+    Modulo,
+    Rendezvous,
 }
 
 /// Where the shared token comes from: `--token-file`, `TESSERA_TOKEN`, or `--token`.
@@ -400,14 +413,19 @@ fn tracing_init(level: Option<&str>) -> Result<()> {
 async fn client(c: Conn) -> Result<Client> {
     refuse_inproc(c.backend)?;
     let token = c.token.token()?;
-    Ok(Client::connect(ClientConfig {
+    let placement: Box<dyn Placement> = match c.placement {
+        PlacementArg::Modulo => Box::new(Modulo),
+        PlacementArg::Rendezvous => Box::new(Rendezvous),
+    };
+    let cfg = ClientConfig {
         units: c.unit,
         backend: c.backend,
         token,
         payload_addr: c.payload_addr,
+        replicas: c.replicas,
         ..ClientConfig::default()
-    })
-    .await?)
+    };
+    Ok(Client::connect_with(cfg, placement).await?)
 }
 
 async fn execute(cli: Cli, poll: Option<BusyPoll>) -> Result<()> {

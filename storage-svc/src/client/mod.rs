@@ -19,25 +19,11 @@ use crate::proto::{Request, Response};
 
 mod conn;
 mod get;
+mod placement;
 mod put;
 
 use self::conn::Conn;
-
-/// Which unit holds an index. TransferQueue's placement is [`Modulo`].
-pub trait Placement: Send + Sync {
-    /// The unit (in `0..units`) that holds `index`.
-    fn unit_of(&self, index: u64, units: usize) -> usize;
-}
-
-/// `index % units`.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Modulo;
-
-impl Placement for Modulo {
-    fn unit_of(&self, index: u64, units: usize) -> usize {
-        (index % units as u64) as usize
-    }
-}
+pub use self::placement::{Modulo, Placement, Rendezvous};
 
 /// Client configuration.
 #[derive(Debug, Clone)]
@@ -64,6 +50,11 @@ pub struct ClientConfig {
     /// Polls the control connections for answers before a worker of the caller's runtime
     /// parks, when that runtime was built with [`BusyPoll::on_park`] (off by default).
     pub busy_poll: Option<BusyPoll>,
+    /// Copies of every value (1 to the number of units): a PUT stores each index on this
+    /// many units (its placement's [`Placement::replicas`]) and succeeds only when all
+    /// stored it; a GET asks the first and, when a unit fails or lacks the key, the next; a
+    /// CLEAR clears them all.
+    pub replicas: usize,
 }
 
 impl Default for ClientConfig {
@@ -77,6 +68,7 @@ impl Default for ClientConfig {
             max_message_bytes: 256 << 20,
             timeout: Duration::from_secs(60),
             busy_poll: None,
+            replicas: 1,
         }
     }
 }
@@ -111,6 +103,13 @@ impl Client {
     ) -> Result<Client, ClientError> {
         if cfg.units.is_empty() {
             return Err(ClientError::ApiMisuse("no units".into()));
+        }
+        if cfg.replicas == 0 || cfg.replicas > cfg.units.len() {
+            return Err(ClientError::ApiMisuse(format!(
+                "replicas = {}: give 1 to the number of units ({})",
+                cfg.replicas,
+                cfg.units.len()
+            )));
         }
         let backend = cfg.backend;
         let payload_addr = cfg.payload_addr;
@@ -187,17 +186,50 @@ impl Client {
         self.quarantine.lock().iter().map(|b| b.len()).sum()
     }
 
-    fn split(&self, indexes: &[u64]) -> Vec<Vec<usize>> {
-        let mut per = vec![Vec::new(); self.conns.len()];
-        for (pos, i) in indexes.iter().enumerate() {
-            per[self.placement.unit_of(*i, self.conns.len())].push(pos);
+    /// Copies of every value ([`ClientConfig::replicas`]).
+    pub fn replicas(&self) -> usize {
+        self.cfg.replicas
+    }
+
+    /// The units of every index, flat: replica `k` of `indexes[p]` is at `p * replicas + k`.
+    /// A placement that names too few units, one twice or one beyond the list would lose a
+    /// copy: it is refused.
+    fn placements(&self, partition: &str, indexes: &[u64]) -> Result<Vec<usize>, ClientError> {
+        let (r, n) = (self.cfg.replicas, self.conns.len());
+        let mut flat = Vec::with_capacity(indexes.len() * r);
+        let mut one = Vec::with_capacity(r);
+        for &i in indexes {
+            self.placement
+                .replicas(partition, i, &self.cfg.units, r, &mut one);
+            let distinct = one.iter().enumerate().all(|(k, u)| !one[..k].contains(u));
+            if one.len() != r || !distinct || one.iter().any(|&u| u >= n) {
+                return Err(ClientError::ApiMisuse(format!(
+                    "the placement gave units {one:?} for index {i}: {r} distinct units below \
+                     {n} are needed"
+                )));
+            }
+            flat.extend_from_slice(&one);
         }
-        per
+        Ok(flat)
+    }
+
+    /// For each unit, the positions of `indexes` it holds a copy of.
+    fn split(&self, partition: &str, indexes: &[u64]) -> Result<Vec<Vec<usize>>, ClientError> {
+        let r = self.cfg.replicas;
+        let mut per = vec![Vec::new(); self.conns.len()];
+        for (pos, units) in self.placements(partition, indexes)?.chunks(r).enumerate() {
+            for &u in units {
+                per[u].push(pos);
+            }
+        }
+        Ok(per)
     }
 
     /// Stores `columns` (one `(field, values)` per field, one value per index) at `indexes`.
     /// The units are asked concurrently; each unit replaces its keys atomically (a PUT that
-    /// fails on one unit may have been stored on another). Tensors travel from the caller's
+    /// fails on one unit may have been stored on another). With several replicas it succeeds
+    /// only when every unit holding a copy stored it, and fails with
+    /// [`ClientError::Replicas`] naming those that did not. Tensors travel from the caller's
     /// memory.
     pub async fn put(
         &self,
@@ -212,7 +244,7 @@ impl Client {
         }
         let fields: Vec<String> = columns.iter().map(|(f, _)| f.clone()).collect();
         let mut work = Vec::new();
-        for (unit, positions) in self.split(indexes).into_iter().enumerate() {
+        for (unit, positions) in self.split(partition, indexes)?.into_iter().enumerate() {
             if positions.is_empty() {
                 continue;
             }
@@ -228,11 +260,25 @@ impl Client {
             let fields = fields.clone();
             work.push(async move { self.put_unit(unit, partition, idx, fields, &value).await });
         }
-        join_all(work).await.into_iter().collect()
+        let results = join_all(work).await;
+        if self.cfg.replicas == 1 {
+            return results.into_iter().collect();
+        }
+        let failed: Vec<ClientError> = results.into_iter().filter_map(Result::err).collect();
+        if failed.is_empty() {
+            Ok(())
+        } else {
+            Err(ClientError::Replicas { failed })
+        }
     }
 
     /// Reads `fields` at `indexes`: one `Vec<Value>` per field, in the requested order.
     /// Tensors of large GETs are views into the client's receive pool, owning their block.
+    ///
+    /// With several replicas, indexes whose unit failed (unreachable, a broken session, a
+    /// transfer error, no answer in time) or lacked a key are asked of their next replica.
+    /// Indexes whose every replica failed are [`ClientError::Lost`]; keys that a reachable
+    /// replica lacked and no other had are the missing error of the unit that said so.
     pub async fn get(
         &self,
         partition: &str,
@@ -241,24 +287,74 @@ impl Client {
     ) -> Result<Vec<Vec<Value>>, ClientError> {
         let fields: Vec<String> = fields.iter().map(|f| (*f).to_owned()).collect();
         let mut out: Vec<Vec<Option<Value>>> = vec![vec![None; indexes.len()]; fields.len()];
-        let mut work = Vec::new();
-        for (unit, positions) in self.split(indexes).into_iter().enumerate() {
-            if positions.is_empty() {
-                continue;
+        let r = self.cfg.replicas;
+        let places = self.placements(partition, indexes)?;
+        let mut pending: Vec<usize> = (0..indexes.len()).collect();
+        // Per position: whether a reachable replica answered that it lacks a key.
+        let mut lacked = vec![false; if r > 1 { indexes.len() } else { 0 }];
+        let mut missing: Option<ClientError> = None;
+        let mut failures: Vec<ClientError> = Vec::new();
+        for rank in 0..r {
+            if pending.is_empty() {
+                break;
             }
-            let idx: Vec<u64> = positions.iter().map(|p| indexes[*p]).collect();
-            let fields = fields.clone();
-            work.push(async move {
-                let cols = self.get_unit(unit, partition, idx, fields).await?;
-                Ok::<_, ClientError>((positions, cols))
-            });
-        }
-        for r in join_all(work).await {
-            let (positions, cols) = r?;
-            for (f, col) in cols.into_iter().enumerate() {
-                for (p, v) in positions.iter().zip(col) {
-                    out[f][*p] = Some(v);
+            let mut per = vec![Vec::new(); self.conns.len()];
+            for &p in &pending {
+                per[places[p * r + rank]].push(p);
+            }
+            pending.clear();
+            let mut work = Vec::new();
+            for (unit, positions) in per.into_iter().enumerate() {
+                if positions.is_empty() {
+                    continue;
                 }
+                let idx: Vec<u64> = positions.iter().map(|p| indexes[*p]).collect();
+                let fields = fields.clone();
+                work.push(async move {
+                    let cols = self.get_unit(unit, partition, idx, fields).await;
+                    (positions, cols)
+                });
+            }
+            for (positions, r_unit) in join_all(work).await {
+                match r_unit {
+                    Ok(cols) => {
+                        for (f, col) in cols.into_iter().enumerate() {
+                            for (p, v) in positions.iter().zip(col) {
+                                out[f][*p] = Some(v);
+                            }
+                        }
+                    }
+                    Err(e) if r > 1 && e.is_missing() => {
+                        for &p in &positions {
+                            lacked[p] = true;
+                        }
+                        pending.extend(positions);
+                        missing.get_or_insert(e);
+                    }
+                    Err(e) if r > 1 && e.is_unit_failure() => {
+                        pending.extend(positions);
+                        failures.push(e);
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        if !pending.is_empty() {
+            // In the order they were asked for.
+            pending.sort_unstable();
+            let lost: Vec<u64> = pending
+                .iter()
+                .filter(|&&p| !lacked[p])
+                .map(|&p| indexes[p])
+                .collect();
+            if !lost.is_empty() {
+                return Err(ClientError::Lost {
+                    indexes: lost,
+                    causes: failures,
+                });
+            }
+            if let Some(e) = missing {
+                return Err(e);
             }
         }
         Ok(out
@@ -272,14 +368,15 @@ impl Client {
         self.clear_fields(partition, indexes, None).await
     }
 
-    /// Removes `fields` (all when `None`) at `indexes`. Idempotent.
+    /// Removes `fields` (all when `None`) at `indexes`, on every unit that holds a copy.
+    /// Idempotent.
     pub async fn clear_fields(
         &self,
         partition: &str,
         indexes: &[u64],
         fields: Option<&[&str]>,
     ) -> Result<(), ClientError> {
-        for (unit, positions) in self.split(indexes).into_iter().enumerate() {
+        for (unit, positions) in self.split(partition, indexes)?.into_iter().enumerate() {
             if positions.is_empty() {
                 continue;
             }
