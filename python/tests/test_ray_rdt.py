@@ -107,3 +107,28 @@ def test_target_buffers_receive_the_tensors_in_place(cluster):
     assert [t.data_ptr() for t in got] == [t.data_ptr() for t in into]
     assert [t[0].item() for t in into] == [0.0, 1.0, 2.0]
     assert all(bool((t == t[0]).all()) for t in into)
+
+
+def test_transfer_queue_units_as_ray_actors(cluster):
+    pytest.importorskip("transfer_queue")
+    from tessera.integrations import transfer_queue as ttq
+
+    s = ttq.settings({"launch": "ray", "pool_bytes": 64 << 20, "capacity_bytes": 32 << 20})
+    units = ttq.start_units(s)
+    try:
+        assert len(units) == 2 and len(set(units)) == 2
+        kv = ttq.TesseraStorageClient({"units": units, "recv_pool_bytes": 16 << 20})
+        try:
+            kv.put(["0@x", "1@x"], [torch.arange(3), torch.arange(4)])
+            got = kv.get(["1@x", "0@x"])
+            assert torch.equal(got[0], torch.arange(4)) and torch.equal(got[1], torch.arange(3))
+            # Indexes 0 and 1 live on different units.
+            assert [u["keys"] for u in kv.client.stats()] == [1, 1]
+        finally:
+            kv.close()
+        actors = ttq._STARTED[-2:]
+    finally:
+        ttq.stop_units()
+    for actor in actors:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(actor.address.remote(), timeout=60)

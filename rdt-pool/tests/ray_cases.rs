@@ -671,7 +671,11 @@ fn read_into_tensors_lands_each_tensor_in_its_own_buffer() {
             needed: 32
         })
     ));
-    let extra = [dsts[0].clone(), Some(gb.desc(0, 4).unwrap()), dsts[2].clone()];
+    let extra = [
+        dsts[0].clone(),
+        Some(gb.desc(0, 4).unwrap()),
+        dsts[2].clone(),
+    ];
     assert!(matches!(
         p.receiver.read_into_tensors(&d, &p.peer, &extra),
         Err(FetchError::DestinationMismatch {

@@ -163,11 +163,16 @@ class TesseraStorageClient(StorageKVClient):
             idx, where = positions.setdefault(field, ([], []))
             idx.append(index)
             where.append(pos)
+        # One GET per set of indexes, for all the fields asked over it (usually all of them).
+        groups: dict[tuple[int, ...], list[str]] = defaultdict(list)
+        for field, (idx, _) in positions.items():
+            groups[tuple(idx)].append(field)
         out: list[Any] = [None] * len(keys)
-        for field, (idx, where) in positions.items():
-            got = self.client.get(self.partition, idx, [field])[field]
-            for pos, value in zip(where, got, strict=True):
-                out[pos] = self._decode(value)
+        for idx, fields in groups.items():
+            got = self.client.get(self.partition, list(idx), fields)
+            for field in fields:
+                for pos, value in zip(positions[field][1], got[field], strict=True):
+                    out[pos] = self._decode(value)
         return out
 
     def clear(self, keys: list[str], custom_backend_meta=None) -> None:
