@@ -43,8 +43,9 @@ impl Placement for Modulo {
 /// Rendezvous hashing: each unit scores every (partition, index) by a hash of the pair and the
 /// unit's name, and the `r` highest scores hold it. Every client computes the same scores
 /// (rapidhash v3, whose output the crate keeps stable across releases), so clients agree on
-/// placement without talking; removing a unit moves only the keys it held, and adding one
-/// moves to it only the keys it now wins.
+/// placement without talking, as long as they name each unit the same way (the same address
+/// string: `127.0.0.1:7470` and `localhost:7470` are two names); removing a unit moves only
+/// the keys it held, and adding one moves to it only the keys it now wins.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Rendezvous;
 
