@@ -890,8 +890,10 @@ fn tcp_request_headers_are_bounded_before_their_body() {
         h[8..12].copy_from_slice(&(note as u32).to_le_bytes());
         h
     };
+    // Each raw link has a name of its own: the target may not have seen the last one close
+    // when the next one says Hello, and it refuses a second live link of one name.
     // The largest notification arrives.
-    let mut s = RawTcp::authenticated(&meta, "raw", Some(&t)).unwrap();
+    let mut s = RawTcp::authenticated(&meta, "raw-note", Some(&t)).unwrap();
     let note = pattern(9, MAX_NOTIFICATION);
     s.send_header(head(RawTcp::XFER, 0, MAX_NOTIFICATION), &note)
         .unwrap();
@@ -902,7 +904,7 @@ fn tcp_request_headers_are_bounded_before_their_body() {
     drop(s);
     // The most descriptors are read, and refused by the grant (registration 0 is no one's):
     // answered, not closed.
-    let mut s = RawTcp::authenticated(&meta, "raw", Some(&t)).unwrap();
+    let mut s = RawTcp::authenticated(&meta, "raw-descs", Some(&t)).unwrap();
     s.send_header(
         head(RawTcp::XFER, RawTcp::MAX_DESCS, 0),
         &vec![0u8; RawTcp::MAX_DESCS * 24],
@@ -915,7 +917,7 @@ fn tcp_request_headers_are_bounded_before_their_body() {
     drop(s);
     // One more, or no request at all: closed at once, unanswered (a target that waited for
     // the body would run into the read timeout).
-    for (what, h) in [
+    for (k, (what, h)) in [
         (
             "one byte of notification more",
             head(RawTcp::XFER, 0, MAX_NOTIFICATION + 1),
@@ -925,8 +927,11 @@ fn tcp_request_headers_are_bounded_before_their_body() {
             head(RawTcp::XFER, RawTcp::MAX_DESCS + 1, 0),
         ),
         ("a kind that is no request", head(9, 0, 0)),
-    ] {
-        let mut s = RawTcp::authenticated(&meta, "raw", Some(&t)).unwrap();
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut s = RawTcp::authenticated(&meta, &format!("raw-{k}"), Some(&t)).unwrap();
         s.stream()
             .set_read_timeout(Some(Duration::from_secs(10)))
             .unwrap();
