@@ -200,9 +200,10 @@ pub(crate) fn numpy_view<'py>(owner: &Bound<'py, PyTensor>) -> PyResult<Bound<'p
     }
 }
 
-/// `torch.Tensor` and `torch.from_dlpack`, once torch is imported.
+/// A torch tensor (its type carries torch's DLPack C exchange API) and `torch.from_dlpack`,
+/// once torch is imported.
 struct Torch {
-    tensor_type: Py<PyAny>,
+    probe: Py<PyAny>,
     from_dlpack: Py<PyAny>,
 }
 
@@ -217,7 +218,7 @@ fn torch(py: Python<'_>) -> PyResult<&Torch> {
             ))
         })?;
         Ok::<_, PyErr>(Torch {
-            tensor_type: torch.getattr("Tensor")?.unbind(),
+            probe: torch.getattr("empty")?.call1((0,))?.unbind(),
             from_dlpack: torch.getattr("from_dlpack")?.unbind(),
         })
     })
@@ -227,7 +228,8 @@ fn torch(py: Python<'_>) -> PyResult<&Torch> {
 /// exchange API when it has one (no Python call, no capsule), else `torch.from_dlpack`.
 pub(crate) fn torch_tensor(py: Python<'_>, t: Tensor) -> PyResult<Bound<'_, PyAny>> {
     let torch = torch(py)?;
-    if let Some(api) = ExchangeApi::from_object(torch.tensor_type.bind(py).as_borrowed())? {
+    // The API is an attribute of the tensor type: looked up through an instance of it.
+    if let Some(api) = ExchangeApi::from_object(torch.probe.bind(py).as_borrowed())? {
         return api.managed_tensor_to_py_object_no_sync(managed(&t)?, py);
     }
     let owner = Bound::new(py, PyTensor { tensor: t })?;

@@ -158,3 +158,24 @@ def test_a_fetch_lands_in_the_callers_torch_tensors():
     same(ws[0], grad.detach())
     with pytest.raises(UsageError, match="not contiguous"):
         receiver.fetch(desc, peer, into=[torch.empty(32, 64, dtype=torch.bfloat16).t(), *into[1:]])
+
+
+def test_torch_results_take_the_exchange_api_not_from_dlpack():
+    # torch.from_dlpack is the slow path (a Python call and a capsule per tensor): with it
+    # broken, results still come, through the C exchange API.
+    import subprocess
+    import sys
+
+    script = """
+import numpy as np, torch, tessera
+def broken(*a, **k):
+    raise AssertionError("torch.from_dlpack was called")
+torch.from_dlpack = broken
+a, b = tessera.Agent("x", backend="shm"), tessera.Agent("y", backend="shm")
+peer = b.add_remote(a.metadata())
+s = tessera.rdt.SenderPool(a, capacity=1 << 20)
+d = s.put("o", [np.arange(4, dtype=np.float32)])
+(t,) = tessera.rdt.ReceiverPool(b, capacity=1 << 20, tensor_type="torch").fetch(d, peer)
+assert isinstance(t, torch.Tensor) and t.tolist() == [0.0, 1.0, 2.0, 3.0]
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
