@@ -598,8 +598,9 @@ impl PyReceiverPool {
                 .detach(|| pool.read_into_tensors(&desc, &peer, &dsts))
                 .map_err(errors::fetch)?;
             if let Some(transfer) = transfer {
-                // A READ given up on is handed to the runtime with the destinations, whose
-                // registrations keep the caller's memory alive until it resolves.
+                // A READ given up on (timeout, cancel) is dropped here with the destinations;
+                // the engine's plan of it holds their registrations, and so the caller's
+                // memory, until it resolves.
                 let outcome = runtime::wait(
                     py,
                     until_resolved(

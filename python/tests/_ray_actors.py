@@ -44,7 +44,9 @@ class Producer:
         return None if pool is None else pool.report()
 
 
-@ray.remote(num_cpus=0)
+# Receivers need the tensor transport too (see the bench's Sink): their receives run on
+# the actor's system thread.
+@ray.remote(num_cpus=0, enable_tensor_transport=True)
 class Consumer:
     def sums(self, tensors):
         return [float(t.float().sum()) for t in tensors]

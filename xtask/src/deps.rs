@@ -122,8 +122,13 @@ pub(crate) fn print_env(layout: &Layout) {
 }
 
 fn ensure_libclang() -> Result<()> {
+    ensure_apt("libclang-dev", "bindgen needs it")
+}
+
+/// Installs the Debian package `package` with apt-get, only when dpkg says it is missing.
+pub(crate) fn ensure_apt(package: &str, why: &str) -> Result<()> {
     let installed = Command::new("dpkg")
-        .args(["-s", "libclang-dev"])
+        .args(["-s", package])
         .output()
         .map(|o| {
             o.status.success()
@@ -133,19 +138,16 @@ fn ensure_libclang() -> Result<()> {
     if installed {
         return Ok(());
     }
-    println!("==> deps: installing libclang-dev");
-    for args in [
-        &["update", "-q"][..],
-        &["install", "-y", "-q", "libclang-dev"][..],
-    ] {
+    println!("==> deps: installing {package} ({why})");
+    for args in [&["update", "-q"][..], &["install", "-y", "-q", package][..]] {
         let status = Command::new("apt-get")
             .args(args)
             .env("DEBIAN_FRONTEND", "noninteractive")
             .status()
-            .context("running apt-get (libclang-dev is needed by bindgen)")?;
+            .with_context(|| format!("running apt-get ({package}: {why})"))?;
         if !status.success() {
             bail!(
-                "apt-get {} failed ({status}); install libclang-dev by hand",
+                "apt-get {} failed ({status}); install {package} by hand",
                 args.join(" ")
             );
         }
