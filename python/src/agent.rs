@@ -301,18 +301,19 @@ impl PySenderPool {
                 _ => views.push(None),
             }
         }
-        let owned: Vec<Option<tessera_framecodec::Tensor>> = objs
-            .iter()
-            .zip(&views)
-            .map(|(obj, v)| match v {
-                Some(_) => Ok(None),
-                None => convert::tensor(obj).map(Some),
-            })
-            .collect::<PyResult<_>>()?;
+        // (Index, tensor) of those without a borrowed view: none at all in the common case
+        // of small torch tensors.
+        let mut owned: Vec<(usize, tessera_framecodec::Tensor)> = Vec::new();
+        for (i, (obj, v)) in objs.iter().zip(&views).enumerate() {
+            if v.is_none() {
+                owned.push((i, convert::tensor(obj)?));
+            }
+        }
         let mut refs: Vec<TensorRef<'_>> = Vec::with_capacity(objs.len());
-        for (v, t) in views.iter().zip(&owned) {
-            refs.push(match (v, t) {
-                (_, Some(t)) => TensorRef::from_tensor(t),
+        let mut next_owned = owned.iter().peekable();
+        for (i, v) in views.iter().enumerate() {
+            refs.push(match (v, next_owned.next_if(|(at, _)| *at == i)) {
+                (_, Some((_, t))) => TensorRef::from_tensor(t),
                 (Some(v), None) => borrowed_ref(v)?,
                 (None, None) => return Err(errors::tessera("a tensor without a source".into())),
             });

@@ -179,3 +179,22 @@ d = s.put("o", [np.arange(4, dtype=np.float32)])
 assert isinstance(t, torch.Tensor) and t.tolist() == [0.0, 1.0, 2.0, 3.0]
 """
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+
+
+def test_a_sender_pool_put_takes_strided_and_odd_torch_views():
+    a, b = tessera.Agent("sx", backend="shm"), tessera.Agent("sy", backend="shm")
+    peer = b.add_remote(a.metadata())
+    base = torch.arange(60, dtype=torch.float32).reshape(6, 10)
+    ws = [
+        base.t(),  # strided: copied from its view
+        base[:, 3:4],  # [6, 1], a column: strided in its first dimension
+        base[2:3],  # [1, 10]: contiguous whatever the stride of the unit dimension
+        base[0, :0],  # empty
+        base.unsqueeze(0)[:, 1],  # [1, 10] through a unit dimension
+    ]
+    sender = tessera.rdt.SenderPool(a, capacity=1 << 20)
+    got = tessera.rdt.ReceiverPool(b, capacity=1 << 20, tensor_type="torch").fetch(
+        sender.put("w", ws), peer
+    )
+    for want, have in zip(ws, got, strict=True):
+        assert have.shape == want.shape and torch.equal(have, want.contiguous())
