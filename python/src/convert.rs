@@ -244,7 +244,8 @@ fn device_error(device: dlpark::ffi::DLDevice) -> PyErr {
     )
 }
 
-fn from_dlpack(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
+/// `obj`'s DLPack tensor, imported without a copy, when it lives in host memory.
+fn import_host(obj: &Bound<'_, PyAny>) -> PyResult<dlpark::python::ImportedDlpack> {
     let py = obj.py();
     // torch refuses to export a tensor that requires grad; what is stored is its data, which
     // `detach()` shares without a copy.
@@ -263,7 +264,11 @@ fn from_dlpack(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
     if let Some(device) = request.device().ok().filter(|d| !host_memory(d)) {
         return Err(device_error(device));
     }
-    let imported = request.import(None, Some(false))?;
+    request.import(None, Some(false))
+}
+
+fn from_dlpack(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
+    let imported = import_host(obj)?;
     let (dtype, shape, strides, ptr, bytes) = {
         let t = imported
             .validate()
@@ -325,19 +330,7 @@ pub(crate) fn target(obj: &Bound<'_, PyAny>) -> PyResult<Target> {
     }
     let numpy = obj.cast::<numpy::PyUntypedArray>().is_ok();
     if !numpy && obj.hasattr(intern!(py, "__dlpack__"))? {
-        let detached;
-        let obj = match obj.getattr_opt(intern!(py, "requires_grad"))? {
-            Some(flag) if flag.is_truthy()? => {
-                detached = obj.call_method0(intern!(py, "detach"))?;
-                &detached
-            }
-            _ => obj,
-        };
-        let request = dlpark::python::ImportRequest::new(obj.as_borrowed())?;
-        if let Some(device) = request.device().ok().filter(|d| !host_memory(d)) {
-            return Err(device_error(device));
-        }
-        let imported = request.import(None, Some(false))?;
+        let imported = import_host(obj)?;
         if imported.flags().contains(dlpark::DlpackFlags::READ_ONLY) {
             return Err(errors::usage(
                 "the target tensor is read-only: receive into a writable one".into(),
