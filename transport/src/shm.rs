@@ -1270,6 +1270,115 @@ mod tests {
         }
     }
 
+    /// A target whose MAP_OK maps less than its metadata announced: the initiator's check
+    /// against the metadata passes, so the copy's own check against the mapping is what keeps
+    /// a READ past the mapping's end from touching memory outside it. The transfer is
+    /// rejected as out of range and nothing is copied. The target is a raw listener that
+    /// grants everything.
+    #[test]
+    fn a_mapping_shorter_than_announced_is_refused_by_the_copy() {
+        use std::io::Read;
+
+        use crate::engine::RemoteReg;
+
+        fn read_msg(s: &UnixStream) -> (u8, Vec<u8>) {
+            let mut head = [0u8; HEADER];
+            (&*s).read_exact(&mut head).unwrap();
+            let len = u32::from_le_bytes(head[4..8].try_into().unwrap()) as usize;
+            let mut body = vec![0u8; len];
+            (&*s).read_exact(&mut body).unwrap();
+            (head[0], body)
+        }
+
+        const MAPPED: u64 = 4096;
+        const ANNOUNCED: u64 = 1 << 20;
+        const REG: u64 = 7;
+        let address = format!("tessera-short-mapping-{}", std::process::id()).into_bytes();
+        let listener =
+            UnixListener::bind_addr(&SocketAddr::from_abstract_name(&address).unwrap()).unwrap();
+        let target = std::thread::spawn(move || {
+            let (s, _) = listener.accept().unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+            let (ty, hello) = read_msg(&s);
+            assert_eq!(ty, HELLO);
+            let mut theirs = [0u8; NONCE_LEN];
+            theirs.copy_from_slice(&hello[..NONCE_LEN]);
+            let nonce = crate::auth::nonce();
+            let proof = handshake::target_proof(None, KIND, &theirs, &nonce, "fake");
+            let mut out = Vec::new();
+            frame(&mut out, CHALLENGE, |b| {
+                b.extend_from_slice(&nonce);
+                b.extend_from_slice(&proof);
+            });
+            send_all(&s, &out).unwrap();
+            assert_eq!(read_msg(&s).0, AUTH);
+            out.clear();
+            frame(&mut out, HELLO_ACK, |_| {});
+            send_all(&s, &out).unwrap();
+            let memory = Region::new(MAPPED).unwrap();
+            let mut granted = 0;
+            loop {
+                let (ty, body) = read_msg(&s);
+                out.clear();
+                match ty {
+                    MAP_REQ => {
+                        frame(&mut out, MAP_OK, |o| {
+                            o.extend_from_slice(&REG.to_le_bytes());
+                            o.extend_from_slice(&0u64.to_le_bytes());
+                            o.extend_from_slice(&MAPPED.to_le_bytes());
+                        });
+                        let fd = memory.fd().unwrap().as_raw_fd();
+                        send_with_fd(&s, &out, fd).unwrap();
+                    }
+                    XFER => {
+                        frame(&mut out, GRANT, |o| o.extend_from_slice(&body[..8]));
+                        send_all(&s, &out).unwrap();
+                        granted += 1;
+                    }
+                    DONE => return (granted, body[8]),
+                    other => panic!("unexpected message {other}"),
+                }
+            }
+        });
+        let a = Agent::new("a", Shm::new()).unwrap();
+        let meta = crate::metadata::encode(&PeerInfo {
+            name: "fake".into(),
+            kind: KIND.into(),
+            address,
+            regs: vec![RemoteReg {
+                id: REG,
+                len: ANNOUNCED,
+                key: Vec::new(),
+            }],
+        });
+        let peer = a.add_remote(&meta).unwrap();
+        let local = Region::new(MAPPED).unwrap();
+        local.fill(0, MAPPED, 0xAB).unwrap();
+        let g = a.register(&local).unwrap();
+        // Inside the announced registration, from the mapping's last byte to past its end.
+        let outcome = peer
+            .read(
+                &[g.desc(0, 2).unwrap()],
+                &[crate::RemoteDesc::new(REG, MAPPED - 1, 2)],
+                None,
+            )
+            .unwrap()
+            .wait_timeout(Duration::from_secs(60));
+        assert!(
+            matches!(
+                &outcome,
+                Err(TransferError::Rejected { peer, reason: RejectReason::OutOfRange })
+                    if peer == "fake"
+            ),
+            "{outcome:?}"
+        );
+        let (granted, copied) = target.join().unwrap();
+        assert_eq!((granted, copied), (1, 0), "the initiator reported a copy");
+        let mut after = vec![0u8; 2];
+        local.read_at(0, &mut after).unwrap();
+        assert_eq!(after, [0xAB, 0xAB], "bytes landed from outside the mapping");
+    }
+
     /// A MAP_REQ from an authenticated peer for a live, shareable registration is answered
     /// MAP_OK with the registration's id, base in its region and length; an unknown id gets
     /// MAP_ERR.
