@@ -393,8 +393,15 @@ fn helper_target_process() {
     let _ = std::io::stdin().read_line(&mut line);
 }
 
-#[test]
-fn peer_death_mid_transfer_across_processes() {
+/// The helper target process (tcp only, so that its endpoint runs over a socket that dies
+/// with it), its stdout (kept open until it is killed, so that it never writes into a closed
+/// pipe), its metadata and its registration's key.
+fn spawn_target() -> (
+    std::process::Child,
+    std::io::Lines<BufReader<std::process::ChildStdout>>,
+    Vec<u8>,
+    Vec<u8>,
+) {
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args([
             "--ignored",
@@ -404,13 +411,11 @@ fn peer_death_mid_transfer_across_processes() {
             "--test-threads=1",
         ])
         .env(CHILD, "1")
-        // tcp only in the target, so the endpoint runs over a socket that dies with it.
         .env("UCX_TLS", "tcp")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()
         .expect("spawn the helper process");
-    // Kept open until the helper is killed, so that it never writes into a closed pipe.
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let (mut md, mut key) = (None, None);
     let mut seen = Vec::new();
@@ -428,7 +433,98 @@ fn peer_death_mid_transfer_across_processes() {
     let (Some(md), Some(key)) = (md, key) else {
         panic!("the helper printed no metadata: {seen:?}");
     };
+    (child, lines, md, key)
+}
 
+/// Sends `signal` (`STOP`, `CONT`) to the helper process.
+fn signal(child: &std::process::Child, signal: &str) {
+    let status = Command::new("kill")
+        .args([&format!("-{signal}"), &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success(), "kill -{signal} failed");
+}
+
+/// A peer that stops answering (its process stopped, a 64 MiB write to it stuck in its
+/// socket): the write fails with a timeout once its deadline passed, not before, and a
+/// transfer to another, live peer posted after it completes meanwhile: a stuck transfer holds
+/// neither the waiter nor the others. The stuck one's memory stays quarantined until NIXL
+/// finishes it (here when the peer is killed).
+#[test]
+fn a_stalled_peer_times_out_without_holding_the_others() {
+    const TIMEOUT: Duration = Duration::from_millis(500);
+    let (mut child, lines, md, key) = spawn_target();
+    let mut ca = NixlConfig::new("stall-initiator");
+    ca.timeout = Some(TIMEOUT);
+    let a = NixlEngine::new(ca).unwrap();
+    let b = engine("stall-live");
+    let all = 64 * MIB as u64;
+    let src = Reg::new(&a, 64 * MIB, pattern(5));
+    let dst = Reg::new(&b, MIB, |_| 0);
+    let stalled = a.load_remote(&md).unwrap();
+    stalled.add_remote(1, &key).unwrap();
+    let live = connect(&a, &b, &[(1, &dst)]);
+    signal(&child, "STOP");
+    let posted = std::time::Instant::now();
+    let stuck = stalled.write(&[op(&src, 0, 1, 0, all)], None).unwrap();
+    // Posted and waited for on a thread of its own: a waiter held by the stuck write would
+    // block the post itself.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let first_mib = [op(&src, 0, 1, 0, MIB as u64)];
+    let finished = std::thread::scope(|scope| {
+        scope.spawn(|| {
+            let other = live.write(&first_mib, None);
+            let _ = tx.send(other.map(|mut p| p.wait_timeout(hang_guard())));
+        });
+        match rx.recv_timeout(hang_guard()) {
+            Ok(Ok(Some(finished))) => finished,
+            Ok(Ok(None)) | Err(_) => {
+                // The engine could not be dropped either: the whole binary fails now
+                // rather than hang.
+                let _ = child.kill();
+                let _ = child.wait();
+                eprintln!(
+                    "a write to a live peer waited {:?} behind a stuck one",
+                    hang_guard()
+                );
+                std::process::exit(1);
+            }
+            Ok(Err(e)) => panic!("posting to the live peer: {e}"),
+        }
+    });
+    finished.expect("a write to the live peer, posted after the stuck one");
+    let outcome = done(stuck);
+    let after = posted.elapsed();
+    assert!(
+        matches!(outcome, Err(NixlEngineError::Timeout { .. })),
+        "{outcome:?}"
+    );
+    assert!(
+        after >= TIMEOUT,
+        "timed out after {after:?}, before its {TIMEOUT:?}"
+    );
+    assert!(dst.bytes() == src.bytes()[..MIB]);
+    assert_eq!(
+        a.report().quarantined,
+        1,
+        "the stuck write's memory is held"
+    );
+    signal(&child, "CONT");
+    child.kill().unwrap();
+    child.wait().unwrap();
+    drop(lines);
+    for _ in 0..20_000 {
+        if a.report().quarantined == 0 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(a.report().quarantined, 0, "quarantine never drained");
+}
+
+#[test]
+fn peer_death_mid_transfer_across_processes() {
+    let (mut child, lines, md, key) = spawn_target();
     let a = engine("death-initiator");
     let all = 64 * MIB as u64;
     let src = Reg::new(&a, 64 * MIB, pattern(9));
