@@ -231,6 +231,19 @@ pub enum ClientError {
     /// The caller passed inconsistent arguments.
     #[error("misuse: {0}")]
     ApiMisuse(String),
+    /// Fewer units are live than a request needs: a PUT needs one per replica, a GET or a
+    /// CLEAR at least one. The cluster's set may grow again (a unit restarting).
+    #[error("only {live} live unit(s) of the cluster, and {needed} needed")]
+    TooFewUnits {
+        /// Units in the client's current set.
+        live: usize,
+        /// Units the request needs.
+        needed: usize,
+    },
+    /// The cluster's membership could not be read (etcd did not answer in time, or the
+    /// cluster configuration is unusable).
+    #[error("cluster membership: {0}")]
+    Membership(String),
     /// The client's receive pool cannot hold the values requested.
     #[error(
         "client receive pool: out of memory: {requested} bytes aligned to {align} requested, \

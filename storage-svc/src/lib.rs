@@ -8,6 +8,8 @@
 mod busy_poll;
 mod chunks;
 mod client;
+#[cfg(feature = "etcd")]
+pub mod cluster;
 pub mod core;
 mod error;
 mod metrics;
@@ -19,7 +21,9 @@ pub mod testing;
 pub mod units;
 
 pub use crate::busy_poll::BusyPoll;
-pub use crate::client::{remote_error, Client, ClientConfig, Modulo, Placement, Rendezvous};
+pub use crate::client::{
+    remote_error, Client, ClientConfig, Member, Membership, Modulo, Placement, Rendezvous,
+};
 pub use crate::core::{PartitionStats, PoolStats, Stats, UnitConfig};
 pub use crate::error::{ClientError, ErrorKind, MemoryError, PayloadError, RemoteError, WireError};
 pub use crate::plane::{Backend, BackendExt, ParseBackendError};

@@ -314,6 +314,7 @@ fn test(root: &Path) -> Result<()> {
             step(&format!("{engine} engine tests of {}", row.package), cmd)?;
         }
     }
+    cluster_tests().context("the cluster tests (tessera-cluster and the etcd feature)")?;
     python::test(root).context("the Python package (cargo xtask python)")?;
     if is_root() {
         println!("==> two-node test (root: network namespaces)");
@@ -325,6 +326,51 @@ fn test(root: &Path) -> Result<()> {
         );
     }
     println!("xtask test: all steps passed");
+    Ok(())
+}
+
+/// The packages and features of clusters through etcd, outside the default build (the etcd
+/// client's build needs `protoc`): clippy, docs and tests, against a private etcd that each
+/// test starts and stops (Debian's `etcd-server`).
+fn cluster_tests() -> Result<()> {
+    deps::ensure_apt("protobuf-compiler", "the etcd client's build needs protoc")?;
+    deps::ensure_apt("etcd-server", "the cluster tests run a private etcd")?;
+    let packages = ["tessera-cluster", "tessera-storage", "tessera-storage-cli"];
+    let features = "tessera-storage/etcd,tessera-storage-cli/etcd";
+    let mut clippy = cargo(&[
+        "clippy",
+        "--locked",
+        "--all-targets",
+        "--features",
+        features,
+    ]);
+    for p in packages {
+        clippy.args(["-p", p]);
+    }
+    clippy.args(["--", "-D", "warnings"]);
+    step("cargo clippy of the etcd feature", clippy)?;
+    let mut doc = cargo(&["doc", "--no-deps", "--locked", "-p", "tessera-cluster"]);
+    doc.env("RUSTDOCFLAGS", "-D warnings");
+    step("cargo doc of tessera-cluster", doc)?;
+    step(
+        "tessera-cluster tests",
+        cargo(&["test", "--locked", "-p", "tessera-cluster"]),
+    )?;
+    for package in ["tessera-storage", "tessera-storage-cli"] {
+        step(
+            &format!("cluster tests of {package}"),
+            cargo(&[
+                "test",
+                "--locked",
+                "-p",
+                package,
+                "--features",
+                "etcd",
+                "--test",
+                "cluster",
+            ]),
+        )?;
+    }
     Ok(())
 }
 

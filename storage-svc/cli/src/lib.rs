@@ -18,8 +18,8 @@ use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{Args, Parser, Subcommand};
 use tessera_storage::units::{fmt_bytes, parse_duration, parse_size};
 use tessera_storage::{
-    Backend, BusyPoll, Client, ClientConfig, ClientError, ErrorKind, Modulo, Placement, Rendezvous,
-    Server, ServerConfig, Stats, Token, Value,
+    Backend, BusyPoll, Client, ClientConfig, ClientError, ErrorKind, Member, Modulo, Placement,
+    Rendezvous, Server, ServerConfig, Stats, Token, Value,
 };
 
 #[derive(Parser)]
@@ -126,12 +126,65 @@ impl std::fmt::Display for Key {
     }
 }
 
+/// Where a cluster's units are found: etcd, and the cluster's name.
+#[derive(Args)]
+struct ClusterArgs {
+    /// etcd client URLs (http://HOST:PORT; repeat or comma-separate for several) that keep
+    /// the cluster's membership (needs a build with the `etcd` feature).
+    #[arg(long, value_delimiter = ',', value_name = "URL", requires = "cluster")]
+    etcd: Vec<String>,
+    /// The cluster's name in etcd (its keys are under /tessera/NAME/).
+    #[arg(long, value_name = "NAME", requires = "etcd")]
+    cluster: Option<String>,
+}
+
+impl ClusterArgs {
+    /// The cluster named, with a lease of `lease_ttl` (etcd-built binaries only).
+    #[cfg(feature = "etcd")]
+    fn config(
+        &self,
+        lease_ttl: Option<Duration>,
+    ) -> Option<tessera_storage::cluster::ClusterConfig> {
+        let name = self.cluster.clone()?;
+        let mut cfg = tessera_storage::cluster::ClusterConfig::new(self.etcd.clone(), name);
+        if let Some(ttl) = lease_ttl {
+            cfg.lease_ttl = ttl;
+        }
+        Some(cfg)
+    }
+
+    /// A binary built without clusters refuses the flags by name.
+    #[cfg(not(feature = "etcd"))]
+    fn config(&self, _: Option<Duration>) -> Option<std::convert::Infallible> {
+        None
+    }
+
+    fn refused_without_etcd(&self) -> Result<()> {
+        if cfg!(not(feature = "etcd")) && self.cluster.is_some() {
+            bail!(
+                "this tessera-storage was built without clusters: --etcd and --cluster need \
+                 `cargo build -p tessera-storage-cli --features etcd` (and protoc to build it)"
+            );
+        }
+        Ok(())
+    }
+}
+
 #[derive(Args)]
 struct Conn {
     /// Unit control addresses, HOST:PORT or unix:PATH (repeat or comma-separate for several
     /// units).
-    #[arg(long, value_delimiter = ',', default_value = "127.0.0.1:7470", value_parser = parse_control_addr)]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "127.0.0.1:7470",
+        value_parser = parse_control_addr,
+        conflicts_with = "cluster"
+    )]
     unit: Vec<String>,
+    /// Instead of --unit: the live units of a cluster, found and followed through etcd.
+    #[command(flatten)]
+    cluster: ClusterArgs,
     /// Payload backend: the unit's (`serve` prints it when it starts).
     #[arg(long, value_parser = backend_parser(), default_value = "shm")]
     backend: Backend,
@@ -143,10 +196,11 @@ struct Conn {
     /// Copies of every value, on that many of the units (1 to their number).
     #[arg(long, default_value_t = 1)]
     replicas: usize,
-    /// Which units hold an index: `modulo` (index % units, copies on the units after it) or
-    /// `rendezvous` (highest-random-weight hashing over the units' addresses).
-    #[arg(long, value_enum, default_value = "modulo")]
-    placement: PlacementArg,
+    /// Which units hold an index: `modulo` (index % units, copies on the units after it; the
+    /// default for --unit) or `rendezvous` (highest-random-weight hashing over the units'
+    /// addresses or, in a cluster, their names; the default and the only choice there).
+    #[arg(long, value_enum)]
+    placement: Option<PlacementArg>,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -265,6 +319,18 @@ struct Serve {
     /// Print the "listening ADDR ..." line even with --quiet (for scripts).
     #[arg(long)]
     announce: bool,
+    /// Announce the unit in a cluster: registered in etcd under a lease it keeps alive while
+    /// it serves, withdrawn when it stops.
+    #[command(flatten)]
+    cluster: ClusterArgs,
+    /// The unit's name in its cluster (default: its control address), which clients place
+    /// keys by: a unit restarted under its name gets its share back.
+    #[arg(long, requires = "cluster")]
+    name: Option<String>,
+    /// How long the cluster keeps listing the unit after its last keep-alive, if it dies or
+    /// loses etcd (whole seconds; etcd's minimum is 2s).
+    #[arg(long, value_parser = parse_duration, requires = "cluster", default_value = "5s")]
+    lease_ttl: Duration,
 }
 
 /// An index: a whole number, 0 or more.
@@ -412,13 +478,21 @@ fn tracing_init(level: Option<&str>) -> Result<()> {
 
 async fn client(c: Conn) -> Result<Client> {
     refuse_inproc(c.backend)?;
+    c.cluster.refused_without_etcd()?;
     let token = c.token.token()?;
-    let placement: Box<dyn Placement> = match c.placement {
-        PlacementArg::Modulo => Box::new(Modulo),
-        PlacementArg::Rendezvous => Box::new(Rendezvous),
+    let cluster = c.cluster.config(None);
+    let placement: Box<dyn Placement> = match (c.placement, &cluster) {
+        (Some(PlacementArg::Modulo), Some(_)) => bail!(
+            "--placement modulo needs a fixed --unit list: in a cluster, a unit joining would \
+             move nearly every key (leave it out for rendezvous)"
+        ),
+        (Some(PlacementArg::Modulo), None) | (None, None) => Box::new(Modulo),
+        (Some(PlacementArg::Rendezvous), _) | (None, Some(_)) => Box::new(Rendezvous),
     };
     let cfg = ClientConfig {
         units: c.unit,
+        #[cfg(feature = "etcd")]
+        cluster,
         backend: c.backend,
         token,
         payload_addr: c.payload_addr,
@@ -516,13 +590,43 @@ async fn execute(cli: Cli, poll: Option<BusyPoll>) -> Result<()> {
         }
         Cmd::Stats { conn, json } => {
             let c = client(conn).await?;
-            let stats = c.stats().await?;
+            let each = c.stats_each().await;
+            let m = c.membership();
+            if m.revision > 0 && !json {
+                let names: Vec<&str> = m.units.iter().map(|u| u.name.as_str()).collect();
+                let fresh = match m.stale_for {
+                    None => String::new(),
+                    Some(t) => format!(" (etcd unreachable for {t:.1?}: the last known set)"),
+                };
+                say.line(format_args!(
+                    "{} unit(s) as of etcd revision {}: {}{fresh}",
+                    names.len(),
+                    m.revision,
+                    names.join(", ")
+                ));
+            }
             if json {
-                for s in &stats {
-                    println!("{}", serde_json::to_string(s)?);
+                for (member, r) in &each {
+                    match r {
+                        Ok(s) => println!("{}", serde_json::to_string(s)?),
+                        Err(e) => println!(
+                            "{}",
+                            serde_json::json!({
+                                "unit": member.number,
+                                "name": member.name,
+                                "error": e.to_string(),
+                            })
+                        ),
+                    }
                 }
             } else {
-                print!("{}", stats_table(&stats));
+                print!("{}", stats_table(&each));
+            }
+            // With a fixed list every unit is expected to answer.
+            if m.revision == 0 {
+                if let Some((_, Err(e))) = each.into_iter().find(|(_, r)| r.is_err()) {
+                    return Err(e.into());
+                }
             }
             Ok(())
         }
@@ -555,8 +659,8 @@ fn took(t: Instant) -> String {
     }
 }
 
-/// STATS of each unit as a table, a row per unit, then its partitions.
-fn stats_table(stats: &[Stats]) -> String {
+/// STATS of each unit as a table, a row per unit (or its error), then its partitions.
+fn stats_table(each: &[(Member, Result<Stats, ClientError>)]) -> String {
     let mut out = format!(
         "{:<5} {:>9} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>8}\n",
         "unit",
@@ -569,10 +673,17 @@ fn stats_table(stats: &[Stats]) -> String {
         "quarantine",
         "sessions"
     );
-    for (i, s) in stats.iter().enumerate() {
+    for (member, r) in each {
+        let s = match r {
+            Ok(s) => s,
+            Err(e) => {
+                out.push_str(&format!("{:<5} {e}\n", member.number));
+                continue;
+            }
+        };
         out.push_str(&format!(
             "{:<5} {:>9} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>8}\n",
-            i,
+            member.number,
             s.keys,
             fmt_bytes(s.bytes),
             fmt_bytes(s.charged_bytes),
@@ -660,6 +771,7 @@ async fn serve(s: Serve, poll: Option<BusyPoll>, say: Say) -> Result<()> {
         cfg.unit.token = Some(t);
     }
     refuse_inproc(cfg.backend)?;
+    s.cluster.refused_without_etcd()?;
     cfg.busy_poll = poll;
     if s.print_config {
         print!("{}", toml::to_string(&cfg)?);
@@ -686,6 +798,9 @@ async fn serve(s: Serve, poll: Option<BusyPoll>, say: Say) -> Result<()> {
     let bind = cfg.bind.clone();
     let engine = cfg.backend;
     let (pool, capacity) = (cfg.pool_bytes, cfg.unit.capacity_bytes);
+    // Announced where it is known before the engine starts (a port 0 is picked later).
+    #[cfg(feature = "etcd")]
+    let payload = cfg.payload_addr.filter(|a| a.port() != 0);
     let server = Server::start(cfg)
         .await
         .with_context(|| format!("starting a unit on {bind}"))?;
@@ -702,11 +817,50 @@ async fn serve(s: Serve, poll: Option<BusyPoll>, say: Say) -> Result<()> {
         fmt_bytes(pool),
         fmt_bytes(capacity),
     ));
+    #[cfg(feature = "etcd")]
+    let announced = match s.cluster.config(Some(s.lease_ttl)) {
+        Some(cluster) => {
+            let record = tessera_storage::cluster::UnitRecord {
+                control: server.addr().to_owned(),
+                engine: engine.name().to_owned(),
+                payload: payload.map(|a| a.to_string()),
+                capacity,
+            };
+            Some(announce(&cluster, s.name.as_deref(), record)?)
+        }
+        None => None,
+    };
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
         _ = tokio::signal::ctrl_c() => {}
         _ = term.recv() => {}
     }
+    // Withdrawn first: clients stop routing to the unit before it stops answering.
+    #[cfg(feature = "etcd")]
+    if let Some(a) = announced {
+        a.withdraw().await;
+    }
     server.shutdown().await;
     Ok(())
+}
+
+/// Starts announcing the unit of `record` in `cluster` as `name` (default: its control
+/// address).
+#[cfg(feature = "etcd")]
+fn announce(
+    cluster: &tessera_storage::cluster::ClusterConfig,
+    name: Option<&str>,
+    record: tessera_storage::cluster::UnitRecord,
+) -> Result<tessera_cluster::Announcement> {
+    if let Ok(addr) = record.control.parse::<SocketAddr>() {
+        if addr.ip().is_unspecified() {
+            bail!(
+                "a unit in a cluster announces its --bind address, and {addr} is no address a \
+                 client can reach: bind the address of this host that clients use"
+            );
+        }
+    }
+    let name = name.unwrap_or(&record.control);
+    tessera_storage::cluster::announce(cluster, name, &record)
+        .with_context(|| format!("announcing {name} in cluster {}", cluster.cluster))
 }

@@ -374,3 +374,35 @@ fn stats_prints_a_table_or_json() {
     assert_eq!(v["keys"], 1);
     assert_eq!(v["partitions"][0]["name"], "p");
 }
+
+/// A binary built without the `etcd` feature refuses the cluster flags by name, and says how
+/// to get them; the flags go together.
+#[test]
+#[cfg(not(feature = "etcd"))]
+fn cluster_flags_need_an_etcd_build() {
+    let err = failed(&run(&[
+        "serve",
+        "--bind",
+        "127.0.0.1:0",
+        "--etcd",
+        "http://127.0.0.1:2379",
+        "--cluster",
+        "c",
+    ]));
+    assert!(
+        err.contains("built without clusters") && err.contains("--features etcd"),
+        "{err}"
+    );
+    let err = failed(&run(&[
+        "stats",
+        "--etcd",
+        "http://127.0.0.1:2379",
+        "--cluster",
+        "c",
+    ]));
+    assert!(err.contains("built without clusters"), "{err}");
+    let err = refused(&run(&["stats", "--cluster", "c"]));
+    assert!(err.contains("--etcd"), "{err}");
+    let err = refused(&run(&["serve", "--name", "u0"]));
+    assert!(err.contains("--cluster"), "{err}");
+}

@@ -3,7 +3,7 @@
 
 use tessera_framecodec::Value;
 
-use super::Client;
+use super::{Client, Slot};
 use crate::core::client::{GetOp, GetStep};
 use crate::error::ClientError;
 use crate::plane::freeze_written;
@@ -12,12 +12,13 @@ use crate::proto::Request;
 impl Client {
     pub(super) async fn get_unit(
         &self,
-        unit: usize,
+        slot: &Slot,
         partition: &str,
         indexes: Vec<u64>,
         fields: Vec<String>,
     ) -> Result<Vec<Vec<Value>>, ClientError> {
-        let conn = self.conn(unit).await?;
+        let unit = slot.number;
+        let conn = self.conn(slot).await?;
         let conn = &*conn;
         let (mut op, mut step) = GetOp::new(
             unit,

@@ -29,7 +29,14 @@ pub use self::placement::{Modulo, Placement, Rendezvous};
 #[derive(Debug, Clone)]
 pub struct ClientConfig {
     /// Control addresses of the units (`HOST:PORT` or `unix:PATH`), in placement order.
+    /// Unused when [`cluster`](Self::cluster) names a cluster.
     pub units: Vec<String>,
+    /// The cluster whose live units to use, found and followed through etcd, instead of a
+    /// fixed list: the client reads the set, watches it, reaches units that join and stops
+    /// using those whose lease expired. Placement is by the units' names (rendezvous, unless
+    /// another is given).
+    #[cfg(feature = "etcd")]
+    pub cluster: Option<tessera_cluster::ClusterConfig>,
     /// Payload backend; must be the units' backend.
     pub backend: Backend,
     /// `tcp` backend: the address of this host the client's payload engine listens on and
@@ -61,6 +68,8 @@ impl Default for ClientConfig {
     fn default() -> Self {
         Self {
             units: vec!["127.0.0.1:7470".into()],
+            #[cfg(feature = "etcd")]
+            cluster: None,
             backend: Backend::Shm,
             payload_addr: None,
             token: None,
@@ -75,7 +84,10 @@ impl Default for ClientConfig {
 
 /// A client of one or more units. Cheap to share behind an `Arc`; requests are pipelined.
 pub struct Client {
-    conns: Vec<Slot>,
+    /// The units in use now; a cluster's discovery task replaces it as members come and go.
+    units: Arc<Mutex<Arc<Units>>>,
+    #[cfg(feature = "etcd")]
+    discovery: Option<crate::cluster::Discovery>,
     /// What new sessions are opened with (after a session-fatal error).
     cfg: ClientConfig,
     placement: Box<dyn Placement>,
@@ -91,8 +103,13 @@ pub struct Client {
 }
 
 impl Client {
-    /// Connects to every unit of `cfg` with [`Modulo`] placement.
+    /// Connects to every unit of `cfg` with [`Modulo`] placement, or follows its cluster with
+    /// [`Rendezvous`] placement (a unit joining or leaving moves only its share).
     pub async fn connect(cfg: ClientConfig) -> Result<Client, ClientError> {
+        #[cfg(feature = "etcd")]
+        if cfg.cluster.is_some() {
+            return Self::connect_with(cfg, Box::new(Rendezvous)).await;
+        }
         Self::connect_with(cfg, Box::new(Modulo)).await
     }
 
@@ -101,15 +118,25 @@ impl Client {
         cfg: ClientConfig,
         placement: Box<dyn Placement>,
     ) -> Result<Client, ClientError> {
-        if cfg.units.is_empty() {
-            return Err(ClientError::ApiMisuse("no units".into()));
-        }
-        if cfg.replicas == 0 || cfg.replicas > cfg.units.len() {
-            return Err(ClientError::ApiMisuse(format!(
-                "replicas = {}: give 1 to the number of units ({})",
-                cfg.replicas,
-                cfg.units.len()
-            )));
+        #[cfg(feature = "etcd")]
+        let cluster = cfg.cluster.clone();
+        #[cfg(not(feature = "etcd"))]
+        let cluster: Option<std::convert::Infallible> = None;
+        if cluster.is_none() {
+            if cfg.units.is_empty() {
+                return Err(ClientError::ApiMisuse("no units".into()));
+            }
+            if cfg.replicas == 0 || cfg.replicas > cfg.units.len() {
+                return Err(ClientError::ApiMisuse(format!(
+                    "replicas = {}: give 1 to the number of units ({})",
+                    cfg.replicas,
+                    cfg.units.len()
+                )));
+            }
+        } else if cfg.replicas == 0 {
+            return Err(ClientError::ApiMisuse(
+                "replicas = 0: give 1 or more".into(),
+            ));
         }
         let backend = cfg.backend;
         let payload_addr = cfg.payload_addr;
@@ -121,13 +148,26 @@ impl Client {
             Ok::<_, ClientError>((Arc::new(agent), pool))
         })
         .await??;
-        let mut conns = Vec::with_capacity(cfg.units.len());
-        for (unit, addr) in cfg.units.iter().enumerate() {
-            let conn = Conn::open(unit, addr, &cfg, &agent).await?;
-            conns.push(Slot(tokio::sync::Mutex::new(Arc::new(conn))));
+        let units = Arc::new(Mutex::new(Arc::new(Units::default())));
+        #[cfg(feature = "etcd")]
+        let discovery = match &cluster {
+            Some(c) => Some(crate::cluster::Discovery::start(c, cfg.timeout, &units).await?),
+            None => None,
+        };
+        if cluster.is_none() {
+            // A fixed list: every unit is reached now, so that a wrong address fails here.
+            let mut fixed = Units::default();
+            for (number, addr) in cfg.units.iter().enumerate() {
+                let conn = Conn::open(number, addr, &cfg, &agent).await?;
+                fixed.ids.push(addr.clone());
+                fixed.slots.push(Arc::new(Slot::open(number, addr, conn)));
+            }
+            *units.lock() = Arc::new(fixed);
         }
         Ok(Client {
-            conns,
+            units,
+            #[cfg(feature = "etcd")]
+            discovery,
             cfg: cfg.clone(),
             placement,
             agent,
@@ -143,26 +183,63 @@ impl Client {
         })
     }
 
-    /// The session with `unit`: the current one, or a new one when the current one ended
-    /// (its connection closed, or the unit failed it: `peer_failed`). The request that met
-    /// the failure was not retried; its error was returned to its caller.
-    async fn conn(&self, unit: usize) -> Result<Arc<Conn>, ClientError> {
-        let slot = self
-            .conns
-            .get(unit)
-            .ok_or_else(|| ClientError::ApiMisuse(format!("no unit {unit}")))?;
-        let mut cur = slot.0.lock().await;
-        if cur.ended() {
-            let addr = &self.cfg.units[unit];
-            tracing::debug!(unit, %addr, "session ended; opening a new one");
-            *cur = Arc::new(Conn::open(unit, addr, &self.cfg, &self.agent).await?);
-        }
-        Ok(cur.clone())
+    /// The units in use now, in placement order.
+    fn current(&self) -> Arc<Units> {
+        self.units.lock().clone()
     }
 
-    /// Number of units.
+    /// The session with the unit of `slot`: the current one, or a new one when there is none
+    /// yet or the current one ended (its connection closed, or the unit failed it:
+    /// `peer_failed`). The request that met the failure was not retried; its error was
+    /// returned to its caller.
+    async fn conn(&self, slot: &Slot) -> Result<Arc<Conn>, ClientError> {
+        let mut cur = slot.conn.lock().await;
+        match &*cur {
+            Some(conn) if !conn.ended() => return Ok(conn.clone()),
+            Some(_) => {
+                tracing::debug!(unit = slot.number, addr = %slot.addr, "session ended; opening a new one");
+            }
+            None => {}
+        }
+        let conn = Arc::new(Conn::open(slot.number, &slot.addr, &self.cfg, &self.agent).await?);
+        *cur = Some(conn.clone());
+        Ok(conn)
+    }
+
+    /// The unit at `pos` of the current set.
+    fn slot(&self, pos: usize) -> Result<Arc<Slot>, ClientError> {
+        self.current()
+            .slots
+            .get(pos)
+            .cloned()
+            .ok_or_else(|| ClientError::ApiMisuse(format!("no unit {pos}")))
+    }
+
+    /// Number of units in use now.
     pub fn units(&self) -> usize {
-        self.conns.len()
+        self.current().slots.len()
+    }
+
+    /// The units in use now, and how current that set is.
+    pub fn membership(&self) -> Membership {
+        let units = self.current();
+        Membership {
+            units: units
+                .slots
+                .iter()
+                .zip(&units.ids)
+                .map(|(s, id)| Member {
+                    number: s.number,
+                    name: id.clone(),
+                    addr: s.addr.clone(),
+                })
+                .collect(),
+            #[cfg(feature = "etcd")]
+            stale_for: self.discovery.as_ref().and_then(|d| d.staleness()),
+            #[cfg(not(feature = "etcd"))]
+            stale_for: None,
+            revision: units.revision,
+        }
     }
 
     /// The client's transport agent (its registrations are reused as PUT sources).
@@ -191,16 +268,28 @@ impl Client {
         self.cfg.replicas
     }
 
-    /// The units of every index, flat: replica `k` of `indexes[p]` is at `p * replicas + k`.
-    /// A placement that names too few units, one twice or one beyond the list would lose a
-    /// copy: it is refused.
-    fn placements(&self, partition: &str, indexes: &[u64]) -> Result<Vec<usize>, ClientError> {
-        let (r, n) = (self.cfg.replicas, self.conns.len());
+    /// The units of every index in `units`, flat: replica `k` of `indexes[p]` is at
+    /// `p * r + k`. A placement that names too few units, one twice or one beyond the list
+    /// would lose a copy: it is refused.
+    fn placements(
+        &self,
+        units: &Units,
+        r: usize,
+        partition: &str,
+        indexes: &[u64],
+    ) -> Result<Vec<usize>, ClientError> {
+        let n = units.slots.len();
+        if r == 0 || r > n {
+            return Err(ClientError::TooFewUnits {
+                live: n,
+                needed: r.max(1),
+            });
+        }
         let mut flat = Vec::with_capacity(indexes.len() * r);
         let mut one = Vec::with_capacity(r);
         for &i in indexes {
             self.placement
-                .replicas(partition, i, &self.cfg.units, r, &mut one);
+                .replicas(partition, i, &units.ids, r, &mut one);
             let distinct = one.iter().enumerate().all(|(k, u)| !one[..k].contains(u));
             if one.len() != r || !distinct || one.iter().any(|&u| u >= n) {
                 return Err(ClientError::ApiMisuse(format!(
@@ -213,12 +302,27 @@ impl Client {
         Ok(flat)
     }
 
-    /// For each unit, the positions of `indexes` it holds a copy of.
-    fn split(&self, partition: &str, indexes: &[u64]) -> Result<Vec<Vec<usize>>, ClientError> {
-        let r = self.cfg.replicas;
-        let mut per = vec![Vec::new(); self.conns.len()];
-        for (pos, units) in self.placements(partition, indexes)?.chunks(r).enumerate() {
-            for &u in units {
+    /// Copies a read or a clear reaches: every replica, or every live unit when fewer are
+    /// live (a cluster's unit lost).
+    fn reach(&self, units: &Units) -> usize {
+        self.cfg.replicas.min(units.slots.len())
+    }
+
+    /// For each unit of `units`, the positions of `indexes` it holds one of `r` copies of.
+    fn split(
+        &self,
+        units: &Units,
+        r: usize,
+        partition: &str,
+        indexes: &[u64],
+    ) -> Result<Vec<Vec<usize>>, ClientError> {
+        let mut per = vec![Vec::new(); units.slots.len()];
+        for (pos, on) in self
+            .placements(units, r, partition, indexes)?
+            .chunks(r)
+            .enumerate()
+        {
+            for &u in on {
                 per[u].push(pos);
             }
         }
@@ -243,8 +347,10 @@ impl Client {
             ));
         }
         let fields: Vec<String> = columns.iter().map(|(f, _)| f.clone()).collect();
+        let units = self.current();
+        let per = self.split(&units, self.cfg.replicas, partition, indexes)?;
         let mut work = Vec::new();
-        for (unit, positions) in self.split(partition, indexes)?.into_iter().enumerate() {
+        for (slot, positions) in units.slots.iter().zip(per) {
             if positions.is_empty() {
                 continue;
             }
@@ -258,7 +364,7 @@ impl Client {
                     .collect(),
             );
             let fields = fields.clone();
-            work.push(async move { self.put_unit(unit, partition, idx, fields, &value).await });
+            work.push(async move { self.put_unit(slot, partition, idx, fields, &value).await });
         }
         let results = join_all(work).await;
         if self.cfg.replicas == 1 {
@@ -287,8 +393,9 @@ impl Client {
     ) -> Result<Vec<Vec<Value>>, ClientError> {
         let fields: Vec<String> = fields.iter().map(|f| (*f).to_owned()).collect();
         let mut out: Vec<Vec<Option<Value>>> = vec![vec![None; indexes.len()]; fields.len()];
-        let r = self.cfg.replicas;
-        let places = self.placements(partition, indexes)?;
+        let units = self.current();
+        let r = self.reach(&units);
+        let places = self.placements(&units, r, partition, indexes)?;
         let mut pending: Vec<usize> = (0..indexes.len()).collect();
         // Per position: whether a reachable replica answered that it lacks a key.
         let mut lacked = vec![false; if r > 1 { indexes.len() } else { 0 }];
@@ -298,20 +405,20 @@ impl Client {
             if pending.is_empty() {
                 break;
             }
-            let mut per = vec![Vec::new(); self.conns.len()];
+            let mut per = vec![Vec::new(); units.slots.len()];
             for &p in &pending {
                 per[places[p * r + rank]].push(p);
             }
             pending.clear();
             let mut work = Vec::new();
-            for (unit, positions) in per.into_iter().enumerate() {
+            for (slot, positions) in units.slots.iter().zip(per) {
                 if positions.is_empty() {
                     continue;
                 }
                 let idx: Vec<u64> = positions.iter().map(|p| indexes[*p]).collect();
                 let fields = fields.clone();
                 work.push(async move {
-                    let cols = self.get_unit(unit, partition, idx, fields).await;
+                    let cols = self.get_unit(slot, partition, idx, fields).await;
                     (positions, cols)
                 });
             }
@@ -376,11 +483,13 @@ impl Client {
         indexes: &[u64],
         fields: Option<&[&str]>,
     ) -> Result<(), ClientError> {
-        for (unit, positions) in self.split(partition, indexes)?.into_iter().enumerate() {
+        let units = self.current();
+        let per = self.split(&units, self.reach(&units), partition, indexes)?;
+        for (slot, positions) in units.slots.iter().zip(per) {
             if positions.is_empty() {
                 continue;
             }
-            let conn = self.conn(unit).await?;
+            let conn = self.conn(slot).await?;
             let req = Request::Clear {
                 partition: partition.to_owned(),
                 indexes: positions.iter().map(|p| indexes[*p]).collect(),
@@ -396,8 +505,8 @@ impl Client {
 
     /// Removes a partition from every unit. Idempotent.
     pub async fn drop_partition(&self, partition: &str) -> Result<(), ClientError> {
-        for unit in 0..self.conns.len() {
-            let conn = self.conn(unit).await?;
+        for slot in &self.current().slots {
+            let conn = self.conn(slot).await?;
             let req = Request::DropPartition {
                 partition: partition.to_owned(),
             };
@@ -411,9 +520,10 @@ impl Client {
 
     /// Statistics of every unit, in unit order.
     pub async fn stats(&self) -> Result<Vec<Stats>, ClientError> {
-        let mut out = Vec::with_capacity(self.conns.len());
-        for unit in 0..self.conns.len() {
-            let conn = self.conn(unit).await?;
+        let units = self.current();
+        let mut out = Vec::with_capacity(units.slots.len());
+        for slot in &units.slots {
+            let conn = self.conn(slot).await?;
             match conn.call(Request::Stats).await?.1 {
                 Response::Stats(s) => out.push(s),
                 other => return Err(conn.unexpected(other)),
@@ -422,15 +532,104 @@ impl Client {
         Ok(out)
     }
 
-    /// Sends one raw request to a unit and returns its response (for tools and tests).
+    /// Statistics of every unit in use now, each with its own outcome: one unit that is
+    /// down (a cluster's unit whose lease has not expired yet) does not hide the others.
+    pub async fn stats_each(&self) -> Vec<(Member, Result<Stats, ClientError>)> {
+        let units = self.current();
+        let asks = units.slots.iter().map(|slot| async move {
+            let conn = self.conn(slot).await?;
+            match conn.call(Request::Stats).await?.1 {
+                Response::Stats(s) => Ok(s),
+                other => Err(conn.unexpected(other)),
+            }
+        });
+        let results = join_all(asks.collect()).await;
+        units
+            .slots
+            .iter()
+            .zip(&units.ids)
+            .zip(results)
+            .map(|((slot, id), r)| {
+                let member = Member {
+                    number: slot.number,
+                    name: id.clone(),
+                    addr: slot.addr.clone(),
+                };
+                (member, r)
+            })
+            .collect()
+    }
+
+    /// Sends one raw request to the unit at `unit` of the current set and returns its
+    /// response (for tools and tests).
     pub async fn raw(&self, unit: usize, req: Request) -> Result<Response, ClientError> {
-        let conn = self.conn(unit).await?;
+        let conn = self.conn(&*self.slot(unit)?).await?;
         Ok(conn.call(req).await?.1)
     }
 }
 
-/// A unit's session, replaced by a new one once it ended.
-struct Slot(tokio::sync::Mutex<Arc<Conn>>);
+/// The units a client uses, in placement order.
+#[derive(Default)]
+pub(crate) struct Units {
+    /// Each unit's name for placement: its address as given, or the name it announced.
+    pub(crate) ids: Vec<String>,
+    pub(crate) slots: Vec<Arc<Slot>>,
+    /// The cluster's etcd revision this set is as of (0 for a fixed list).
+    pub(crate) revision: i64,
+}
+
+/// A unit and its session, opened when first needed and replaced by a new one once it
+/// ended.
+pub(crate) struct Slot {
+    /// The unit's number in errors and logs: its position in a fixed list, or the order in
+    /// which this client first saw it in a cluster.
+    pub(crate) number: usize,
+    pub(crate) addr: String,
+    conn: tokio::sync::Mutex<Option<Arc<Conn>>>,
+}
+
+impl Slot {
+    /// A unit not reached yet.
+    #[cfg(feature = "etcd")]
+    pub(crate) fn new(number: usize, addr: &str) -> Self {
+        Self {
+            number,
+            addr: addr.to_owned(),
+            conn: tokio::sync::Mutex::new(None),
+        }
+    }
+
+    fn open(number: usize, addr: &str, conn: Conn) -> Self {
+        Self {
+            number,
+            addr: addr.to_owned(),
+            conn: tokio::sync::Mutex::new(Some(Arc::new(conn))),
+        }
+    }
+}
+
+/// The units a client uses now ([`Client::membership`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Membership {
+    /// In placement order.
+    pub units: Vec<Member>,
+    /// How long the set has been the last known one because etcd is unreachable (a cluster
+    /// client only): the units keep serving, but joins and losses are not seen meanwhile.
+    pub stale_for: Option<Duration>,
+    /// The cluster's etcd revision the set is as of (0 for a fixed list).
+    pub revision: i64,
+}
+
+/// One unit of a [`Membership`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Member {
+    /// Its number in errors ([`ClientError::unit`]).
+    pub number: usize,
+    /// Its name for placement.
+    pub name: String,
+    /// Its control address.
+    pub addr: String,
+}
 
 /// Runs `futs` concurrently on the current task and returns their outputs in order.
 pub async fn join_all<F: std::future::Future>(futs: Vec<F>) -> Vec<F::Output> {

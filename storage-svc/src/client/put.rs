@@ -6,7 +6,7 @@ use tessera_framecodec::{encode, Frames, Value};
 use tessera_transport::{LocalDesc, RemoteDesc};
 
 use super::conn::Conn;
-use super::Client;
+use super::{Client, Slot};
 use crate::core::client::{PutOp, PutStep};
 use crate::error::{ClientError, MemoryError, PayloadError};
 use crate::plane::source_descs;
@@ -15,13 +15,14 @@ use crate::proto::PullSource;
 impl Client {
     pub(super) async fn put_unit(
         &self,
-        unit: usize,
+        slot: &Slot,
         partition: &str,
         indexes: Vec<u64>,
         fields: Vec<String>,
         value: &Value,
     ) -> Result<(), ClientError> {
-        let conn = self.conn(unit).await?;
+        let unit = slot.number;
+        let conn = self.conn(slot).await?;
         let conn = &*conn;
         let frames = encode(value)?;
         let inline = PutOp::is_inline(&frames, conn.inline_max);
