@@ -23,6 +23,7 @@ pub mod units;
 pub use crate::busy_poll::BusyPoll;
 pub use crate::client::{
     remote_error, Client, ClientConfig, Member, Membership, Modulo, Placement, Rendezvous,
+    RepairReport,
 };
 pub use crate::core::{PartitionStats, PoolStats, Stats, UnitConfig};
 pub use crate::error::{ClientError, ErrorKind, MemoryError, PayloadError, RemoteError, WireError};

@@ -55,3 +55,10 @@ pub(crate) fn refused_connection() {
 pub(crate) fn accept_error() {
     metrics::counter!("tessera_storage_accept_errors_total").increment(1);
 }
+
+/// A repair batch's progress (client side): indexes looked at, copies written, indexes lost.
+pub(crate) fn repair(checked: u64, copies: u64, lost: u64) {
+    metrics::counter!("tessera_storage_repair_checked_total").increment(checked);
+    metrics::counter!("tessera_storage_repair_copies_total").increment(copies);
+    metrics::counter!("tessera_storage_repair_lost_total").increment(lost);
+}

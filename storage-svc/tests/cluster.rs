@@ -162,8 +162,26 @@ async fn a_dead_unit_is_failed_over_then_dropped() {
         gone < cfg.lease_ttl * 2,
         "routed to a dead unit for {gone:?}"
     );
-    // Reads need no failover now, and new PUTs go to the two live units.
+    // Reads need no failover now. A repair copies every key that had a copy on u1 back to
+    // its second replica among the live units; a second repair finds nothing to do.
     check_all(&c, &all).await;
+    let on_u1 = 600
+        - [&u0, &u2]
+            .iter()
+            .map(|u| u.server.stats().keys)
+            .sum::<u64>();
+    let report = c.repair("p", &all, &["x"]).await.unwrap();
+    assert_eq!(report.checked, 300);
+    assert_eq!((report.under_replicated, report.copies), (on_u1, on_u1));
+    assert!(report.lost.is_empty(), "{:?}", report.lost);
+    assert_eq!(u0.server.stats().keys + u2.server.stats().keys, 600);
+    let again = c.repair("p", &all, &["x"]).await.unwrap();
+    assert_eq!((again.under_replicated, again.copies), (0, 0));
+    // Indexes never stored have nothing to copy from.
+    let none = c.repair("p", &[7000, 7001], &["x"]).await.unwrap();
+    assert_eq!(none.lost, [7000, 7001]);
+    check_all(&c, &all).await;
+    // New PUTs go to the two live units.
     let more: Vec<u64> = (500..600).collect();
     put_all(&c, &more).await;
     check_all(&c, &more).await;

@@ -191,3 +191,41 @@ async fn a_placement_that_repeats_a_unit_is_refused() {
     }
     assert!(servers.iter().all(|s| s.stats().keys == 0));
 }
+
+/// A unit restarted empty at its address: a repair copies back exactly the keys it held,
+/// from their other replica, and a second repair has nothing to do. A repair that cannot
+/// reach a replica's unit fails, saying which.
+#[tokio::test]
+async fn repair_restores_a_restarted_units_copies() {
+    let mut servers = units(3).await;
+    let c = client(&servers, 2, Box::new(Rendezvous)).await;
+    let indexes: Vec<u64> = (0..300).collect();
+    put_all(&c, &indexes).await.unwrap();
+    let addr = servers[1].addr().to_owned();
+    let held = servers[1].stats().keys;
+    servers.remove(1).shutdown().await;
+    let restarted = Server::start(ServerConfig {
+        bind: addr.clone(),
+        backend: Backend::Inproc,
+        pool_bytes: 16 << 20,
+        ..ServerConfig::default()
+    })
+    .await
+    .unwrap();
+    assert_eq!(restarted.addr(), addr);
+    servers.insert(1, restarted);
+    let report = c.repair("p", &indexes, &["x"]).await.unwrap();
+    assert_eq!(report.checked, 300);
+    assert_eq!((report.under_replicated, report.copies), (held, held));
+    assert!(report.lost.is_empty());
+    assert_eq!(servers[1].stats().keys, held);
+    let again = c.repair("p", &indexes, &["x"]).await.unwrap();
+    assert_eq!((again.under_replicated, again.copies), (0, 0));
+    let got = c.get("p", &indexes, &["x"]).await.unwrap();
+    for (&i, v) in indexes.iter().zip(&got[0]) {
+        assert_eq!(bytes(v), bytes(&value(i)), "index {i}");
+    }
+    servers.remove(2).shutdown().await;
+    let e = c.repair("p", &indexes, &["x"]).await.unwrap_err();
+    assert_eq!(e.unit(), Some(2), "{e}");
+}

@@ -21,9 +21,11 @@ mod conn;
 mod get;
 mod placement;
 mod put;
+mod repair;
 
 use self::conn::Conn;
 pub use self::placement::{Modulo, Placement, Rendezvous};
+pub use self::repair::RepairReport;
 
 /// Client configuration.
 #[derive(Debug, Clone)]
