@@ -2,6 +2,7 @@
 //! passes here passes there. `cargo xtask demo` is the first command of the README.
 #![forbid(unsafe_code)]
 
+mod cluster_net;
 mod deps;
 mod msrv;
 mod mutants;
@@ -34,6 +35,10 @@ enum Cmd {
     /// As root: two agents in two network namespaces joined by a veth pair move 1 GiB each
     /// way over `tcp`, `ucx` and `nixl`, survive a killed target, and clean up.
     TwoNodeTest,
+    /// As root: storage units found through etcd across six network namespaces on a bridge,
+    /// over `tcp` and `ucx`: a killed unit, a repair, a unit that joins, etcd down for 10 s and
+    /// a unit cut off and back; everything removed afterwards.
+    ClusterTest,
     /// Run benchmark suites, print their tables and write target/tessera-bench/SUITE.json.
     Bench {
         /// Suites to run (default: all): alloc, codec, transport, pool, storage, hostile (the
@@ -102,6 +107,7 @@ fn main() -> Result<()> {
             Ok(())
         }
         Cmd::TwoNodeTest => two_node::run(&root),
+        Cmd::ClusterTest => cluster_net::run(&root),
         Cmd::Bench { suites } => bench(&root, &suites),
         Cmd::Demo {
             backend,
@@ -319,10 +325,13 @@ fn test(root: &Path) -> Result<()> {
     if is_root() {
         println!("==> two-node test (root: network namespaces)");
         two_node::run(root).context("cargo xtask two-node-test")?;
+        println!("==> cluster test (root: network namespaces)");
+        cluster_net::run(root).context("cargo xtask cluster-test")?;
     } else {
         println!(
-            "==> two-node test NOT run: it needs root to create network namespaces \
-             (CI runs as root; run `sudo cargo xtask two-node-test`)"
+            "==> two-node and cluster tests NOT run: they need root to create network \
+             namespaces (CI runs as root; run `sudo cargo xtask two-node-test` and \
+             `sudo cargo xtask cluster-test`)"
         );
     }
     println!("xtask test: all steps passed");

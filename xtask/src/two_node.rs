@@ -63,13 +63,13 @@ pub(crate) fn run(root: &Path) -> Result<()> {
     Ok(())
 }
 
-fn preflight() -> Result<()> {
+pub(crate) fn preflight() -> Result<()> {
     let uid = Command::new("id")
         .arg("-u")
         .output()
         .context("running id -u")?;
     if String::from_utf8_lossy(&uid.stdout).trim() != "0" {
-        bail!("two-node-test creates network namespaces and must run as root");
+        bail!("this test creates network namespaces and must run as root");
     }
     let ip = Command::new("ip").args(["netns", "list"]).output();
     match ip {
@@ -117,7 +117,7 @@ fn build_peers(root: &Path) -> Result<Vec<(&'static str, PathBuf)>> {
     Ok(out)
 }
 
-fn ip(args: &[&str]) -> Result<()> {
+pub(crate) fn ip(args: &[&str]) -> Result<()> {
     let out = Command::new("ip")
         .args(args)
         .output()
@@ -134,10 +134,16 @@ fn ip(args: &[&str]) -> Result<()> {
 
 /// Removes every namespace and link of ours, ignoring what is already gone.
 fn cleanup() {
+    cleanup_prefix(PREFIX);
+}
+
+/// Removes every namespace and link whose name starts with `prefix`, ignoring what is already
+/// gone.
+pub(crate) fn cleanup_prefix(prefix: &str) {
     if let Ok(out) = Command::new("ip").args(["netns", "list"]).output() {
         for line in String::from_utf8_lossy(&out.stdout).lines() {
             if let Some(name) = line.split_whitespace().next() {
-                if name.starts_with(PREFIX) {
+                if name.starts_with(prefix) {
                     let _ = ip(&["netns", "del", name]);
                 }
             }
@@ -147,7 +153,7 @@ fn cleanup() {
         for line in String::from_utf8_lossy(&out.stdout).lines() {
             let name = line.split(':').nth(1).map(str::trim).unwrap_or("");
             let name = name.split('@').next().unwrap_or("");
-            if name.starts_with(PREFIX) {
+            if name.starts_with(prefix) {
                 let _ = ip(&["link", "del", name]);
             }
         }

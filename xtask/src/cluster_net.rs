@@ -1,0 +1,570 @@
+//! `cargo xtask cluster-test`: a cluster of storage units found through etcd, across network
+//! namespaces joined by a bridge.
+//!
+//! As root it creates six namespaces `tsrcl-h1` .. `tsrcl-h6` on the bridge `tsrcl-br`
+//! (10.213.8.1 .. 10.213.8.6/24, nothing else on it): etcd in h1, the units u0, u1 and u2 in
+//! h2 .. h4, the client host in h5 (`tessera-cluster-probe`, driven line by line), and in h6
+//! the unit that joins later. Over `tcp`, then `ucx` (`UCX_TLS=tcp` on each namespace's link),
+//! with two replicas and a 2 s lease:
+//!
+//! 1. the client PUTs 2,000 values of 16 KiB and reads them back byte for byte;
+//! 2. u1 is killed with SIGKILL: every value still reads back, within [`READ_BOUND`], and the
+//!    client stops routing to u1 within twice the lease; a repair brings every key back to
+//!    two copies on the live units;
+//! 3. u3 starts in h6: the client finds it without a restart, new keys land on it, and a repair
+//!    moves it its share of the old ones;
+//! 4. etcd is stopped for 10 s: reads, writes and repairs go on (none needs etcd), the client
+//!    says its set is stale; etcd restarted, the set is fresh again;
+//! 5. u3's link is taken down: reads go on (the client falls over after its 3 s timeout), u3
+//!    leaves the set when its lease expires; its link back up, it registers again, a repair
+//!    gives it back what it missed, and every value reads back.
+//!
+//! Everything is removed afterwards: the processes by their ids, the namespaces and links by a
+//! guard on every return path and by a watcher process that outlives this one.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc::{channel, Receiver};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+
+use crate::two_node::{cleanup_prefix, ip, preflight};
+use crate::{cargo, deps, step};
+
+const PREFIX: &str = "tsrcl";
+const BRIDGE: &str = "tsrcl-br";
+const HOSTS: usize = 6;
+const ETCD_HOST: usize = 1;
+const CLIENT_HOST: usize = 5;
+const LATE_HOST: usize = 6;
+const CLUSTER: &str = "tsrcl";
+const TOKEN: &str = "tessera-cluster-test";
+const LEASE: Duration = Duration::from_secs(2);
+/// Values the client stores first.
+const FIRST: u64 = 2000;
+/// How long reading every value may take right after a unit died or was cut off.
+const READ_BOUND: Duration = Duration::from_secs(60);
+/// How long any one command may take before the test calls it hung.
+const COMMAND_BOUND: Duration = Duration::from_secs(120);
+
+fn ns(host: usize) -> String {
+    format!("{PREFIX}-h{host}")
+}
+
+fn addr(host: usize) -> String {
+    format!("10.213.8.{host}")
+}
+
+/// The link of `host` inside its namespace.
+fn link(host: usize) -> String {
+    format!("{PREFIX}-p{host}")
+}
+
+fn etcd_url() -> String {
+    format!("http://{}:2379", addr(ETCD_HOST))
+}
+
+/// Runs the test; see the module docs.
+pub(crate) fn run(root: &Path) -> Result<()> {
+    let started = Instant::now();
+    preflight()?;
+    deps::ensure_apt("etcd-server", "the cluster test runs etcd")?;
+    deps::ensure_apt(
+        "etcd-client",
+        "the cluster test asks etcd whether it is healthy",
+    )?;
+    deps::ensure_apt("protobuf-compiler", "the etcd client's build needs protoc")?;
+    deps::install(root).context("installing the backends' dependencies (cargo xtask deps)")?;
+    let builds = build(root)?;
+    cleanup_prefix(PREFIX);
+    let _net = Net::create()?;
+    for (backend, dir) in &builds {
+        let t = Instant::now();
+        let summary =
+            scenario(backend, dir).with_context(|| format!("cluster test over {backend}"))?;
+        println!(
+            "cluster {backend}: {summary} ({:.1} s)",
+            t.elapsed().as_secs_f64()
+        );
+    }
+    println!(
+        "cluster-test: tcp and ucx passed across {HOSTS} namespaces in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// Builds the unit binary and the probe per backend and copies them aside (one output path).
+fn build(root: &Path) -> Result<Vec<(&'static str, PathBuf)>> {
+    let mut out = Vec::new();
+    for (backend, features) in [("tcp", "etcd"), ("ucx", "etcd,ucx")] {
+        step(
+            &format!("building the unit and the probe for {backend}"),
+            cargo(&[
+                "build",
+                "--locked",
+                "-p",
+                "tessera-storage-cli",
+                "--bins",
+                "--features",
+                features,
+            ]),
+        )?;
+        let dir = root.join(format!("target/cluster-test/{backend}"));
+        std::fs::create_dir_all(&dir)?;
+        for bin in ["tessera-storage", "tessera-cluster-probe"] {
+            std::fs::copy(root.join("target/debug").join(bin), dir.join(bin))
+                .with_context(|| format!("copying {bin} to {}", dir.display()))?;
+        }
+        out.push((backend, dir));
+    }
+    Ok(out)
+}
+
+/// The namespaces, their links and the bridge; removed on drop, and by a watcher if this
+/// process dies.
+struct Net {
+    watcher: Option<Child>,
+}
+
+impl Net {
+    fn create() -> Result<Self> {
+        let dels: String = (1..=HOSTS)
+            .map(|h| format!("ip netns del {} 2>/dev/null; ", ns(h)))
+            .collect();
+        let script = format!(
+            "trap '' INT TERM HUP; while kill -0 {pid} 2>/dev/null; do sleep 1; done; \
+             {dels}ip link del {BRIDGE} 2>/dev/null; exit 0",
+            pid = std::process::id()
+        );
+        let watcher = Command::new("sh")
+            .args(["-c", &script])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("starting the cleanup watcher")?;
+        let net = Self {
+            watcher: Some(watcher),
+        };
+        ip(&["link", "add", BRIDGE, "type", "bridge"])?;
+        ip(&["link", "set", BRIDGE, "up"])?;
+        for h in 1..=HOSTS {
+            let (ns, outer, inner) = (ns(h), format!("{PREFIX}-v{h}"), link(h));
+            let cidr = format!("{}/24", addr(h));
+            for args in [
+                vec!["netns", "add", &ns],
+                vec![
+                    "link", "add", &outer, "type", "veth", "peer", "name", &inner,
+                ],
+                vec!["link", "set", &outer, "master", BRIDGE],
+                vec!["link", "set", &outer, "up"],
+                vec!["link", "set", &inner, "netns", &ns],
+                vec!["-n", &ns, "addr", "add", &cidr, "dev", &inner],
+                vec!["-n", &ns, "link", "set", &inner, "up"],
+                vec!["-n", &ns, "link", "set", "lo", "up"],
+            ] {
+                ip(&args)?;
+            }
+        }
+        println!("cluster: namespaces {} .. {} on {BRIDGE}", ns(1), ns(HOSTS));
+        Ok(net)
+    }
+}
+
+impl Drop for Net {
+    fn drop(&mut self) {
+        cleanup_prefix(PREFIX);
+        if let Some(mut w) = self.watcher.take() {
+            let _ = w.kill();
+            let _ = w.wait();
+        }
+        println!("cluster: namespaces, links and bridge removed");
+    }
+}
+
+/// A command run in a namespace, with the test's environment for `backend`.
+fn in_ns(host: usize, backend: &str, program: &Path) -> Command {
+    let mut cmd = Command::new("ip");
+    cmd.args(["netns", "exec", &ns(host)])
+        .arg(program)
+        .env("TESSERA_TOKEN", TOKEN)
+        .env("UCX_MODULES", "^ib")
+        .env("UCX_NET_DEVICES", link(host))
+        .env_remove("RUST_LOG");
+    if backend == "ucx" {
+        cmd.env("UCX_TLS", "tcp");
+    }
+    cmd
+}
+
+/// A process of the test, killed by its id when dropped.
+struct Proc {
+    name: String,
+    child: Child,
+}
+
+impl Proc {
+    fn signal(&mut self, signal: &str) -> Result<()> {
+        let pid = self.child.id().to_string();
+        let ok = Command::new("kill")
+            .args([&format!("-{signal}"), &pid])
+            .status()?
+            .success();
+        if !ok {
+            bail!("kill -{signal} {pid} ({}) failed", self.name);
+        }
+        Ok(())
+    }
+
+    /// SIGTERM, then waits (SIGKILL after 10 s).
+    fn stop(&mut self) -> Result<()> {
+        self.signal("TERM")?;
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_secs(10) {
+            if self.child.try_wait()?.is_some() {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.kill();
+        Ok(())
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// etcd in its namespace, on its data directory (kept across a restart, removed on drop).
+struct Etcd {
+    data: PathBuf,
+    proc: Option<Proc>,
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        self.proc = None;
+        let _ = std::fs::remove_dir_all(&self.data);
+    }
+}
+
+impl Etcd {
+    fn start() -> Result<Self> {
+        let data =
+            std::env::temp_dir().join(format!("tessera-cluster-etcd-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&data);
+        let mut etcd = Self { data, proc: None };
+        etcd.resume()?;
+        Ok(etcd)
+    }
+
+    fn resume(&mut self) -> Result<()> {
+        let client = etcd_url();
+        let peer = format!("http://{}:2380", addr(ETCD_HOST));
+        let child = in_ns(ETCD_HOST, "tcp", Path::new("etcd"))
+            .args(["--name", "tsrcl"])
+            .arg("--data-dir")
+            .arg(&self.data)
+            .args(["--listen-client-urls", &client])
+            .args(["--advertise-client-urls", &client])
+            .args(["--listen-peer-urls", &peer])
+            .args(["--initial-advertise-peer-urls", &peer])
+            .args(["--initial-cluster", &format!("tsrcl={peer}")])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("starting etcd")?;
+        self.proc = Some(Proc {
+            name: "etcd".into(),
+            child,
+        });
+        let t = Instant::now();
+        loop {
+            let healthy = in_ns(ETCD_HOST, "tcp", Path::new("etcdctl"))
+                .args(["--endpoints", &client, "endpoint", "health"])
+                .env("ETCDCTL_API", "3")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success());
+            if healthy {
+                return Ok(());
+            }
+            if t.elapsed() > Duration::from_secs(30) {
+                bail!("etcd was not healthy within 30 s");
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn stop(&mut self) -> Result<()> {
+        if let Some(mut p) = self.proc.take() {
+            p.stop()?;
+        }
+        Ok(())
+    }
+}
+
+/// A unit in its namespace, announced in the cluster as `name`.
+fn unit(dir: &Path, backend: &str, host: usize, name: &str) -> Result<Proc> {
+    let a = addr(host);
+    let mut cmd = in_ns(host, backend, &dir.join("tessera-storage"));
+    cmd.args(["serve", "--announce", "--backend", backend])
+        .args(["--bind", &format!("{a}:7470")])
+        .args(["--etcd", &etcd_url(), "--cluster", CLUSTER, "--name", name])
+        .args(["--lease-ttl", &format!("{}s", LEASE.as_secs())])
+        .args(["--pool", "512MiB", "--capacity", "400MiB"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    if backend == "tcp" {
+        cmd.args(["--payload-addr", &format!("{a}:0")]);
+    }
+    let mut child = cmd.spawn().with_context(|| format!("starting {name}"))?;
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().ok_or_else(|| anyhow!("no stdout"))?)
+        .read_line(&mut line)?;
+    if !line.starts_with("listening ") {
+        let _ = child.kill();
+        let _ = child.wait();
+        bail!("{name} did not start: {line:?}");
+    }
+    Ok(Proc {
+        name: name.to_owned(),
+        child,
+    })
+}
+
+/// The client host's probe, one command per line.
+struct Probe {
+    /// Killed by its id when the probe is dropped.
+    _proc: Proc,
+    stdin: ChildStdin,
+    lines: Receiver<String>,
+}
+
+impl Probe {
+    fn start(dir: &Path, backend: &str) -> Result<Self> {
+        let mut cmd = in_ns(CLIENT_HOST, backend, &dir.join("tessera-cluster-probe"));
+        cmd.args([
+            "--etcd",
+            &etcd_url(),
+            "--cluster",
+            CLUSTER,
+            "--backend",
+            backend,
+        ])
+        .args(["--replicas", "2", "--timeout", "3s"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+        if backend == "tcp" {
+            cmd.args(["--payload-addr", &format!("{}:0", addr(CLIENT_HOST))]);
+        }
+        let mut child = cmd.spawn().context("starting the probe")?;
+        let stdin = child.stdin.take().ok_or_else(|| anyhow!("no stdin"))?;
+        let stdout = child.stdout.take().ok_or_else(|| anyhow!("no stdout"))?;
+        let (tx, lines) = channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut probe = Self {
+            _proc: Proc {
+                name: "probe".into(),
+                child,
+            },
+            stdin,
+            lines,
+        };
+        let ready = probe.answer()?;
+        if ready != "READY" {
+            bail!("the probe did not start: {ready:?}");
+        }
+        Ok(probe)
+    }
+
+    fn answer(&mut self) -> Result<String> {
+        self.lines
+            .recv_timeout(COMMAND_BOUND)
+            .map_err(|e| anyhow!("the probe gave no answer within {COMMAND_BOUND:?} ({e})"))
+    }
+
+    /// Sends `line`; the answer after `OK `, or an error naming the command.
+    fn ok(&mut self, line: &str) -> Result<String> {
+        writeln!(self.stdin, "{line}")?;
+        self.stdin.flush()?;
+        let got = self.answer()?;
+        match got.strip_prefix("OK") {
+            Some(rest) => Ok(rest.trim().to_owned()),
+            None => bail!("{line}: {got}"),
+        }
+    }
+
+    /// Milliseconds the command took, as the probe said.
+    fn timed(&mut self, line: &str) -> Result<u64> {
+        let rest = self.ok(line)?;
+        let ms = rest.split_whitespace().last().unwrap_or_default();
+        ms.parse()
+            .map_err(|_| anyhow!("{line}: no time in {rest:?}"))
+    }
+
+    fn line(&mut self, line: &str) -> Result<String> {
+        writeln!(self.stdin, "{line}")?;
+        self.stdin.flush()?;
+        self.answer()
+    }
+
+    /// Keys per unit name.
+    fn keys(&mut self) -> Result<Vec<(String, Option<u64>)>> {
+        let got = self.line("KEYS")?;
+        let list = got
+            .strip_prefix("KEYS ")
+            .ok_or_else(|| anyhow!("KEYS: {got}"))?;
+        Ok(list
+            .split(',')
+            .filter_map(|kv| kv.split_once('='))
+            .map(|(k, v)| (k.to_owned(), v.parse().ok()))
+            .collect())
+    }
+
+    /// `REPAIR a b`: (checked, copies, lost).
+    fn repair(&mut self, a: u64, b: u64) -> Result<(u64, u64, u64)> {
+        let rest = self.ok(&format!("REPAIR {a} {b}"))?;
+        let n: Vec<u64> = rest
+            .split_whitespace()
+            .map(|w| w.parse().unwrap_or(u64::MAX))
+            .collect();
+        match n.as_slice() {
+            [checked, copies, lost, _] => Ok((*checked, *copies, *lost)),
+            _ => bail!("REPAIR: {rest}"),
+        }
+    }
+}
+
+fn within(what: &str, ms: u64, bound: Duration) -> Result<()> {
+    if Duration::from_millis(ms) > bound {
+        bail!("{what} took {ms} ms, more than {bound:?}");
+    }
+    Ok(())
+}
+
+fn scenario(backend: &str, dir: &Path) -> Result<String> {
+    let mut etcd = Etcd::start()?;
+    let _u0 = unit(dir, backend, 2, "u0")?;
+    let mut u1 = unit(dir, backend, 3, "u1")?;
+    let _u2 = unit(dir, backend, 4, "u2")?;
+    let mut probe = Probe::start(dir, backend)?;
+    let wait = |p: &mut Probe, names: &str, bound: Duration| -> Result<u64> {
+        p.timed(&format!("WAIT {names} {}", bound.as_millis()))
+    };
+    wait(&mut probe, "u0,u1,u2", Duration::from_secs(20))?;
+
+    // 1. 2,000 values, two copies each.
+    let put_ms = probe.timed(&format!("PUT 0 {FIRST}"))?;
+    probe.timed(&format!("CHECK 0 {FIRST}"))?;
+
+    // 2. u1 killed: every value still reads back; u1 leaves the set; a repair restores r = 2.
+    u1.signal("KILL")?;
+    let _ = u1.child.wait();
+    let read_after_kill = probe.timed(&format!("CHECK 0 {FIRST}"))?;
+    within(
+        "reading every value after u1 died",
+        read_after_kill,
+        READ_BOUND,
+    )?;
+    let failover = wait(&mut probe, "u0,u2", LEASE * 2 + Duration::from_secs(1))?;
+    let (checked, copies, lost) = probe.repair(0, FIRST)?;
+    if checked != FIRST || lost != 0 || copies == 0 {
+        bail!("repair after u1 died: checked {checked}, copied {copies}, lost {lost}");
+    }
+    let total: u64 = probe.keys()?.iter().filter_map(|(_, k)| *k).sum();
+    if total != 2 * FIRST {
+        bail!(
+            "after the repair the units hold {total} keys, not {}",
+            2 * FIRST
+        );
+    }
+
+    // 3. u3 joins: found without a restart, new keys land on it.
+    let mut u3 = unit(dir, backend, LATE_HOST, "u3")?;
+    let join = wait(&mut probe, "u0,u2,u3", Duration::from_secs(20))?;
+    probe.timed(&format!("PUT {FIRST} {}", FIRST + 600))?;
+    probe.timed(&format!("CHECK 0 {}", FIRST + 600))?;
+    let on_u3 = probe
+        .keys()?
+        .into_iter()
+        .find(|(n, _)| n == "u3")
+        .and_then(|(_, k)| k)
+        .unwrap_or(0);
+    if on_u3 == 0 {
+        bail!("u3 received none of the new keys");
+    }
+    let (_, moved, lost) = probe.repair(0, FIRST + 600)?;
+    if lost != 0 {
+        bail!("repair after u3 joined lost {lost}");
+    }
+
+    // 4. etcd down for 10 s: nothing that needs no etcd fails.
+    etcd.stop()?;
+    let down = Instant::now();
+    probe.timed(&format!("CHECK 0 {}", FIRST + 600))?;
+    probe.timed(&format!("PUT {} {}", FIRST + 600, FIRST + 700))?;
+    probe.timed(&format!("CHECK {} {}", FIRST + 600, FIRST + 700))?;
+    while down.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let units = probe.line("UNITS")?;
+    if !units.starts_with("UNITS u0,u2,u3 STALE ") || units.ends_with(" -") {
+        bail!("with etcd down for 10 s the client says {units:?}");
+    }
+    etcd.resume()?;
+    let fresh = wait(&mut probe, "u0,u2,u3", Duration::from_secs(30))?;
+
+    // 5. u3 cut off: reads fall over, u3 leaves; back, it registers again and is repaired.
+    ip(&[
+        "-n",
+        &ns(LATE_HOST),
+        "link",
+        "set",
+        &link(LATE_HOST),
+        "down",
+    ])?;
+    let read_cut = probe.timed(&format!("CHECK 0 {}", FIRST + 700))?;
+    within("reading every value with u3 cut off", read_cut, READ_BOUND)?;
+    wait(&mut probe, "u0,u2", LEASE * 2 + Duration::from_secs(5))?;
+    probe.timed(&format!("PUT {} {}", FIRST + 700, FIRST + 800))?;
+    ip(&["-n", &ns(LATE_HOST), "link", "set", &link(LATE_HOST), "up"])?;
+    let rejoin = wait(&mut probe, "u0,u2,u3", Duration::from_secs(30))?;
+    let (_, back, lost) = probe.repair(0, FIRST + 800)?;
+    if lost != 0 {
+        bail!("repair after u3 came back lost {lost}");
+    }
+    probe.timed(&format!("CHECK 0 {}", FIRST + 800))?;
+    u3.stop()?;
+    drop(probe);
+    etcd.stop()?;
+    Ok(format!(
+        "2,000 values put in {put_ms} ms; u1 killed: all read back in {read_after_kill} ms, \
+         dropped after {failover} ms (lease {} s), repair copied {copies}; u3 found after \
+         {join} ms, holds {on_u3} new keys, repair moved {moved}; etcd down 10 s: nothing \
+         failed, fresh {fresh} ms after restart; u3 cut off: all read back in {read_cut} ms, \
+         rejoined after {rejoin} ms, repair copied {back}",
+        LEASE.as_secs()
+    ))
+}
