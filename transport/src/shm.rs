@@ -83,6 +83,7 @@ struct Inner {
     token: OnceLock<Token>,
     /// How long a connecting peer has to authenticate (`PRE_AUTH_DEADLINE` unless set).
     handshake_deadline: OnceLock<Duration>,
+    connect_timeout: OnceLock<Duration>,
     host: OnceLock<Host>,
     closed: AtomicBool,
     /// Every live socket, to shut down with the engine.
@@ -99,6 +100,7 @@ impl Shm {
                 name: format!("tessera-shm-{}-{}", std::process::id(), next_id()),
                 token: OnceLock::new(),
                 handshake_deadline: OnceLock::new(),
+                connect_timeout: OnceLock::new(),
                 host: OnceLock::new(),
                 closed: AtomicBool::new(false),
                 sockets: Mutex::new(Vec::new()),
@@ -121,6 +123,13 @@ impl Shm {
     /// closed (default 5 s). Set before the agent starts.
     pub fn with_handshake_deadline(self, deadline: Duration) -> Self {
         let _ = self.inner.handshake_deadline.set(deadline);
+        self
+    }
+
+    /// How long connecting to a peer may take, its listen backlog and the handshake
+    /// included, before `add_remote` fails (default 10 s). Set before the agent starts.
+    pub fn with_connect_timeout(self, timeout: Duration) -> Self {
+        let _ = self.inner.connect_timeout.set(timeout);
         self
     }
 }
@@ -149,6 +158,13 @@ impl Inner {
             .get()
             .copied()
             .unwrap_or(PRE_AUTH_DEADLINE)
+    }
+
+    fn connect_timeout(&self) -> Duration {
+        self.connect_timeout
+            .get()
+            .copied()
+            .unwrap_or(CONNECT_TIMEOUT)
     }
 
     fn track(&self, s: &Arc<UnixStream>) {
@@ -201,7 +217,8 @@ impl Transport for Shm {
             .host
             .get()
             .ok_or_else(|| backend("not started"))?;
-        let stream = connect_within(&peer.address, CONNECT_TIMEOUT)
+        let deadline = Instant::now() + self.inner.connect_timeout();
+        let stream = connect_within(&peer.address, self.inner.connect_timeout())
             .map_err(|e| backend(format!("connecting to {}: {e}", peer.name)))?;
         let stream = Arc::new(stream);
         self.inner.track(&stream);
@@ -211,6 +228,7 @@ impl Transport for Shm {
             host.name(),
             self.inner.name.as_bytes(),
             &peer.name,
+            deadline,
         )
         .map_err(backend)?;
         let conn = Arc::new(ShmConnection {
@@ -367,14 +385,15 @@ fn read_small(
     Ok((head[0], body))
 }
 
-/// The dialer's side of the handshake (see [`crate::handshake`]): on success the target has
-/// filed the link under `me`.
+/// The dialer's side of the handshake (see [`crate::handshake`]), before `deadline`: on
+/// success the target has filed the link under `me`.
 fn greet(
     stream: &UnixStream,
     token: Option<&Token>,
     me: &str,
     my_addr: &[u8],
     peer: &str,
+    deadline: Instant,
 ) -> Result<(), String> {
     let io = |e: io::Error| format!("greeting {peer}: {e}");
     if token.is_none() {
@@ -386,7 +405,6 @@ fn greet(
             ));
         }
     }
-    let deadline = Instant::now() + CONNECT_TIMEOUT;
     let mut budget = PRE_AUTH_MAX;
     let nonce = crate::auth::nonce();
     let mut out = Vec::new();
@@ -1164,6 +1182,15 @@ mod tests {
     use super::*;
     use crate::{Agent, LinkState};
 
+    /// How long a test waits for what should take milliseconds: the testing feature's hang
+    /// guard (short in mutation runs, which then end the process at a failure), else 60 s.
+    fn bound() -> Duration {
+        #[cfg(feature = "testing")]
+        return crate::testing::hang_guard();
+        #[cfg(not(feature = "testing"))]
+        Duration::from_secs(60)
+    }
+
     /// The target sees a peer's link open from its HELLO on, and closed once the peer's agent
     /// is gone (its socket closed and the serving thread returned).
     #[test]
@@ -1172,7 +1199,7 @@ mod tests {
         assert_eq!(unit.peer_link("client"), LinkState::Closed);
         let client = Agent::new("client", Shm::new()).unwrap();
         let peer = client.add_remote(&unit.metadata()).unwrap();
-        let deadline = Instant::now() + Duration::from_secs(30);
+        let deadline = Instant::now() + bound();
         while unit.peer_link("client") != LinkState::Open {
             assert!(Instant::now() < deadline, "the link never opened");
             std::thread::sleep(Duration::from_millis(5));
@@ -1270,6 +1297,65 @@ mod tests {
         }
     }
 
+    /// A fake target that accepts one dialer and then does `then` with the connection.
+    fn fake_target(name: &str, then: impl FnOnce(UnixStream) + Send + 'static) -> Vec<u8> {
+        let address = format!("{name}-{}", std::process::id()).into_bytes();
+        let listener =
+            UnixListener::bind_addr(&SocketAddr::from_abstract_name(&address).unwrap()).unwrap();
+        std::thread::spawn(move || {
+            let (s, _) = listener.accept().unwrap();
+            then(s);
+        });
+        crate::metadata::encode(&PeerInfo {
+            name: "fake".into(),
+            kind: KIND.into(),
+            address,
+            regs: Vec::new(),
+        })
+    }
+
+    /// What `add_remote` to `meta` said, as text.
+    fn dial_error(shm: Shm, meta: &[u8]) -> (String, Duration) {
+        let a = Agent::new("a", shm).unwrap();
+        let t = Instant::now();
+        let err = a.add_remote(meta).map(drop).unwrap_err().to_string();
+        (err, t.elapsed())
+    }
+
+    /// A target that closes the connection with the dialer's HELLO unread (the kernel resets
+    /// it) fails the handshake as a reset, at once: not as a deadline, not retried.
+    #[test]
+    fn a_handshake_the_target_resets_fails_as_a_reset() {
+        let meta = fake_target("tessera-reset-target", |s| {
+            std::thread::sleep(Duration::from_millis(300));
+            drop(s);
+        });
+        let (err, took) = dial_error(Shm::new(), &meta);
+        assert!(
+            err.contains("greeting fake") && err.contains("reset"),
+            "{err}"
+        );
+        assert!(took < Duration::from_secs(5), "{took:?}");
+    }
+
+    /// A target that reads the HELLO and never answers fails the handshake when the dialer's
+    /// connect timeout passes, saying it was the deadline.
+    #[test]
+    fn a_silent_target_fails_the_handshake_at_the_connect_timeout() {
+        let meta = fake_target("tessera-silent-target", |s| {
+            let mut buf = [0u8; 4096];
+            let _ = io::Read::read(&mut &s, &mut buf);
+            std::thread::sleep(Duration::from_secs(5));
+        });
+        let timeout = Duration::from_millis(400);
+        let (err, took) = dial_error(Shm::new().with_connect_timeout(timeout), &meta);
+        assert!(err.contains("greeting fake: handshake deadline"), "{err}");
+        assert!(
+            took >= timeout && took < Duration::from_secs(4),
+            "failed after {took:?}"
+        );
+    }
+
     /// A target whose MAP_OK maps less than its metadata announced: the initiator's check
     /// against the metadata passes, so the copy's own check against the mapping is what keeps
     /// a READ past the mapping's end from touching memory outside it. The transfer is
@@ -1363,7 +1449,7 @@ mod tests {
                 None,
             )
             .unwrap()
-            .wait_timeout(Duration::from_secs(60));
+            .wait_timeout(bound());
         assert!(
             matches!(
                 &outcome,

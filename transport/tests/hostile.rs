@@ -96,7 +96,7 @@ fn engine_panics() -> usize {
 
 /// The shm target reads at most `PRE_AUTH_MAX` bytes of a handshake, headers included: a
 /// HELLO that fills the budget exactly is answered; one byte more, or an AUTH past what the
-/// HELLO left, closes the connection at once, long before the (30 s) deadline, without
+/// HELLO left, closes the connection at once, long before the (6 s) deadline, without
 /// waiting for a body. An AUTH that fits what is left is read and its proof refused.
 /// Malformed HELLOs, and a first frame of another type, close it without a CHALLENGE. No
 /// thread of the engine panics on any of it.
@@ -105,7 +105,8 @@ fn shm_handshake_reads_within_its_budget_and_refuses_malformed_hellos() {
     const H: usize = RawShm::HEADER;
     const MAX: usize = raw::PRE_AUTH_MAX;
     let panics = engine_panics();
-    let deadline = Duration::from_secs(30);
+    // Short, so that a target that waits for more than it may read fails this test soon.
+    let deadline = Duration::from_secs(6);
     let target = Agent::new("target", Shm::new().with_handshake_deadline(deadline)).unwrap();
     let name = address(&target.metadata());
     let connect = || {
@@ -739,8 +740,8 @@ fn tcp_agents_adding_each_other_at_once_both_succeed() {
     }
 }
 
-/// Finding 3: `add_remote` of an shm target whose listen backlog is full fails at its
-/// deadline instead of blocking forever.
+/// `add_remote` of an shm target whose listen backlog is full fails at its connect timeout
+/// instead of blocking forever.
 #[test]
 fn shm_connect_to_a_full_backlog_fails_at_its_deadline() {
     let name = format!("tessera-hostile-backlog-{}", std::process::id());
@@ -783,9 +784,11 @@ fn shm_connect_to_a_full_backlog_fails_at_its_deadline() {
         fillers.push(c);
         assert!(fillers.len() < 1000, "the backlog never filled");
     }
-    let dialer = Agent::new("dialer", Shm::new()).unwrap();
+    let timeout = Duration::from_secs(1);
+    let dialer = Agent::new("dialer", Shm::new().with_connect_timeout(timeout)).unwrap();
     let honest = Agent::new("full", Shm::new()).unwrap();
     let meta = with_address(&honest.metadata(), name.as_bytes());
+    let t = Instant::now();
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let _ = tx.send(
@@ -800,6 +803,7 @@ fn shm_connect_to_a_full_backlog_fails_at_its_deadline() {
         .expect("add_remote blocked on a full backlog");
     let err = result.unwrap_err();
     assert!(err.contains("backlog"), "{err}");
+    assert!(t.elapsed() >= timeout, "gave up after {:?}", t.elapsed());
     drop(fillers);
 }
 
