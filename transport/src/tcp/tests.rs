@@ -246,3 +246,97 @@ fn a_dialer_refuses_a_target_whose_proof_does_not_verify() {
         );
     }
 }
+
+/// HELLOs the target must refuse (another kind of message first, an empty name, a name or an
+/// address over 255 bytes) close the connection without a CHALLENGE; a HELLO whose name and
+/// address are 255 bytes each, the most there may be, is challenged.
+#[test]
+fn malformed_hellos_are_closed_without_a_challenge() {
+    use std::io::{Read, Write};
+
+    let unit = Agent::new("unit", Tcp::new()).unwrap();
+    let info = crate::metadata::decode(&unit.metadata()).unwrap();
+    let addr: SocketAddr = std::str::from_utf8(&info.address).unwrap().parse().unwrap();
+    let hello = |kind: u8, name: usize, address: usize| {
+        let mut h = vec![0u8; HEADER];
+        h[0] = kind;
+        h[8..12].copy_from_slice(&(name as u32).to_le_bytes());
+        h[12..16].copy_from_slice(&(address as u32).to_le_bytes());
+        h.extend_from_slice(&crate::auth::nonce());
+        h.extend(std::iter::repeat_n(b'n', name));
+        h.extend(std::iter::repeat_n(b'a', address));
+        h
+    };
+    // What the target sends back before it closes (or 4 KiB of it).
+    let answer = |bytes: Vec<u8>| {
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        s.write_all(&bytes).unwrap();
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        while got.len() < 4096 {
+            match s.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+            }
+            // A challenge is all a well-formed HELLO gets before the dialer's AUTH.
+            if got.len() >= HEADER + NONCE_LEN + MAC_LEN {
+                break;
+            }
+        }
+        got
+    };
+    for (what, bytes) in [
+        ("another kind first", hello(KIND_AUTH, 6, 9)),
+        ("an empty name", hello(KIND_HELLO, 0, 9)),
+        ("a 256-byte name", hello(KIND_HELLO, 256, 9)),
+        ("a 256-byte address", hello(KIND_HELLO, 6, 256)),
+    ] {
+        let got = answer(bytes);
+        assert!(
+            got.first() != Some(&KIND_CHALLENGE),
+            "{what}: challenged ({} bytes back)",
+            got.len()
+        );
+    }
+    let got = answer(hello(KIND_HELLO, 255, 255));
+    assert_eq!(got.first(), Some(&KIND_CHALLENGE), "the largest HELLO");
+}
+
+/// Requests whose descriptor lists are larger than the target's first read buffer (64 KiB;
+/// 5,000 descriptors of 24 bytes), one after another on a link: each is read whole and no
+/// further, so the next one parses, and every byte lands where its descriptor says.
+#[test]
+fn requests_of_thousands_of_descriptors_follow_each_other() {
+    use crate::{LocalDesc, Region, RemoteDesc};
+
+    const N: u64 = 5000;
+    const SZ: u64 = 64;
+    let a = Agent::new("a", Tcp::new()).unwrap();
+    let b = Agent::new("b", Tcp::new()).unwrap();
+    let ra = Region::new(2 * N * SZ).unwrap();
+    let rb = Region::new(2 * N * SZ).unwrap();
+    let ga = a.register(&ra).unwrap();
+    let gb = b.register(&rb).unwrap();
+    let peer = a.add_remote(&b.metadata()).unwrap();
+    let data = crate::testing::pattern(5, (N * SZ) as usize);
+    ra.write_at(0, &data).unwrap();
+    // Every other slot of b, so that nothing coalesces.
+    let remote: Vec<RemoteDesc> = (0..N)
+        .map(|i| RemoteDesc::new(gb.id(), 2 * i * SZ, SZ))
+        .collect();
+    let out: Vec<LocalDesc> = (0..N).map(|i| ga.desc(i * SZ, SZ).unwrap()).collect();
+    let back: Vec<LocalDesc> = (0..N).map(|i| ga.desc((N + i) * SZ, SZ).unwrap()).collect();
+    for _ in 0..2 {
+        let w = peer.write(&out, &remote, None).unwrap();
+        w.wait_timeout(crate::testing::hang_guard()).unwrap();
+        let r = peer.read(&back, &remote, None).unwrap();
+        r.wait_timeout(crate::testing::hang_guard()).unwrap();
+    }
+    let mut got = vec![0u8; (N * SZ) as usize];
+    ra.read_at(N * SZ, &mut got).unwrap();
+    assert!(got == data, "bytes read back differ");
+    let mut slot = vec![0u8; SZ as usize];
+    rb.read_at(2 * (N - 1) * SZ, &mut slot).unwrap();
+    assert_eq!(slot, data[((N - 1) * SZ) as usize..]);
+}
