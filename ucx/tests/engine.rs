@@ -227,6 +227,48 @@ fn notification_arrives_after_the_data() {
     assert!(b.recv_notification(Some(Duration::ZERO)).is_none());
 }
 
+/// Notifications of the largest size (64 KiB: too large to go eagerly, so UCX returns a
+/// request that completes later), several in flight at once: each arrives whole, after its
+/// data, and every transfer completes.
+#[test]
+fn the_largest_notifications_arrive_after_their_data() {
+    const K: usize = 8;
+    let a = engine("big-note-a");
+    let b = engine("big-note-b");
+    let src = Reg::new(&a, K * MIB, pattern(3));
+    let dst = Reg::new(&b, K * MIB, |_| 0);
+    let ep = connect(&a, &b, &[(1, &dst)]);
+    let note = |k: usize| vec![k as u8; 64 << 10];
+    let pending: Vec<_> = (0..K)
+        .map(|k| {
+            let at = (k * MIB) as u64;
+            ep.put(&[op(&src, at, 1, at, MIB as u64)], Some(note(k)))
+                .unwrap()
+        })
+        .collect();
+    let mut seen = Vec::new();
+    for _ in 0..K {
+        let (from, msg) = b
+            .recv_notification(Some(hang_guard()))
+            .expect("no notification");
+        assert_eq!(from, "big-note-a");
+        assert_eq!(msg.len(), 64 << 10);
+        let k = msg[0] as usize;
+        assert!(msg.iter().all(|&x| x == msg[0]));
+        let got = &dst.bytes()[k * MIB..(k + 1) * MIB];
+        assert!(
+            got == &src.bytes()[k * MIB..(k + 1) * MIB],
+            "notification {k} before its data"
+        );
+        seen.push(k);
+    }
+    seen.sort_unstable();
+    assert_eq!(seen, (0..K).collect::<Vec<_>>());
+    for p in pending {
+        done(p).unwrap();
+    }
+}
+
 #[test]
 fn notification_callback_receives_messages() {
     let (tx, rx) = std::sync::mpsc::channel();
@@ -447,8 +489,15 @@ fn helper_target_process() {
     let _ = std::io::stdin().read_line(&mut line);
 }
 
-#[test]
-fn two_processes_and_peer_death_mid_transfer() {
+/// The helper target process (tcp only, so that its endpoint runs over a socket that dies
+/// with it), its stdout (kept open until it is killed, so that it never writes into a closed
+/// pipe), its worker address and its registration's key.
+fn spawn_target() -> (
+    std::process::Child,
+    std::io::Lines<BufReader<std::process::ChildStdout>>,
+    Vec<u8>,
+    Vec<u8>,
+) {
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args([
             "--ignored",
@@ -458,13 +507,11 @@ fn two_processes_and_peer_death_mid_transfer() {
             "--test-threads=1",
         ])
         .env(CHILD, "1")
-        // tcp only in the target, so the endpoint runs over a socket that dies with it.
         .env("UCX_TLS", "tcp")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()
         .expect("spawn the helper process");
-    // Kept open until the helper is killed, so that it never writes into a closed pipe.
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let (mut addr, mut key) = (None, None);
     let mut seen = Vec::new();
@@ -482,7 +529,76 @@ fn two_processes_and_peer_death_mid_transfer() {
     let (Some(addr), Some(key)) = (addr, key) else {
         panic!("the helper printed no address: {seen:?}");
     };
+    (child, lines, addr, key)
+}
 
+/// Sends `signal` (`STOP`, `CONT`) to the helper process.
+fn signal(child: &std::process::Child, signal: &str) {
+    let status = Command::new("kill")
+        .args([&format!("-{signal}"), &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success(), "kill -{signal} failed");
+}
+
+/// A peer that stops answering (its process stopped, a 64 MiB put to it stuck in its
+/// socket) holds neither the progress thread nor other transfers: a put to a live peer
+/// posted after the stuck one completes meanwhile. The stuck one fails once the peer is
+/// killed.
+#[test]
+fn a_stalled_peer_holds_no_other_transfer() {
+    let (mut child, lines, addr, key) = spawn_target();
+    let a = engine("stall-initiator");
+    let b = engine("stall-live");
+    let all = 64 * MIB as u64;
+    let src = Reg::new(&a, 64 * MIB, pattern(5));
+    let dst = Reg::new(&b, MIB, |_| 0);
+    let stalled = a.connect("ucx-target", &addr).unwrap();
+    stalled.add_remote(1, &key).unwrap();
+    done(stalled.put(&[op(&src, 0, 1, 0, MIB as u64)], None).unwrap()).unwrap();
+    let live = connect(&a, &b, &[(1, &dst)]);
+    signal(&child, "STOP");
+    let stuck = stalled.put(&[op(&src, 0, 1, 0, all)], None).unwrap();
+    // Posted and waited for on a thread of its own: a progress thread held by the stuck put
+    // would block the post itself.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let first_mib = [op(&src, 0, 1, 0, MIB as u64)];
+    let finished = std::thread::scope(|scope| {
+        scope.spawn(|| {
+            let other = live.put(&first_mib, None);
+            let _ = tx.send(other.map(|mut p| p.wait_timeout(hang_guard())));
+        });
+        match rx.recv_timeout(hang_guard()) {
+            Ok(Ok(Some(finished))) => finished,
+            Ok(Ok(None)) | Err(_) => {
+                // The engine could not be dropped either: the whole binary fails now
+                // rather than hang.
+                let _ = child.kill();
+                let _ = child.wait();
+                eprintln!(
+                    "a put to a live peer waited {:?} behind a stuck one",
+                    hang_guard()
+                );
+                std::process::exit(1);
+            }
+            Ok(Err(e)) => panic!("posting to the live peer: {e}"),
+        }
+    });
+    finished.expect("a put to the live peer, posted after the stuck one");
+    assert!(dst.bytes() == src.bytes()[..MIB]);
+    signal(&child, "CONT");
+    child.kill().unwrap();
+    child.wait().unwrap();
+    drop(lines);
+    assert!(
+        done(stuck).is_err(),
+        "a put to a killed peer reported success"
+    );
+}
+
+#[test]
+fn two_processes_and_peer_death_mid_transfer() {
+    let (mut child, lines, addr, key) = spawn_target();
     let a = engine("ucx-initiator");
     let src = Reg::new(&a, 64 * MIB, pattern(12));
     let back = Reg::new(&a, 64 * MIB, |_| 0);
