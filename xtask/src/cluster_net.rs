@@ -66,6 +66,197 @@ fn etcd_url() -> String {
     format!("http://{}:2379", addr(ETCD_HOST))
 }
 
+/// Link rate of each unit's host in the benchmark, both ways.
+const BENCH_RATE: &str = "1gbit";
+/// Values of the benchmark: 256 of 4 MiB, 1 GiB.
+const BENCH_VALUES: u64 = 256;
+const BENCH_VALUE_BYTES: u64 = 4 << 20;
+
+/// `cargo xtask bench cluster`: the namespaces of the test, each unit host's link shaped to
+/// [`BENCH_RATE`] both ways (tbf), so that the links, not these cores, bound throughput. GET
+/// of 1 GiB from one client host spread over 1, 2 and 3 units; PUT of 1 GiB with one and
+/// two replicas over 3 units; the time from a unit's SIGKILL to the client no longer routing
+/// to it, beside the lease; the time from a unit's start to the client using it. Writes
+/// `target/tessera-bench/cluster.json` and `.md`.
+pub(crate) fn bench(root: &Path) -> Result<()> {
+    preflight()?;
+    deps::ensure_apt("etcd-server", "the cluster benchmark runs etcd")?;
+    deps::ensure_apt(
+        "etcd-client",
+        "the cluster benchmark asks etcd whether it is healthy",
+    )?;
+    deps::ensure_apt("protobuf-compiler", "the etcd client's build needs protoc")?;
+    let dir = build_one(root, "tcp", "etcd", true)?;
+    cleanup_prefix(PREFIX);
+    let _net = Net::create()?;
+    for h in 2..=4 {
+        let burst = "4mbit";
+        ip_ns_tc(
+            h,
+            &[
+                "qdisc",
+                "add",
+                "dev",
+                &link(h),
+                "root",
+                "tbf",
+                "rate",
+                BENCH_RATE,
+                "burst",
+                burst,
+                "latency",
+                "100ms",
+            ],
+        )?;
+        tc(&[
+            "qdisc",
+            "add",
+            "dev",
+            &format!("{PREFIX}-v{h}"),
+            "root",
+            "tbf",
+            "rate",
+            BENCH_RATE,
+            "burst",
+            burst,
+            "latency",
+            "100ms",
+        ])?;
+    }
+    let gib = (BENCH_VALUES * BENCH_VALUE_BYTES) as f64;
+    let value_bytes = BENCH_VALUE_BYTES.to_string();
+    // Three requests of 16 values (64 MiB) in flight, so that every unit's link stays busy
+    // while the slowest unit of one request finishes its share (within a session's 256 MiB
+    // lease limit, were all of one unit).
+    let probe_args = |r: &'static str| -> Vec<String> {
+        [
+            "--replicas",
+            r,
+            "--timeout",
+            "60s",
+            "--value-bytes",
+            &value_bytes,
+            "--per-request",
+            "16",
+            "--in-flight",
+            "3",
+            "--recv-pool",
+            "512MiB",
+        ]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .collect()
+    };
+    let mut m: Vec<(String, f64)> = Vec::new();
+    let all = format!("0 {BENCH_VALUES}");
+    // GET over 1, 2 and 3 units.
+    for n in 1..=3usize {
+        let mut etcd = Etcd::start()?;
+        let units: Vec<Proc> = (0..n)
+            .map(|k| unit_sized(&dir, "tcp", 2 + k, &format!("u{k}"), "2GiB", "1700MiB"))
+            .collect::<Result<_>>()?;
+        let args = probe_args("1");
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let mut probe = Probe::start_with(&dir, "tcp", &args)?;
+        let names: Vec<String> = (0..n).map(|k| format!("u{k}")).collect();
+        probe.timed(&format!("WAIT {} 20000", names.join(",")))?;
+        probe.timed(&format!("PUT {all}"))?;
+        let best = (0..2)
+            .map(|_| probe.timed(&format!("READ {all}")))
+            .collect::<Result<Vec<u64>>>()?
+            .into_iter()
+            .min()
+            .unwrap_or(u64::MAX);
+        let gbps = gib / (best as f64 / 1e3) / 1e9;
+        println!("cluster bench: GET 1 GiB over {n} unit(s): {gbps:.3} GB/s");
+        m.push((format!("cluster_get_{n}u_gbps"), gbps));
+        drop(probe);
+        drop(units);
+        etcd.stop()?;
+    }
+    let one = m[0].1;
+    m.push(("cluster_scaling_3u".into(), m[2].1 / (3.0 * one)));
+    // PUT with one and two replicas over 3 units, then failover and join.
+    let mut etcd = Etcd::start()?;
+    let mut units: Vec<Proc> = (0..3)
+        .map(|k| unit_sized(&dir, "tcp", 2 + k, &format!("u{k}"), "2GiB", "1700MiB"))
+        .collect::<Result<_>>()?;
+    for r in ["1", "2"] {
+        let args = probe_args(r);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let mut probe = Probe::start_with(&dir, "tcp", &args)?;
+        probe.timed("WAIT u0,u1,u2 20000")?;
+        let ms = probe.timed(&format!("PUT {all}"))?;
+        let gbps = gib / (ms as f64 / 1e3) / 1e9;
+        println!("cluster bench: PUT 1 GiB with {r} replica(s) over 3 units: {gbps:.3} GB/s");
+        m.push((format!("cluster_put_r{r}_gbps"), gbps));
+        probe.timed("DROP")?;
+    }
+    let (r1, r2) = (m[m.len() - 2].1, m[m.len() - 1].1);
+    m.push(("cluster_put_r2_vs_r1".into(), r2 / r1));
+    let mut probe = Probe::start(&dir, "tcp")?;
+    probe.timed("WAIT u0,u1,u2 20000")?;
+    units[1].signal("KILL")?;
+    let failover = probe.timed(&format!("WAIT u0,u2 {}", (LEASE * 4).as_millis()))?;
+    m.push(("cluster_failover_ms".into(), failover as f64));
+    m.push(("cluster_lease_ttl_ms".into(), LEASE.as_millis() as f64));
+    let t = Instant::now();
+    units.push(unit(&dir, "tcp", LATE_HOST, "u3")?);
+    probe.timed("WAIT u0,u2,u3 20000")?;
+    m.push(("cluster_join_ms".into(), t.elapsed().as_secs_f64() * 1e3));
+    drop(probe);
+    drop(units);
+    etcd.stop()?;
+    write_bench(root, &m)
+}
+
+fn tc(args: &[&str]) -> Result<()> {
+    let ok = Command::new("tc")
+        .args(args)
+        .status()
+        .context("running tc")?
+        .success();
+    if !ok {
+        bail!("tc {} failed", args.join(" "));
+    }
+    Ok(())
+}
+
+fn ip_ns_tc(host: usize, args: &[&str]) -> Result<()> {
+    let ok = Command::new("ip")
+        .args(["netns", "exec", &ns(host), "tc"])
+        .args(args)
+        .status()
+        .context("running tc")?
+        .success();
+    if !ok {
+        bail!("tc {} in {} failed", args.join(" "), ns(host));
+    }
+    Ok(())
+}
+
+/// Writes the benchmark's figures as the harness writes a suite's.
+fn write_bench(root: &Path, m: &[(String, f64)]) -> Result<()> {
+    let dir = root.join("target/tessera-bench");
+    std::fs::create_dir_all(&dir)?;
+    let map: serde_json::Map<String, serde_json::Value> = m
+        .iter()
+        .map(|(k, v)| (k.clone(), serde_json::json!((v * 1e4).round() / 1e4)))
+        .collect();
+    std::fs::write(
+        dir.join("cluster.json"),
+        serde_json::to_string_pretty(&map)? + "\n",
+    )?;
+    let mut md = String::from("| metric | value |\n|---|---:|\n");
+    for (k, v) in m {
+        md.push_str(&format!("| `{k}` | {v:.3} |\n"));
+    }
+    std::fs::write(dir.join("cluster.md"), &md)?;
+    print!("{md}");
+    println!("wrote {}", dir.join("cluster.json").display());
+    Ok(())
+}
+
 /// Runs the test; see the module docs.
 pub(crate) fn run(root: &Path) -> Result<()> {
     let started = Instant::now();
@@ -98,29 +289,32 @@ pub(crate) fn run(root: &Path) -> Result<()> {
 
 /// Builds the unit binary and the probe per backend and copies them aside (one output path).
 fn build(root: &Path) -> Result<Vec<(&'static str, PathBuf)>> {
-    let mut out = Vec::new();
-    for (backend, features) in [("tcp", "etcd"), ("ucx", "etcd,ucx")] {
-        step(
-            &format!("building the unit and the probe for {backend}"),
-            cargo(&[
-                "build",
-                "--locked",
-                "-p",
-                "tessera-storage-cli",
-                "--bins",
-                "--features",
-                features,
-            ]),
-        )?;
-        let dir = root.join(format!("target/cluster-test/{backend}"));
-        std::fs::create_dir_all(&dir)?;
-        for bin in ["tessera-storage", "tessera-cluster-probe"] {
-            std::fs::copy(root.join("target/debug").join(bin), dir.join(bin))
-                .with_context(|| format!("copying {bin} to {}", dir.display()))?;
-        }
-        out.push((backend, dir));
+    [("tcp", "etcd"), ("ucx", "etcd,ucx")]
+        .into_iter()
+        .map(|(backend, features)| Ok((backend, build_one(root, backend, features, false)?)))
+        .collect()
+}
+
+/// The unit binary and the probe built with `features` (in release for a benchmark), copied
+/// to `target/cluster-test/<backend>`.
+fn build_one(root: &Path, backend: &str, features: &str, release: bool) -> Result<PathBuf> {
+    let mut args = vec!["build", "--locked", "-p", "tessera-storage-cli", "--bins"];
+    args.extend(["--features", features]);
+    if release {
+        args.push("--release");
     }
-    Ok(out)
+    step(
+        &format!("building the unit and the probe for {backend}"),
+        cargo(&args),
+    )?;
+    let profile = if release { "release" } else { "debug" };
+    let dir = root.join(format!("target/cluster-test/{backend}-{profile}"));
+    std::fs::create_dir_all(&dir)?;
+    for bin in ["tessera-storage", "tessera-cluster-probe"] {
+        std::fs::copy(root.join("target").join(profile).join(bin), dir.join(bin))
+            .with_context(|| format!("copying {bin} to {}", dir.display()))?;
+    }
+    Ok(dir)
 }
 
 /// The namespaces, their links and the bridge; removed on drop, and by a watcher if this
@@ -318,13 +512,25 @@ impl Etcd {
 
 /// A unit in its namespace, announced in the cluster as `name`.
 fn unit(dir: &Path, backend: &str, host: usize, name: &str) -> Result<Proc> {
+    unit_sized(dir, backend, host, name, "512MiB", "400MiB")
+}
+
+/// A unit with `pool` bytes of registered memory and room for `capacity` bytes of values.
+fn unit_sized(
+    dir: &Path,
+    backend: &str,
+    host: usize,
+    name: &str,
+    pool: &str,
+    capacity: &str,
+) -> Result<Proc> {
     let a = addr(host);
     let mut cmd = in_ns(host, backend, &dir.join("tessera-storage"));
     cmd.args(["serve", "--announce", "--backend", backend])
         .args(["--bind", &format!("{a}:7470")])
         .args(["--etcd", &etcd_url(), "--cluster", CLUSTER, "--name", name])
         .args(["--lease-ttl", &format!("{}s", LEASE.as_secs())])
-        .args(["--pool", "512MiB", "--capacity", "400MiB"])
+        .args(["--pool", pool, "--capacity", capacity])
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit());
@@ -356,6 +562,10 @@ struct Probe {
 
 impl Probe {
     fn start(dir: &Path, backend: &str) -> Result<Self> {
+        Self::start_with(dir, backend, &["--replicas", "2", "--timeout", "3s"])
+    }
+
+    fn start_with(dir: &Path, backend: &str, args: &[&str]) -> Result<Self> {
         let mut cmd = in_ns(CLIENT_HOST, backend, &dir.join("tessera-cluster-probe"));
         cmd.args([
             "--etcd",
@@ -365,7 +575,7 @@ impl Probe {
             "--backend",
             backend,
         ])
-        .args(["--replicas", "2", "--timeout", "3s"])
+        .args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit());

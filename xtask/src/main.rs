@@ -43,7 +43,8 @@ enum Cmd {
     Bench {
         /// Suites to run (default: all): alloc, codec, transport, pool, storage, hostile (the
         /// harness's), python (the Python package) and integrations (TransferQueue's and Ray's
-        /// backends side by side), both in `.venv`.
+        /// backends side by side), both in `.venv`, and cluster (units in network namespaces
+        /// on shaped links; root).
         suites: Vec<String>,
     },
     /// Mutation testing (cargo-mutants, installed under .deps) of what mutants.toml lists;
@@ -393,11 +394,21 @@ fn bench(root: &Path, suites: &[String]) -> Result<()> {
     let wants = |name: &str| all || suites.iter().any(|s| s == name);
     let rest: Vec<String> = suites
         .iter()
-        .filter(|s| !python::SUITES.contains(&s.as_str()))
+        .filter(|s| !python::SUITES.contains(&s.as_str()) && s.as_str() != "cluster")
         .cloned()
         .collect();
     if all || !rest.is_empty() {
         harness(root, &rest)?;
+    }
+    // Namespaces and shaped links: as root only; a run of every suite skips it otherwise.
+    if wants("cluster") {
+        if is_root() {
+            cluster_net::bench(root).context("cargo xtask bench cluster")?;
+        } else if all {
+            println!("==> the cluster suite NOT run: it needs root to create network namespaces");
+        } else {
+            bail!("the cluster suite creates network namespaces and must run as root");
+        }
     }
     // The Python suites run in the package's environment (`cargo xtask python`'s), after the
     // harness's suites.

@@ -30,7 +30,7 @@ const VERSION: &str = "27.1.0";
 /// The list file, at the workspace root.
 const LIST: &str = "mutants.toml";
 /// `tessera_transport::testing::hang_guard` during runs, in seconds.
-const HANG_GUARD_SECS: u64 = 20;
+const HANG_GUARD_SECS: u64 = 15;
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
