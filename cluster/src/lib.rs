@@ -9,6 +9,7 @@ use etcd_client::{
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 
+pub mod agents;
 pub mod testing;
 
 /// Where a cluster's keys live: etcd's endpoints and the cluster's name.
@@ -184,6 +185,7 @@ pub struct AnnounceState {
 /// lives out its lease, as it would if the process had died.
 pub struct Announcement {
     key: String,
+    value: watch::Sender<Vec<u8>>,
     state: watch::Receiver<AnnounceState>,
     stop: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<()>>,
@@ -212,9 +214,11 @@ impl Announcement {
         let key = format!("{}{member}", cfg.prefix(kind));
         let (tx, rx) = watch::channel(AnnounceState::default());
         let (stop_tx, stop_rx) = oneshot::channel();
-        let task = tokio::spawn(announce(cfg.clone(), key.clone(), value, tx, stop_rx));
+        let (value, value_rx) = watch::channel(value);
+        let task = tokio::spawn(announce(cfg.clone(), key.clone(), value_rx, tx, stop_rx));
         Ok(Self {
             key,
+            value,
             state: rx,
             stop: Some(stop_tx),
             task: Some(task),
@@ -224,6 +228,12 @@ impl Announcement {
     /// The key announced.
     pub fn key(&self) -> &str {
         &self.key
+    }
+
+    /// Announces `value` from now on: written at once under the same lease when
+    /// registered, else at the next registration.
+    pub fn set_value(&self, value: Vec<u8>) {
+        self.value.send_replace(value);
     }
 
     /// The announcement's state now.
@@ -270,13 +280,13 @@ enum Ended {
 async fn announce(
     cfg: ClusterConfig,
     key: String,
-    value: Vec<u8>,
+    mut value: watch::Receiver<Vec<u8>>,
     state: watch::Sender<AnnounceState>,
     mut stop: oneshot::Receiver<()>,
 ) {
     let mut outage = Outage::new(format!("announcing {key}"));
     loop {
-        let why = match register(&cfg, &key, &value, &state, &mut outage, &mut stop).await {
+        let why = match register(&cfg, &key, &mut value, &state, &mut outage, &mut stop).await {
             Ended::Withdrawn => return,
             Ended::Lost(why) => why,
         };
@@ -299,7 +309,7 @@ async fn announce(
 async fn register(
     cfg: &ClusterConfig,
     key: &str,
-    value: &[u8],
+    value: &mut watch::Receiver<Vec<u8>>,
     state: &watch::Sender<AnnounceState>,
     outage: &mut Outage,
     stop: &mut oneshot::Receiver<()>,
@@ -313,7 +323,8 @@ async fn register(
             .map_err(|e| lost("granting a lease", e))?;
         let id = lease.id();
         let put = PutOptions::new().with_lease(id);
-        if let Err(e) = client.put(key, value, Some(put)).await {
+        let now = value.borrow_and_update().clone();
+        if let Err(e) = client.put(key, now, Some(put)).await {
             let _ = client.lease_revoke(id).await;
             return Err(lost("writing the key", e));
         }
@@ -348,6 +359,13 @@ async fn register(
             _ = &mut *stop => {
                 let _ = tokio::time::timeout(ttl, client.lease_revoke(id)).await;
                 return Ended::Withdrawn;
+            }
+            Ok(()) = value.changed() => {
+                let now = value.borrow_and_update().clone();
+                let put = PutOptions::new().with_lease(id);
+                if let Err(e) = client.put(key, now, Some(put)).await {
+                    return lost("writing the new value", e);
+                }
             }
             _ = tick.tick() => {
                 if let Err(e) = keeper.keep_alive().await {
