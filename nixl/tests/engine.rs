@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use tessera_nixl::raw::{NixlEngine, NixlPeer, NixlRegion, Pending, XferOpDesc};
 use tessera_nixl::{NixlConfig, NixlEngineError, Side, XferKind};
-use tessera_transport::testing::hang_guard;
+use tessera_transport::testing::{finish_or_exit, hang_guard};
 
 const MIB: usize = 1 << 20;
 /// Set in the helper process that `peer_death_mid_transfer_across_processes` spawns.
@@ -467,31 +467,21 @@ fn a_stalled_peer_times_out_without_holding_the_others() {
     signal(&child, "STOP");
     let posted = std::time::Instant::now();
     let stuck = stalled.write(&[op(&src, 0, 1, 0, all)], None).unwrap();
-    // Posted and waited for on a thread of its own: a waiter held by the stuck write would
-    // block the post itself.
-    let (tx, rx) = std::sync::mpsc::channel();
+    // On a thread of its own: a waiter held by the stuck write would block the post itself.
     let first_mib = [op(&src, 0, 1, 0, MIB as u64)];
-    let finished = std::thread::scope(|scope| {
-        scope.spawn(|| {
-            let other = live.write(&first_mib, None);
-            let _ = tx.send(other.map(|mut p| p.wait_timeout(hang_guard())));
-        });
-        match rx.recv_timeout(hang_guard()) {
-            Ok(Ok(Some(finished))) => finished,
-            Ok(Ok(None)) | Err(_) => {
-                // The engine could not be dropped either: the whole binary fails now
-                // rather than hang.
-                let _ = child.kill();
-                let _ = child.wait();
-                eprintln!(
-                    "a write to a live peer waited {:?} behind a stuck one",
-                    hang_guard()
-                );
-                std::process::exit(1);
-            }
-            Ok(Err(e)) => panic!("posting to the live peer: {e}"),
-        }
-    });
+    let finished = finish_or_exit(
+        "a write to a live peer, posted after a stuck one",
+        || {
+            live.write(&first_mib, None)
+                .map(|mut p| p.wait_timeout(hang_guard()))
+        },
+        || {
+            let _ = child.kill();
+            let _ = child.wait();
+        },
+    )
+    .expect("posting to the live peer")
+    .expect("finished within the hang guard");
     finished.expect("a write to the live peer, posted after the stuck one");
     let outcome = done(stuck);
     let after = posted.elapsed();

@@ -6,7 +6,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use tessera_transport::testing::hang_guard;
+use tessera_transport::testing::{finish_or_exit, hang_guard};
 use tessera_ucx::raw::{MemRegion, RmaOp, UcxEndpoint, UcxEngine};
 use tessera_ucx::{ErrorHandling, RmaKind, Side, UcxConfig, UcxError};
 
@@ -559,31 +559,21 @@ fn a_stalled_peer_holds_no_other_transfer() {
     let live = connect(&a, &b, &[(1, &dst)]);
     signal(&child, "STOP");
     let stuck = stalled.put(&[op(&src, 0, 1, 0, all)], None).unwrap();
-    // Posted and waited for on a thread of its own: a progress thread held by the stuck put
-    // would block the post itself.
-    let (tx, rx) = std::sync::mpsc::channel();
+    // On a thread of its own: a waiter held by the stuck put would block the post itself.
     let first_mib = [op(&src, 0, 1, 0, MIB as u64)];
-    let finished = std::thread::scope(|scope| {
-        scope.spawn(|| {
-            let other = live.put(&first_mib, None);
-            let _ = tx.send(other.map(|mut p| p.wait_timeout(hang_guard())));
-        });
-        match rx.recv_timeout(hang_guard()) {
-            Ok(Ok(Some(finished))) => finished,
-            Ok(Ok(None)) | Err(_) => {
-                // The engine could not be dropped either: the whole binary fails now
-                // rather than hang.
-                let _ = child.kill();
-                let _ = child.wait();
-                eprintln!(
-                    "a put to a live peer waited {:?} behind a stuck one",
-                    hang_guard()
-                );
-                std::process::exit(1);
-            }
-            Ok(Err(e)) => panic!("posting to the live peer: {e}"),
-        }
-    });
+    let finished = finish_or_exit(
+        "a put to a live peer, posted after a stuck one",
+        || {
+            live.put(&first_mib, None)
+                .map(|mut p| p.wait_timeout(hang_guard()))
+        },
+        || {
+            let _ = child.kill();
+            let _ = child.wait();
+        },
+    )
+    .expect("posting to the live peer")
+    .expect("finished within the hang guard");
     finished.expect("a put to the live peer, posted after the stuck one");
     assert!(dst.bytes() == src.bytes()[..MIB]);
     signal(&child, "CONT");

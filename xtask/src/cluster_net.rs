@@ -25,12 +25,12 @@
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::mpsc::{channel, Receiver};
+use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 
-use crate::two_node::{cleanup_prefix, ip, preflight};
+use crate::two_node::{cleanup_prefix, ip, lines_of, preflight};
 use crate::{cargo, deps, step};
 
 const PREFIX: &str = "tsrcl";
@@ -80,48 +80,14 @@ const BENCH_VALUE_BYTES: u64 = 4 << 20;
 /// `target/tessera-bench/cluster.json` and `.md`.
 pub(crate) fn bench(root: &Path) -> Result<()> {
     preflight()?;
-    deps::ensure_apt("etcd-server", "the cluster benchmark runs etcd")?;
-    deps::ensure_apt(
-        "etcd-client",
-        "the cluster benchmark asks etcd whether it is healthy",
-    )?;
-    deps::ensure_apt("protobuf-compiler", "the etcd client's build needs protoc")?;
+    ensure_tools()?;
     let dir = build_one(root, "tcp", "etcd", true)?;
     cleanup_prefix(PREFIX);
     let _net = Net::create()?;
     for h in 2..=4 {
-        let burst = "4mbit";
-        ip_ns_tc(
-            h,
-            &[
-                "qdisc",
-                "add",
-                "dev",
-                &link(h),
-                "root",
-                "tbf",
-                "rate",
-                BENCH_RATE,
-                "burst",
-                burst,
-                "latency",
-                "100ms",
-            ],
-        )?;
-        tc(&[
-            "qdisc",
-            "add",
-            "dev",
-            &format!("{PREFIX}-v{h}"),
-            "root",
-            "tbf",
-            "rate",
-            BENCH_RATE,
-            "burst",
-            burst,
-            "latency",
-            "100ms",
-        ])?;
+        // Both ways: the unit's own end (GETs) and the bridge's end (PUTs).
+        shape(Some(h), &link(h))?;
+        shape(None, &format!("{PREFIX}-v{h}"))?;
     }
     let gib = (BENCH_VALUES * BENCH_VALUE_BYTES) as f64;
     let value_bytes = BENCH_VALUE_BYTES.to_string();
@@ -210,27 +176,23 @@ pub(crate) fn bench(root: &Path) -> Result<()> {
     write_bench(root, &m)
 }
 
-fn tc(args: &[&str]) -> Result<()> {
-    let ok = Command::new("tc")
-        .args(args)
-        .status()
-        .context("running tc")?
-        .success();
+/// Shapes `dev` (in the namespace of `host`, or the root one) to [`BENCH_RATE`] with tbf.
+fn shape(host: Option<usize>, dev: &str) -> Result<()> {
+    let mut cmd = match host {
+        Some(h) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", &ns(h), "tc"]);
+            c
+        }
+        None => Command::new("tc"),
+    };
+    cmd.args([
+        "qdisc", "add", "dev", dev, "root", "tbf", "rate", BENCH_RATE,
+    ])
+    .args(["burst", "4mbit", "latency", "100ms"]);
+    let ok = cmd.status().context("running tc")?.success();
     if !ok {
-        bail!("tc {} failed", args.join(" "));
-    }
-    Ok(())
-}
-
-fn ip_ns_tc(host: usize, args: &[&str]) -> Result<()> {
-    let ok = Command::new("ip")
-        .args(["netns", "exec", &ns(host), "tc"])
-        .args(args)
-        .status()
-        .context("running tc")?
-        .success();
-    if !ok {
-        bail!("tc {} in {} failed", args.join(" "), ns(host));
+        bail!("shaping {dev} with tc failed");
     }
     Ok(())
 }
@@ -257,16 +219,21 @@ fn write_bench(root: &Path, m: &[(String, f64)]) -> Result<()> {
     Ok(())
 }
 
-/// Runs the test; see the module docs.
-pub(crate) fn run(root: &Path) -> Result<()> {
-    let started = Instant::now();
-    preflight()?;
+/// etcd, etcdctl (its health check) and protoc (the etcd client's build), from apt.
+fn ensure_tools() -> Result<()> {
     deps::ensure_apt("etcd-server", "the cluster test runs etcd")?;
     deps::ensure_apt(
         "etcd-client",
         "the cluster test asks etcd whether it is healthy",
     )?;
-    deps::ensure_apt("protobuf-compiler", "the etcd client's build needs protoc")?;
+    deps::ensure_apt("protobuf-compiler", "the etcd client's build needs protoc")
+}
+
+/// Runs the test; see the module docs.
+pub(crate) fn run(root: &Path) -> Result<()> {
+    let started = Instant::now();
+    preflight()?;
+    ensure_tools()?;
     deps::install(root).context("installing the backends' dependencies (cargo xtask deps)")?;
     let builds = build(root)?;
     cleanup_prefix(PREFIX);
@@ -585,15 +552,7 @@ impl Probe {
         let mut child = cmd.spawn().context("starting the probe")?;
         let stdin = child.stdin.take().ok_or_else(|| anyhow!("no stdin"))?;
         let stdout = child.stdout.take().ok_or_else(|| anyhow!("no stdout"))?;
-        let (tx, lines) = channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
+        let lines = lines_of(stdout);
         let mut probe = Self {
             _proc: Proc {
                 name: "probe".into(),

@@ -255,15 +255,7 @@ impl Node {
             .with_context(|| format!("starting {name} in {ns}"))?;
         let stdin = proc.stdin.take().ok_or_else(|| anyhow!("no stdin"))?;
         let stdout = proc.stdout.take().ok_or_else(|| anyhow!("no stdout"))?;
-        let (tx, lines) = channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
+        let lines = lines_of(stdout);
         let mut node = Self {
             name,
             proc,
@@ -331,6 +323,20 @@ impl Drop for Node {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// The lines a child writes to `stdout`, read on a thread of their own.
+pub(crate) fn lines_of(stdout: std::process::ChildStdout) -> Receiver<String> {
+    let (tx, lines) = channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    lines
 }
 
 /// Adds each node's metadata to the other.

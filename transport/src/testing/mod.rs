@@ -56,6 +56,31 @@ pub fn hang_guard() -> Duration {
     })
 }
 
+/// Runs `f` on a thread of its own and returns what it returns, or, when it has not within
+/// [`hang_guard`], runs `before_exit` (to stop helper processes) and ends the test process
+/// with a failure: for a test of a call that a hung engine would block (a post that waits for
+/// a lock its progress thread holds), whose engine could then not be dropped either.
+pub fn finish_or_exit<T: Send>(
+    what: &str,
+    f: impl FnOnce() -> T + Send,
+    before_exit: impl FnOnce(),
+) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::scope(|scope| {
+        scope.spawn(move || {
+            let _ = tx.send(f());
+        });
+        match rx.recv_timeout(hang_guard()) {
+            Ok(v) => v,
+            Err(_) => {
+                before_exit();
+                eprintln!("{what}: not finished within {:?}", hang_guard());
+                std::process::exit(1);
+            }
+        }
+    })
+}
+
 /// Instantiates the conformance suite as a module of `#[test]`s for one backend.
 ///
 /// `$make` is an expression of type `Fn(&str) -> Agent`. The test over 4 GiB moves 4 GiB of
