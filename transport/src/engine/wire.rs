@@ -144,6 +144,9 @@ mod tests {
             })
         );
         assert_eq!(r.limited(1, 4, "g"), Ok(&[9u8][..]));
+        // The limit itself is allowed.
+        let four = [1u8, 2, 3, 4];
+        assert_eq!(Reader::new(&four).limited(4, 4, "h"), Ok(&four[..]));
         assert_eq!(u64_at(&bytes, 7), Some(4));
         assert_eq!(u64_at(&bytes, 9), None);
         assert_eq!(u64_at(&bytes, usize::MAX), None);
