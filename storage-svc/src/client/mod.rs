@@ -31,7 +31,7 @@ pub use self::repair::RepairReport;
 #[derive(Debug, Clone)]
 pub struct ClientConfig {
     /// Control addresses of the units (`HOST:PORT` or `unix:PATH`), in placement order.
-    /// Unused when [`cluster`](Self::cluster) names a cluster.
+    /// Unused when `cluster` (the `etcd` feature) names a cluster.
     pub units: Vec<String>,
     /// The cluster whose live units to use, found and followed through etcd, instead of a
     /// fixed list: the client reads the set, watches it, reaches units that join and stops
