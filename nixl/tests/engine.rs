@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use tessera_nixl::raw::{NixlEngine, NixlPeer, NixlRegion, Pending, XferOpDesc};
 use tessera_nixl::{NixlConfig, NixlEngineError, Side, XferKind};
-use tessera_transport::testing::{finish_or_exit, hang_guard};
+use tessera_transport::testing::{finish_or_exit, hang_guard, signal};
 
 const MIB: usize = 1 << 20;
 /// Set in the helper process that `peer_death_mid_transfer_across_processes` spawns.
@@ -434,15 +434,6 @@ fn spawn_target() -> (
         panic!("the helper printed no metadata: {seen:?}");
     };
     (child, lines, md, key)
-}
-
-/// Sends `signal` (`STOP`, `CONT`) to the helper process.
-fn signal(child: &std::process::Child, signal: &str) {
-    let status = Command::new("kill")
-        .args([&format!("-{signal}"), &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success(), "kill -{signal} failed");
 }
 
 /// A peer that stops answering (its process stopped, a 64 MiB write to it stuck in its

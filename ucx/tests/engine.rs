@@ -6,7 +6,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use tessera_transport::testing::{finish_or_exit, hang_guard};
+use tessera_transport::testing::{finish_or_exit, hang_guard, signal};
 use tessera_ucx::raw::{MemRegion, RmaOp, UcxEndpoint, UcxEngine};
 use tessera_ucx::{ErrorHandling, RmaKind, Side, UcxConfig, UcxError};
 
@@ -530,15 +530,6 @@ fn spawn_target() -> (
         panic!("the helper printed no address: {seen:?}");
     };
     (child, lines, addr, key)
-}
-
-/// Sends `signal` (`STOP`, `CONT`) to the helper process.
-fn signal(child: &std::process::Child, signal: &str) {
-    let status = Command::new("kill")
-        .args([&format!("-{signal}"), &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success(), "kill -{signal} failed");
 }
 
 /// A peer that stops answering (its process stopped, a 64 MiB put to it stuck in its

@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 
-use crate::two_node::{cleanup_prefix, ip, lines_of, preflight};
+use crate::two_node::{cleanup_prefix, cleanup_watcher, ip, lines_of, preflight};
 use crate::{cargo, deps, step};
 
 const PREFIX: &str = "tsrcl";
@@ -295,18 +295,7 @@ impl Net {
         let dels: String = (1..=HOSTS)
             .map(|h| format!("ip netns del {} 2>/dev/null; ", ns(h)))
             .collect();
-        let script = format!(
-            "trap '' INT TERM HUP; while kill -0 {pid} 2>/dev/null; do sleep 1; done; \
-             {dels}ip link del {BRIDGE} 2>/dev/null; exit 0",
-            pid = std::process::id()
-        );
-        let watcher = Command::new("sh")
-            .args(["-c", &script])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .context("starting the cleanup watcher")?;
+        let watcher = cleanup_watcher(&format!("{dels}ip link del {BRIDGE} 2>/dev/null"))?;
         let net = Self {
             watcher: Some(watcher),
         };

@@ -160,6 +160,23 @@ pub(crate) fn cleanup_prefix(prefix: &str) {
     }
 }
 
+/// A watcher process that runs the shell `removals` once this process is gone, however it
+/// ended. It ignores SIGINT (Ctrl-C reaches the whole process group) and the like.
+pub(crate) fn cleanup_watcher(removals: &str) -> Result<Child> {
+    let script = format!(
+        "trap '' INT TERM HUP; while kill -0 {pid} 2>/dev/null; do sleep 1; done; \
+         {removals}; exit 0",
+        pid = std::process::id()
+    );
+    Command::new("sh")
+        .args(["-c", &script])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("starting the cleanup watcher")
+}
+
 /// The namespaces and the veth pair; removed on drop, and by a watcher if this process dies.
 struct Net {
     watcher: Option<Child>,
@@ -167,21 +184,10 @@ struct Net {
 
 impl Net {
     fn create() -> Result<Self> {
-        // The watcher ignores SIGINT (Ctrl-C reaches the whole process group), waits for this
-        // process to be gone, then removes what we made.
-        let script = format!(
-            "trap '' INT TERM HUP; while kill -0 {pid} 2>/dev/null; do sleep 1; done; \
-             ip netns del {NS_A} 2>/dev/null; ip netns del {NS_B} 2>/dev/null; \
-             ip link del {VETH_A} 2>/dev/null; exit 0",
-            pid = std::process::id()
-        );
-        let watcher = Command::new("sh")
-            .args(["-c", &script])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .context("starting the cleanup watcher")?;
+        let watcher = cleanup_watcher(&format!(
+            "ip netns del {NS_A} 2>/dev/null; ip netns del {NS_B} 2>/dev/null; \
+             ip link del {VETH_A} 2>/dev/null"
+        ))?;
         let net = Self {
             watcher: Some(watcher),
         };

@@ -81,6 +81,15 @@ pub fn finish_or_exit<T: Send>(
     })
 }
 
+/// Sends `signal` (`STOP`, `CONT`, ...) to `child`, through `kill(1)`.
+pub fn signal(child: &std::process::Child, signal: &str) {
+    let status = std::process::Command::new("kill")
+        .args([&format!("-{signal}"), &child.id().to_string()])
+        .status()
+        .expect("running kill");
+    assert!(status.success(), "kill -{signal} {} failed", child.id());
+}
+
 /// Instantiates the conformance suite as a module of `#[test]`s for one backend.
 ///
 /// `$make` is an expression of type `Fn(&str) -> Agent`. The test over 4 GiB moves 4 GiB of
