@@ -597,3 +597,39 @@ async fn a_huge_get_is_handled_in_slices_and_others_are_served_meanwhile() {
     drop(b);
     server.shutdown().await;
 }
+
+/// Pipelined requests whose messages the socket cannot take at once: each caller writes what
+/// the socket takes, the connection's writer task the rest and every request behind it, and
+/// no two requests' bytes interleave.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pipelined_requests_beyond_the_socket_buffer_stay_whole_and_in_order() {
+    let server = unit().await;
+    let c = Arc::new(client(&server).await);
+    // Inline PUTs of 64,000 bytes each (under inline_max): 12.8 MB of control messages in
+    // flight together, far beyond a loopback socket's buffer.
+    let puts: Vec<_> = (0..200u64)
+        .map(|i| {
+            let c = c.clone();
+            tokio::spawn(async move { c.put("pipe", &[i], &column(16_000, i as i32)).await })
+        })
+        .collect();
+    for p in puts {
+        p.await.unwrap().unwrap();
+    }
+    let gets: Vec<_> = (0..200u64)
+        .map(|i| {
+            let c = c.clone();
+            tokio::spawn(async move { (i, c.get("pipe", &[i], &["x"]).await) })
+        })
+        .collect();
+    for g in gets {
+        let (i, got) = g.await.unwrap();
+        let got = got.unwrap();
+        let v = got[0][0].as_tensor().unwrap().as_slice::<i32>().unwrap();
+        assert!(
+            v.len() == 16_000 && v.iter().all(|&x| x == i as i32),
+            "value {i}"
+        );
+    }
+    assert_eq!(server.stats().keys, 200);
+}
