@@ -70,6 +70,11 @@ impl std::fmt::Debug for BusyPoll {
 }
 
 impl BusyPoll {
+    /// The `tessera-storage serve` binary's default window, in microseconds (0: off). Without
+    /// pinning, where users run, it halves a 4-byte PUT on the benchmark machine against a
+    /// unit that does not poll (`cargo xtask bench storage`, `small_put_default_unpinned_us`).
+    pub const SERVE_DEFAULT_US: u64 = 50;
+
     /// A poller that spins for at most `window` each time a worker is about to park.
     pub fn new(window: Duration) -> io::Result<Self> {
         // SAFETY: epoll_create1 takes no pointers; a non-negative result is a new descriptor

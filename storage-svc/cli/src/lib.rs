@@ -256,7 +256,7 @@ struct Serve {
     /// it parks (0: park at once). A request that arrives within the window skips the
     /// wake-up of a parked core (tens of microseconds on virtual machines), for at most
     /// this much CPU time per idle moment.
-    #[arg(long, default_value_t = 50)]
+    #[arg(long, default_value_t = BusyPoll::SERVE_DEFAULT_US)]
     busy_poll_us: u64,
     /// Control-plane address to listen on: HOST:PORT (port 0 picks one) or unix:PATH.
     /// Default 127.0.0.1:7470.

@@ -715,6 +715,8 @@ impl Default for SoakConfig {
 #[derive(Debug, Default)]
 pub struct SoakReport {
     pub put: Vec<Duration>,
+    /// The PUTs of values up to [`SMALL_VALUE`] bytes (also in `put`).
+    pub put_small: Vec<Duration>,
     pub get: Vec<Duration>,
     pub clear: Vec<Duration>,
     /// GETs of a stored key that came back missing.
@@ -735,6 +737,7 @@ impl SoakReport {
 
     fn merge(&mut self, o: SoakReport) {
         self.put.extend(o.put);
+        self.put_small.extend(o.put_small);
         self.get.extend(o.get);
         self.clear.extend(o.clear);
         self.lost += o.lost;
@@ -753,6 +756,9 @@ impl SoakReport {
         }
     }
 }
+
+/// The largest value of the soak's small band.
+pub const SMALL_VALUE: usize = 64 << 10;
 
 /// A value size of 1 KiB..`max`, skewed toward small: 80 % up to 64 KiB, 15 % up to 1 MiB,
 /// the rest up to `max`, log-uniform within each band.
@@ -841,6 +847,9 @@ async fn soak_session(
             match res {
                 Ok(Ok(())) => {
                     r.put.push(t.elapsed());
+                    if len <= SMALL_VALUE {
+                        r.put_small.push(t.elapsed());
+                    }
                     known.insert(key, Known::Stored { seed, len });
                 }
                 other => {

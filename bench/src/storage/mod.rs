@@ -20,6 +20,8 @@ use tessera_storage::{
 use crate::cpu::{affinity, pin, restore_affinity};
 use crate::Report;
 
+mod requests;
+
 const UNIT_ENV: &str = "TESSERA_BENCH_STORAGE_UNIT";
 /// The core the unit process pins itself to (default `UNIT_CPU`).
 const UNIT_CPU_ENV: &str = "TESSERA_BENCH_STORAGE_UNIT_CPU";
@@ -35,6 +37,45 @@ const SMALL_N: usize = 2000;
 const CLIENT_CPU: usize = 0;
 const UNIT_CPU: usize = 1;
 const RAW_CHUNK: usize = 1 << 20;
+/// Bytes of the bare shm regions on both sides of the reference WRITEs.
+const BARE_BYTES: u64 = 32 << 20;
+
+/// The reference for the storage unit's payload path: a shm agent here WRITing into a bare
+/// registered region of the unit process, between the same two processes.
+struct Bare {
+    _agent: tessera_transport::Agent,
+    _region: tessera_transport::Region,
+    reg: tessera_transport::Registration,
+    peer: tessera_transport::Peer,
+    peer_reg: u64,
+}
+
+impl Bare {
+    /// Best of `runs` WRITEs of `n` descriptors of `len` bytes each (after one untimed): the
+    /// sources every other slot of this side's region (nothing coalesces), the destinations
+    /// packed back to back as in a unit's receive block.
+    fn write(&self, runs: usize, n: u64, len: u64) -> Result<Duration> {
+        self.write_once(n, len)?;
+        let times = (0..runs)
+            .map(|_| self.write_once(n, len))
+            .collect::<Result<_>>()?;
+        Ok(best(times))
+    }
+
+    /// One WRITE of [`Bare::write`]'s layout.
+    fn write_once(&self, n: u64, len: u64) -> Result<Duration> {
+        let stride = if n == 1 { len } else { 2 * len };
+        let local: Vec<_> = (0..n)
+            .map(|i| self.reg.desc(i * stride, len))
+            .collect::<Result<_, _>>()?;
+        let remote: Vec<_> = (0..n)
+            .map(|i| tessera_transport::RemoteDesc::new(self.peer_reg, i * len, len))
+            .collect();
+        let t = Instant::now();
+        self.peer.write(&local, &remote, None)?.wait()?;
+        Ok(t.elapsed())
+    }
+}
 
 /// Runs the suite, or the unit process when started as one.
 pub fn run(report: &mut Report) -> Result<()> {
@@ -58,7 +99,7 @@ pub fn run(report: &mut Report) -> Result<()> {
         .enable_all()
         .on_thread_park(poll.on_park())
         .build()?;
-    let result = rt.block_on(suite(report, &poll));
+    let result = rt.block_on(suite(report, &poll, saved));
     drop(rt);
     if let Some(mask) = saved {
         restore_affinity(&mask);
@@ -75,7 +116,7 @@ fn best(mut runs: Vec<Duration>) -> Duration {
     runs[0]
 }
 
-async fn suite(report: &mut Report, poll: &BusyPoll) -> Result<()> {
+async fn suite(report: &mut Report, poll: &BusyPoll, mask: Option<libc::cpu_set_t>) -> Result<()> {
     let pinned = format!(
         "client pinned to cpu {CLIENT_CPU}, unit process to cpu {UNIT_CPU}, both busy-poll \
          their control sockets for up to {} us before parking",
@@ -105,7 +146,7 @@ async fn suite(report: &mut Report, poll: &BusyPoll) -> Result<()> {
     let backends = [Backend::Shm, Backend::Tcp, Backend::Ucx];
     for backend in backends.into_iter().filter(|b| b.available()) {
         let k = backend.name();
-        let mut unit = UnitProc::start(k, UNIT_CPU, Some(POLL))?;
+        let mut unit = UnitProc::start(k, Some(UNIT_CPU), Some(POLL))?;
         let client = Client::connect(ClientConfig {
             units: vec![unit.addr.clone()],
             backend,
@@ -152,9 +193,14 @@ async fn suite(report: &mut Report, poll: &BusyPoll) -> Result<()> {
                 g / memcpy,
                 "shm_get_256m_gbps / memcpy_256m_gbps (goal >= 0.5)",
             );
-            batch(&client, report, &pinned).await?;
+            let bare = unit.bare()?;
+            batch(&client, &bare, report, &pinned).await?;
+            requests::rollouts(&client, report, &pinned, memcpy).await?;
+            requests::put_16m(&client, &bare, report, &pinned, RUNS_BIG).await?;
             small(&client, &unit.echo, report, &pinned).await?;
             same_core(report).await?;
+            requests::load32(&unit.addr, poll, report, &pinned).await?;
+            tokio::task::block_in_place(|| requests::unpinned(report, mask))?;
         } else if backend == Backend::Tcp {
             let raw_addr = unit.raw.clone().context("raw sink address")?;
             let raw =
@@ -183,7 +229,7 @@ fn payload_len() -> usize {
     BIG
 }
 
-async fn batch(client: &Client, report: &mut Report, pinned: &str) -> Result<()> {
+async fn batch(client: &Client, bare: &Bare, report: &mut Report, pinned: &str) -> Result<()> {
     let n = 1000u64;
     let indexes: Vec<u64> = (0..n).collect();
     let vals: Vec<Value> = indexes
@@ -217,6 +263,17 @@ async fn batch(client: &Client, report: &mut Report, pinned: &str) -> Result<()>
         p / 2.6,
         "batch_put_gbps / 2.6 GB/s (goal >= 1)",
     );
+    let w = requests::batch_write_gbps(bare, RUNS_BATCH, report)?;
+    report.put(
+        "batch_put_vs_write",
+        p / w,
+        "batch_put_gbps / batch_write_gbps (goal >= 0.6)",
+    );
+    report.put(
+        "batch_get_vs_write",
+        g / w,
+        "batch_get_gbps / batch_write_gbps (goal >= 0.6)",
+    );
     client.drop_partition("batch").await?;
     Ok(())
 }
@@ -239,14 +296,32 @@ async fn small(client: &Client, echo: &str, report: &mut Report, pinned: &str) -
              {SMALL_N}: the machine's cross-core round trip when neither end polls"
         ),
     );
+    let get = requests::small_get_median_us(client).await?;
+    report.put(
+        "small_get_us",
+        get,
+        format!("round trip of a 4-byte GET (inline), median of {SMALL_N}; {pinned}"),
+    );
+    rtts(report, "", put, get, rtt);
     client.drop_partition("small").await?;
     unpolled(report, rtt).await
+}
+
+/// The 4-byte PUT's and GET's round trips in units of the unpolled cross-core `rtt`.
+fn rtts(report: &mut Report, how: &str, put: f64, get: f64, rtt: f64) {
+    for (op, us) in [("put", put), ("get", get)] {
+        report.put(
+            &format!("small_{op}{how}_rtts"),
+            us / rtt,
+            format!("small_{op}{how}_us / rtt_us (goal <= 1.3)"),
+        );
+    }
 }
 
 /// A unit process on `cpu` that does not busy-poll, over shm, and a client of it that does
 /// not either.
 async fn unpolled_unit(cpu: usize) -> Result<(UnitProc, Client)> {
-    let unit = UnitProc::start(Backend::Shm.name(), cpu, None)?;
+    let unit = UnitProc::start(Backend::Shm.name(), Some(cpu), None)?;
     let client = Client::connect(ClientConfig {
         units: vec![unit.addr.clone()],
         backend: Backend::Shm,
@@ -270,12 +345,13 @@ async fn unpolled(report: &mut Report, rtt: f64) -> Result<()> {
              {UNIT_CPU}), median of {SMALL_N}"
         ),
     );
+    let get = requests::small_get_median_us(&client).await?;
     report.put(
-        "small_put_unpolled_vs_rtt",
-        put / rtt,
-        "small_put_unpolled_us / rtt_us: an unpolled PUT's round trip in units of the machine's \
-         own unpolled cross-core round trip",
+        "small_get_unpolled_us",
+        get,
+        format!("small_get_us with neither process busy-polling, median of {SMALL_N}"),
     );
+    rtts(report, "_unpolled", put, get, rtt);
     drop(client);
     unit.stop();
     Ok(())
@@ -307,7 +383,7 @@ async fn same_core(report: &mut Report) -> Result<()> {
 }
 
 /// Median round trip of a 4-byte PUT (inline), after 100 untimed.
-async fn small_put_median_us(client: &Client) -> Result<f64> {
+pub(super) async fn small_put_median_us(client: &Client) -> Result<f64> {
     let cols = vec![(
         "x".to_string(),
         vec![Value::Tensor(
@@ -326,7 +402,7 @@ async fn small_put_median_us(client: &Client) -> Result<f64> {
     Ok(median_us(runs))
 }
 
-fn median_us(mut runs: Vec<Duration>) -> f64 {
+pub(super) fn median_us(mut runs: Vec<Duration>) -> f64 {
     runs.sort();
     runs[runs.len() / 2].as_secs_f64() * 1e6
 }
@@ -383,15 +459,22 @@ struct UnitProc {
     /// A one-byte echo in the unit process: the round trip between the two processes'
     /// cores, the floor under any request's latency.
     echo: String,
+    /// A bare shm agent of the unit process: its metadata and the id of its registered
+    /// region, the target of the reference WRITEs between the same two processes.
+    bare: (Vec<u8>, u64),
+    lines: std::io::Lines<BufReader<std::process::ChildStdout>>,
 }
 
 impl UnitProc {
-    /// A unit process over `kind` pinned to `cpu`, busy-polling for `poll` if given.
-    fn start(kind: &str, cpu: usize, poll: Option<Duration>) -> Result<Self> {
+    /// A unit process over `kind` pinned to `cpu` (unpinned when `None`), busy-polling for
+    /// `poll` if given.
+    fn start(kind: &str, cpu: Option<usize>, poll: Option<Duration>) -> Result<Self> {
         let mut cmd = Command::new(std::env::current_exe()?);
-        cmd.arg("storage")
-            .env(UNIT_ENV, kind)
-            .env(UNIT_CPU_ENV, cpu.to_string());
+        cmd.arg("storage").env(UNIT_ENV, kind);
+        match cpu {
+            Some(cpu) => cmd.env(UNIT_CPU_ENV, cpu.to_string()),
+            None => cmd.env(UNIT_CPU_ENV, "none"),
+        };
         match poll {
             Some(p) => cmd.env(UNIT_POLL_ENV, p.as_micros().to_string()),
             None => cmd.env_remove(UNIT_POLL_ENV),
@@ -414,11 +497,42 @@ impl UnitProc {
             .map(str::to_owned)
             .filter(|a| a != "-");
         let echo = next()?.strip_prefix("ECHO ").context("ECHO")?.to_owned();
+        let bare = next()?;
+        let (meta, reg) = bare
+            .strip_prefix("BARE ")
+            .and_then(|b| b.split_once(' '))
+            .context("BARE")?;
+        let bare = (hex::decode(meta)?, reg.parse()?);
         Ok(Self {
             child,
             addr,
             raw,
             echo,
+            bare,
+            lines,
+        })
+    }
+
+    /// A shm agent here that WRITEs into the unit process's bare region.
+    fn bare(&mut self) -> Result<Bare> {
+        let agent = tessera_engines::EngineKind::Shm.agent("bench-bare")?;
+        let region = tessera_transport::Region::new(BARE_BYTES)?;
+        region.fill(0, BARE_BYTES, 0x5A)?;
+        let reg = agent.register(&region)?;
+        let peer = agent.add_remote(&self.bare.0)?;
+        let stdin = self.child.stdin.as_mut().context("unit stdin")?;
+        writeln!(stdin, "ADD {}", hex::encode(agent.metadata()))?;
+        stdin.flush()?;
+        let answer = self.lines.next().ok_or_else(|| anyhow!("unit exited"))??;
+        if answer != "ADDED" {
+            bail!("unit: {answer}");
+        }
+        Ok(Bare {
+            _agent: agent,
+            _region: region,
+            reg,
+            peer,
+            peer_reg: self.bare.1,
         })
     }
 
@@ -436,11 +550,11 @@ impl Drop for UnitProc {
 }
 
 fn unit_main(kind: &str) -> Result<()> {
-    let cpu = std::env::var(UNIT_CPU_ENV)
-        .ok()
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(UNIT_CPU);
-    pin(cpu)?;
+    match std::env::var(UNIT_CPU_ENV).as_deref() {
+        Ok("none") => {}
+        Ok(c) => pin(c.parse().context(UNIT_CPU_ENV)?)?,
+        Err(_) => pin(UNIT_CPU)?,
+    }
     let backend = match kind.parse::<Backend>()? {
         b @ (Backend::Shm | Backend::Tcp | Backend::Ucx) => b,
         other => bail!("the storage suite's unit runs shm, tcp or ucx, not {other}"),
@@ -481,19 +595,46 @@ fn unit_main(kind: &str) -> Result<()> {
         let echo = TcpListener::bind("127.0.0.1:0")?;
         let echo_addr = echo.local_addr()?.to_string();
         std::thread::spawn(move || echo_bytes(echo));
+        let bare = tessera_engines::EngineKind::Shm.agent("bench-bare-target")?;
+        let region = tessera_transport::Region::new(BARE_BYTES)?;
+        region.fill(0, BARE_BYTES, 0xA5)?;
+        let reg = bare.register(&region)?;
         {
             let mut out = std::io::stdout().lock();
             writeln!(out, "ADDR {}", server.addr())?;
             writeln!(out, "RAW {raw}")?;
             writeln!(out, "ECHO {echo_addr}")?;
+            writeln!(out, "BARE {} {}", hex::encode(bare.metadata()), reg.id())?;
             out.flush()?;
         }
-        // Serve until the parent closes stdin.
-        tokio::task::spawn_blocking(|| {
-            let mut sink = Vec::new();
-            let _ = std::io::stdin().read_to_end(&mut sink);
+        // Serve until the parent closes stdin; `ADD <hex>` adds the parent's bare agent.
+        tokio::task::spawn_blocking(move || -> Result<()> {
+            let mut peers = Vec::new();
+            for line in std::io::stdin().lock().lines() {
+                let line = line?;
+                let answer = match line.strip_prefix("ADD ") {
+                    Some(h) => match hex::decode(h)
+                        .map_err(anyhow::Error::from)
+                        .and_then(|m| bare.add_remote(&m).map_err(anyhow::Error::from))
+                    {
+                        Ok(p) => {
+                            peers.push(p);
+                            "ADDED".to_owned()
+                        }
+                        Err(e) => format!("ERR {e:#}"),
+                    },
+                    None => format!("ERR unknown command {line}"),
+                };
+                let mut out = std::io::stdout().lock();
+                writeln!(out, "{answer}")?;
+                out.flush()?;
+            }
+            drop(peers);
+            drop(reg);
+            drop(region);
+            Ok(())
         })
-        .await?;
+        .await??;
         server.shutdown().await;
         Ok::<_, anyhow::Error>(())
     })?;
