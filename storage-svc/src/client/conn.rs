@@ -97,9 +97,13 @@ impl Conn {
             poll: cfg.busy_poll.clone(),
             ..Pending::default()
         }));
-        let state = Arc::new(Mutex::new(OutState { direct, queued: 0 }));
+        let state = Arc::new(Mutex::new(OutState {
+            direct,
+            queued: 0,
+            broken: false,
+        }));
         tokio::spawn(write_loop(w, rx, state.clone()));
-        let tx = Outbox { tx, state };
+        let out = Outbox { tx, state };
         tokio::spawn(read_loop(unit, r, waiters.clone(), cfg.max_message_bytes));
         // Challenge-response: the token never travels. The unit proves it holds the token
         // first (over both nonces and what this client sent), then this client.
@@ -109,7 +113,7 @@ impl Conn {
             nonce: ByteBuf::from(client_nonce.to_vec()),
             agent: md_ours.clone(),
         };
-        let (_, resp) = call_raw(unit, &tx, &waiters, 0, hello, cfg.timeout).await?;
+        let (_, resp) = call_raw(unit, &out, &waiters, 0, hello, cfg.timeout).await?;
         let Response::Challenge { nonce, proof } = resp else {
             return Err(ClientError::Unexpected {
                 unit,
@@ -129,7 +133,7 @@ impl Conn {
         let auth_req = Request::Auth {
             proof: ByteBuf::from(proof.to_vec()),
         };
-        let (_, resp) = call_raw(unit, &tx, &waiters, 1, auth_req, cfg.timeout).await?;
+        let (_, resp) = call_raw(unit, &out, &waiters, 1, auth_req, cfg.timeout).await?;
         let Response::Welcome {
             agent: md,
             backend,
@@ -155,7 +159,7 @@ impl Conn {
             .map_err(|source| ClientError::Connect { unit, source })?;
         Ok(Conn {
             unit,
-            out: tx,
+            out,
             waiters,
             next: AtomicU64::new(2),
             peer,
@@ -201,13 +205,13 @@ impl Conn {
 
 async fn call_raw(
     unit: usize,
-    tx: &Outbox,
+    out: &Outbox,
     waiters: &Waiters,
     id: u64,
     req: Request,
     timeout: Duration,
 ) -> Result<(u64, Response), ClientError> {
-    send_raw(unit, tx, waiters, id, req, timeout, false)?
+    send_raw(unit, out, waiters, id, req, timeout, false)?
         .wait()
         .await
 }
@@ -216,7 +220,7 @@ async fn call_raw(
 /// when this returns, so the caller can work while the unit does.
 fn send_raw<'a>(
     unit: usize,
-    tx: &Outbox,
+    out: &Outbox,
     waiters: &'a Waiters,
     id: u64,
     req: Request,
@@ -233,7 +237,7 @@ fn send_raw<'a>(
         w.map.insert(id, otx);
         w.poll.as_ref().map(BusyPoll::waiting)
     };
-    let sent = match tx.send(buf, confirm) {
+    let sent = match out.send(buf, confirm) {
         Ok(sent) => sent,
         Err(()) => {
             waiters.lock().map.remove(&id);
@@ -368,6 +372,9 @@ struct OutState {
     direct: Direct,
     /// Requests handed to the writer task and not yet wholly written.
     queued: usize,
+    /// A write from the caller's thread failed, perhaps after part of its request: nothing
+    /// may follow it on the socket.
+    broken: bool,
 }
 
 enum Direct {
@@ -391,15 +398,20 @@ impl Outbox {
     /// is gone.
     fn send(&self, buf: Vec<u8>, confirm: bool) -> Result<Option<oneshot::Receiver<()>>, ()> {
         let mut state = self.state.lock();
+        if state.broken {
+            return Err(());
+        }
         let mut from = 0;
         if state.queued == 0 {
             while from < buf.len() {
                 match state.direct.write(&buf[from..]) {
-                    Ok(0) => return Err(()),
-                    Ok(n) => from += n,
+                    Ok(n) if n > 0 => from += n,
                     Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                    Err(_) => return Err(()),
+                    _ => {
+                        state.broken = true;
+                        return Err(());
+                    }
                 }
             }
             if from == buf.len() {
