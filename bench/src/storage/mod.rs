@@ -318,10 +318,10 @@ fn rtts(report: &mut Report, how: &str, put: f64, get: f64, rtt: f64) {
     }
 }
 
-/// A unit process on `cpu` that does not busy-poll, over shm, and a client of it that does
-/// not either.
-async fn unpolled_unit(cpu: usize) -> Result<(UnitProc, Client)> {
-    let unit = UnitProc::start(Backend::Shm.name(), Some(cpu), None)?;
+/// A unit process over shm on `cpu` (unpinned when `None`), busy-polling for `poll` if
+/// given, and a client of it with the defaults (no busy polling).
+async fn shm_unit(cpu: Option<usize>, poll: Option<Duration>) -> Result<(UnitProc, Client)> {
+    let unit = UnitProc::start(Backend::Shm.name(), cpu, poll)?;
     let client = Client::connect(ClientConfig {
         units: vec![unit.addr.clone()],
         backend: Backend::Shm,
@@ -335,7 +335,7 @@ async fn unpolled_unit(cpu: usize) -> Result<(UnitProc, Client)> {
 /// The 4-byte PUT across the same two cores with neither process polling: every message
 /// wakes a parked core.
 async fn unpolled(report: &mut Report, rtt: f64) -> Result<()> {
-    let (mut unit, client) = unpolled_unit(UNIT_CPU).await?;
+    let (mut unit, client) = shm_unit(Some(UNIT_CPU), None).await?;
     let put = small_put_median_us(&client).await?;
     report.put(
         "small_put_unpolled_us",
@@ -360,7 +360,7 @@ async fn unpolled(report: &mut Report, rtt: f64) -> Result<()> {
 /// The 4-byte PUT again with the unit process on the client's core, neither polling: the
 /// round trip without the machine's cross-core wake-up (a second unit, over shm).
 async fn same_core(report: &mut Report) -> Result<()> {
-    let (mut unit, client) = unpolled_unit(CLIENT_CPU).await?;
+    let (mut unit, client) = shm_unit(Some(CLIENT_CPU), None).await?;
     let put = small_put_median_us(&client).await?;
     let echo = unit.echo.clone();
     let rtt = tokio::task::spawn_blocking(move || echo_rtt(&echo)).await??;
@@ -384,12 +384,7 @@ async fn same_core(report: &mut Report) -> Result<()> {
 
 /// Median round trip of a 4-byte PUT (inline), after 100 untimed.
 pub(super) async fn small_put_median_us(client: &Client) -> Result<f64> {
-    let cols = vec![(
-        "x".to_string(),
-        vec![Value::Tensor(
-            Tensor::from_slice(&[1], &[7i32]).expect("tensor"),
-        )],
-    )];
+    let cols = four_bytes()?;
     for _ in 0..100 {
         client.put("small", &[0], &cols).await?;
     }
@@ -400,6 +395,12 @@ pub(super) async fn small_put_median_us(client: &Client) -> Result<f64> {
         runs.push(t.elapsed());
     }
     Ok(median_us(runs))
+}
+
+/// One field of one 4-byte tensor: the small requests' value.
+fn four_bytes() -> Result<Vec<(String, Vec<Value>)>> {
+    let t = Tensor::from_slice(&[1], &[7i32])?;
+    Ok(vec![("x".to_string(), vec![Value::Tensor(t)])])
 }
 
 pub(super) fn median_us(mut runs: Vec<Duration>) -> f64 {

@@ -9,7 +9,7 @@ use anyhow::Result;
 use bytes::Bytes;
 use tessera_storage::{Backend, BusyPoll, Client, ClientConfig, DType, Tensor, Value};
 
-use super::{best, gbps, median_us, Bare, UnitProc, SMALL_N};
+use super::{best, gbps, median_us, Bare, SMALL_N};
 use crate::hostile_load::{quantile, soak, SoakConfig};
 use crate::Report;
 
@@ -229,11 +229,7 @@ pub(super) async fn put_16m(
 
 /// Median round trip of a 4-byte GET (inline), after 100 untimed.
 pub(super) async fn small_get_median_us(client: &Client) -> Result<f64> {
-    let cols = vec![(
-        "x".to_string(),
-        vec![Value::Tensor(Tensor::from_slice(&[1], &[7i32])?)],
-    )];
-    client.put("small-get", &[0], &cols).await?;
+    client.put("small-get", &[0], &super::four_bytes()?).await?;
     for _ in 0..100 {
         drop(client.get("small-get", &[0], &["x"]).await?);
     }
@@ -264,19 +260,13 @@ pub(super) fn unpinned(report: &mut Report, mask: Option<libc::cpu_set_t>) -> Re
             let default = (BusyPoll::SERVE_DEFAULT_US > 0)
                 .then(|| Duration::from_micros(BusyPoll::SERVE_DEFAULT_US));
             let once = |poll: Option<Duration>| -> Result<f64> {
-                let mut unit = UnitProc::start(Backend::Shm.name(), None, poll)?;
-                let put = rt.block_on(async {
-                    let client = Client::connect(ClientConfig {
-                        units: vec![unit.addr.clone()],
-                        backend: Backend::Shm,
-                        recv_pool_bytes: 1 << 20,
-                        ..ClientConfig::default()
-                    })
-                    .await?;
-                    super::small_put_median_us(&client).await
-                })?;
-                unit.stop();
-                Ok(put)
+                rt.block_on(async {
+                    let (mut unit, client) = super::shm_unit(None, poll).await?;
+                    let put = super::small_put_median_us(&client).await?;
+                    drop(client);
+                    unit.stop();
+                    Ok(put)
+                })
             };
             Ok((once(default)?, once(None)?))
         })
