@@ -122,6 +122,25 @@ impl Lease {
     pub fn range(&self) -> std::ops::Range<u64> {
         self.offset..self.end()
     }
+
+    /// Keeps the first `size` bytes and gives the rest back at once ([`Allocator::shrink`]);
+    /// a size at or above the lease's changes nothing.
+    pub fn shrink(&mut self, size: u64) {
+        if size >= self.size {
+            return;
+        }
+        if let Some(block) = self.block.take() {
+            let mut pool = self.pool.lock();
+            match pool.shrink(block, size) {
+                Ok(b) => {
+                    self.size = b.size();
+                    self.block = Some(b);
+                }
+                // The block came from this very allocator, so `shrink` cannot refuse it.
+                Err(e) => self.block = Some(e.into_block()),
+            }
+        }
+    }
 }
 
 impl fmt::Debug for Lease {
@@ -194,6 +213,22 @@ mod tests {
         assert_eq!(lease.size(), 50);
         assert_eq!(lease.end(), at + 50);
         assert_eq!(lease.range(), at..at + 50);
+    }
+
+    #[test]
+    fn a_shrunk_lease_gives_its_tail_back() {
+        let shared = SharedAllocator::new(4096);
+        let mut lease = shared.lease(1000, 64).unwrap();
+        let at = lease.offset();
+        lease.shrink(100);
+        assert_eq!((lease.offset(), lease.size()), (at, 100));
+        assert_eq!(shared.report().used, 100);
+        lease.shrink(200);
+        assert_eq!(lease.size(), 100, "growing is not shrinking");
+        lease.shrink(0);
+        assert_eq!((lease.size(), shared.report().used), (0, 0));
+        drop(lease);
+        assert_eq!(shared.report().free_ranges, 1);
     }
 
     /// Leases taken and dropped on several threads are never handed out twice, never freed

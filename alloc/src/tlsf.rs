@@ -275,6 +275,47 @@ impl Allocator {
         Ok(())
     }
 
+    /// Gives back the bytes of `block` from `size` on and returns the block with its first
+    /// `size` bytes (at the same offset): a block leased for the most a request might need is
+    /// trimmed to what it used. The tail merges with a free neighbour at once. A `size` of zero
+    /// frees the block and returns an empty one; one at or above the block's size changes
+    /// nothing.
+    ///
+    /// A block granted by another allocator is refused and handed back inside the error.
+    pub fn shrink(&mut self, mut block: Block, size: u64) -> Result<Block, WrongAllocator> {
+        if block.owner != self.id {
+            return Err(WrongAllocator::new(block));
+        }
+        if size >= block.size {
+            return Ok(block);
+        }
+        if size == 0 {
+            self.free(block)?;
+            return Ok(self.empty_block());
+        }
+        let node = block.node;
+        let tail = block.size - size;
+        let at = block.offset + size;
+        let next = self.nodes[node as usize].next_phys;
+        if self.is_free(next) {
+            // The free neighbour grows back over the tail.
+            let old = self.nodes[next as usize].size;
+            let n = &mut self.nodes[next as usize];
+            n.offset = at;
+            n.size += tail;
+            self.reclass(next, old);
+        } else {
+            let t = self.new_node(at, tail, true);
+            self.insert_phys_after(node, t);
+            self.insert_free(t);
+            self.free_ranges += 1;
+        }
+        self.nodes[node as usize].size = size;
+        self.free_bytes += tail;
+        block.size = size;
+        Ok(block)
+    }
+
     /// Allocates a group of items (tensors) as few contiguous blocks as possible.
     ///
     /// The items are laid out with [`pack`]. When a free range holds the whole packed group, one

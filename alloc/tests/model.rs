@@ -1,4 +1,4 @@
-//! Model-based property test: random sequences of allocate, free and allocate_group run against
+//! Model-based property test: random sequences of allocate, free, shrink and allocate_group run against
 //! the real allocator and against an oracle that is a sorted list of free ranges.
 
 use proptest::prelude::*;
@@ -6,9 +6,21 @@ use tessera_alloc::{pack, AllocError, Allocator, Block, Layout};
 
 #[derive(Debug, Clone)]
 enum Op {
-    Allocate { size: u64, align_shift: u32 },
-    Free { pick: usize },
-    Group { items: Vec<(u64, u32)> },
+    Allocate {
+        size: u64,
+        align_shift: u32,
+    },
+    Free {
+        pick: usize,
+    },
+    /// Keeps `keep_per_mille` thousandths of a live block (zero frees it).
+    Shrink {
+        pick: usize,
+        keep_per_mille: u64,
+    },
+    Group {
+        items: Vec<(u64, u32)>,
+    },
 }
 
 fn size() -> impl Strategy<Value = u64> {
@@ -19,6 +31,8 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         4 => (size(), 0u32..13).prop_map(|(size, align_shift)| Op::Allocate { size, align_shift }),
         4 => any::<usize>().prop_map(|pick| Op::Free { pick }),
+        2 => (any::<usize>(), prop_oneof![1 => Just(0u64), 6 => 0u64..1000, 1 => Just(1000u64)])
+            .prop_map(|(pick, keep_per_mille)| Op::Shrink { pick, keep_per_mille }),
         2 => prop::collection::vec((size(), 0u32..7), 0..12).prop_map(|items| Op::Group { items }),
     ]
 }
@@ -145,6 +159,25 @@ fn run(capacity: u64, ops: Vec<Op>) {
                         oracle.give(b.offset(), b.end());
                     }
                     a.free(b).unwrap();
+                }
+            }
+            Op::Shrink {
+                pick,
+                keep_per_mille,
+            } => {
+                if !live.is_empty() {
+                    let b = live.swap_remove(pick % live.len());
+                    let (offset, old) = (b.offset(), b.size());
+                    let keep = old * keep_per_mille / 1000;
+                    let b = a.shrink(b, keep).unwrap();
+                    assert_eq!(b.size(), keep.min(old));
+                    if keep > 0 {
+                        assert_eq!(b.offset(), offset, "a shrunk block keeps its offset");
+                    }
+                    if keep < old {
+                        oracle.give(offset + keep, offset + old);
+                    }
+                    live.push(b);
                 }
             }
             Op::Group { items } => {

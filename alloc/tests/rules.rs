@@ -344,3 +344,39 @@ fn scattered_groups_fill_n_holes_with_n_items() {
     }
     assert_eq!(a.report().free_ranges, 1);
 }
+
+/// A shrunk block keeps its first bytes where they were; its tail is free at once, merged with
+/// a free neighbour or a range of its own, and a later allocation can take it. Another
+/// allocator's block is handed back untouched.
+#[test]
+fn shrink_frees_the_tail_at_once() {
+    let mut a = Allocator::new(1000);
+    let x = a.allocate(400, 8).unwrap();
+    let y = a.allocate(100, 8).unwrap();
+    // Followed by a used block: the tail becomes a range of its own.
+    let x = a.shrink(x, 150).unwrap();
+    assert_eq!((x.offset(), x.size()), (0, 150));
+    assert_eq!(ranges(&a), vec![(150, 400), (500, 1000)]);
+    // Followed by a free range: the tail joins it.
+    let y = a.shrink(y, 60).unwrap();
+    assert_eq!((y.offset(), y.size()), (400, 60));
+    assert_eq!(ranges(&a), vec![(150, 400), (460, 1000)]);
+    assert_eq!(a.report().used, 210);
+    let z = a.allocate(250, 1).unwrap();
+    assert_eq!(z.offset(), 150, "the freed tail is allocatable");
+    // At or above its size, nothing changes; zero frees it.
+    let y = a.shrink(y, 60).unwrap();
+    assert_eq!(y.size(), 60);
+    let y = a.shrink(y, 0).unwrap();
+    assert_eq!(y.size(), 0);
+    assert_eq!(ranges(&a), vec![(400, 1000)]);
+    let mut other = Allocator::new(64);
+    let w = other.allocate(32, 1).unwrap();
+    let w = a.shrink(w, 16).unwrap_err().into_block();
+    assert_eq!(w.size(), 32);
+    other.free(w).unwrap();
+    for b in [x, y, z] {
+        a.free(b).unwrap();
+    }
+    assert_eq!(ranges(&a), vec![(0, 1000)]);
+}

@@ -262,6 +262,20 @@ impl PoolBlock {
 }
 
 impl PoolBlock {
+    /// Keeps the block's first `len` bytes and gives the rest back to the pool at once, if
+    /// this is its last handle (as [`PoolBlock::freeze`] asks); a block leased for the most a
+    /// request might need is trimmed to what it used. Returns `false`, changing nothing,
+    /// while a descriptor, exposure or transfer of the block is alive.
+    pub fn shrink(&mut self, len: u64) -> bool {
+        match Arc::get_mut(&mut self.inner) {
+            Some(inner) => {
+                inner.lease.shrink(len);
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Turns the block into read-only bytes, if this is its last handle: no descriptor made
     /// from it and no transfer using it is still alive (a finished transfer has released its
     /// hold). Otherwise the block comes back unchanged.
@@ -349,6 +363,27 @@ mod tests {
         assert_eq!(pool.report().used, 16);
         drop(frozen);
         assert_eq!(pool.report().used, 0);
+    }
+
+    /// A block shrinks only as its last handle; it keeps its first bytes, and the pool can
+    /// lease the tail again at once.
+    #[test]
+    fn shrink_needs_the_last_handle_and_frees_the_tail() {
+        let agent = Agent::new("a", Inproc::new()).unwrap();
+        let pool = RegisteredPool::new(&agent, 4096).unwrap();
+        let mut block = pool.lease(4096, 8).unwrap();
+        block.write_at(0, b"keep").unwrap();
+        let desc = block.desc().unwrap();
+        assert!(!block.shrink(64), "a descriptor still holds the block");
+        assert_eq!(block.len(), 4096);
+        drop(desc);
+        assert!(block.shrink(64));
+        assert_eq!((block.offset(), block.len()), (0, 64));
+        assert_eq!(pool.report().used, 64);
+        let tail = pool.lease(4032, 1).expect("the tail is free");
+        assert_eq!(tail.offset(), 64);
+        let frozen = block.freeze().expect("last handle");
+        assert_eq!(&frozen.as_ref()[..4], b"keep");
     }
 
     fn pattern(len: usize) -> Vec<u8> {
