@@ -10,7 +10,10 @@
 //! the crate README's trust model.
 //!
 //! HMAC and SHA-256 come from the RustCrypto crates (`hmac`, `sha2`), whose `verify_slice`
-//! compares in constant time; randomness from `getrandom` (the kernel's `getrandom(2)`).
+//! compares in constant time; randomness from `getrandom` (the kernel's `getrandom(2)`):
+//! nonces straight from it, the many registration keys a busy agent draws (one per frame
+//! registered in place) from a ChaCha12 stream per thread (`rand_chacha`) that the kernel
+//! seeds, and reseeds in a forked child, so that no key costs a system call.
 
 use std::fmt;
 use std::path::Path;
@@ -202,16 +205,49 @@ pub fn nonce() -> Nonce {
 }
 
 /// A random, non-zero 64-bit number: registration keys and other identifiers a peer must not
-/// guess.
+/// guess. Drawn from a cryptographic stream per thread (ChaCha12) seeded from the kernel's
+/// source; a forked child reseeds before its first draw, so parent and child never share a
+/// stream.
 pub fn random_u64() -> u64 {
-    loop {
-        let mut b = [0u8; 8];
-        fill_random(&mut b);
-        let v = u64::from_le_bytes(b);
-        if v != 0 {
-            return v;
-        }
+    use rand_core::{RngCore, SeedableRng};
+    use std::cell::RefCell;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Once;
+
+    /// Bumped in every forked child (`pthread_atfork`): a stream seeded before is stale there.
+    static FORKS: AtomicU64 = AtomicU64::new(0);
+    static HOOK: Once = Once::new();
+    extern "C" fn forked() {
+        FORKS.fetch_add(1, Ordering::Relaxed);
     }
+    thread_local! {
+        static STREAM: RefCell<Option<(u64, rand_chacha::ChaCha12Rng)>> =
+            const { RefCell::new(None) };
+    }
+    HOOK.call_once(|| {
+        // SAFETY: registers a handler that only bumps an atomic, which is async-signal-safe as
+        // a child handler must be; the function pointer lives for the whole program.
+        unsafe { libc::pthread_atfork(None, None, Some(forked)) };
+    });
+    STREAM.with(|s| {
+        let mut s = s.borrow_mut();
+        let generation = FORKS.load(Ordering::Relaxed);
+        let rng = match &mut *s {
+            Some((g, rng)) if *g == generation => rng,
+            slot => {
+                let mut seed = [0u8; 32];
+                fill_random(&mut seed);
+                let fresh = rand_chacha::ChaCha12Rng::from_seed(seed);
+                &mut slot.insert((generation, fresh)).1
+            }
+        };
+        loop {
+            let v = rng.next_u64();
+            if v != 0 {
+                return v;
+            }
+        }
+    })
 }
 
 #[cfg(test)]
@@ -237,6 +273,38 @@ mod tests {
         assert!(check(None, "x", &[], &prove(None, "x", &[])));
         assert_eq!(t, Token::new("secret").unwrap());
         assert_ne!(t, Token::new("secret2").unwrap());
+    }
+
+    /// A child forked after its parent drew keys draws its own, not the parent's next ones.
+    #[test]
+    fn a_forked_child_draws_keys_of_its_own() {
+        let _ = random_u64();
+        let mut fds = [0i32; 2];
+        // SAFETY: `fds` has room for the two descriptors pipe(2) writes.
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        // SAFETY: the child only draws a key, writes it to the pipe and leaves with _exit.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0);
+        if pid == 0 {
+            let v = random_u64().to_le_bytes();
+            // SAFETY: writes the 8 bytes of `v` to the pipe's write end, then ends the child
+            // without running the parent's destructors.
+            unsafe {
+                libc::write(fds[1], v.as_ptr().cast(), v.len());
+                libc::_exit(0);
+            }
+        }
+        let mut b = [0u8; 8];
+        // SAFETY: reads at most 8 bytes into `b`; waits for the child it forked.
+        let n = unsafe {
+            libc::close(fds[1]);
+            let n = libc::read(fds[0], b.as_mut_ptr().cast(), b.len());
+            libc::close(fds[0]);
+            libc::waitpid(pid, std::ptr::null_mut(), 0);
+            n
+        };
+        assert_eq!(n, 8);
+        assert_ne!(u64::from_le_bytes(b), random_u64());
     }
 
     #[test]

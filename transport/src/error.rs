@@ -136,6 +136,13 @@ pub enum DescError {
     /// A descriptor of zero bytes (caller misuse): transfers never carry empty descriptors.
     #[error("descriptors cannot be empty")]
     Empty,
+    /// A standing exposure of a local-only registration, which no peer can reach (caller
+    /// misuse).
+    #[error("registration {reg} is local only: no peer can write it")]
+    Local {
+        /// The registration.
+        reg: u64,
+    },
 }
 
 /// Why metadata could not be decoded. Decoding checks every length before allocating.

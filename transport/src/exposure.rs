@@ -16,6 +16,8 @@
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 
+use crate::engine::Standing;
+use crate::registry::ListedEngine;
 use crate::transfer::Op;
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
@@ -64,9 +66,22 @@ struct Coverage {
     bytes: u64,
     /// Tasks waiting for it to grow ([`Exposure::poll_written`]), woken when it does.
     wakers: Vec<Waker>,
+    /// Threads blocked in [`Exposure::wait_written`]: only then does a record signal the
+    /// condition variable (a signal is a system call even when nobody waits).
+    sleepers: usize,
 }
 
 impl Coverage {
+    /// Whether `lo..hi` lies in one run (an empty range always does).
+    fn covers(&self, lo: u64, hi: u64) -> bool {
+        lo >= hi
+            || self
+                .runs
+                .range(..=lo)
+                .next_back()
+                .is_some_and(|(_, &e)| e >= hi)
+    }
+
     fn add(&mut self, mut lo: u64, mut hi: u64) {
         if lo >= hi {
             return;
@@ -121,12 +136,14 @@ impl ExpState {
             .saturating_add(len)
             .saturating_sub(self.start)
             .min(self.len);
-        let wakers = {
+        let (wakers, sleepers) = {
             let mut c = self.written.lock();
             c.add(lo, hi);
-            std::mem::take(&mut c.wakers)
+            (std::mem::take(&mut c.wakers), c.sleepers)
         };
-        self.grew.notify_all();
+        if sleepers > 0 {
+            self.grew.notify_all();
+        }
         for w in wakers {
             w.wake();
         }
@@ -200,7 +217,10 @@ impl Scope {
         ops: Ops,
         keep: Option<crate::transfer::KeepAlive>,
     ) -> Exposure {
-        let id = crate::auth::random_u64();
+        // Orders exposures of one start in the table; nothing outside this agent sees it.
+        static NEXT: tessera_sync::unchecked::AtomicU64 =
+            tessera_sync::unchecked::AtomicU64::new(1);
+        let id = NEXT.fetch_add(1, Ordering::Relaxed);
         let state = Arc::new(ExpState {
             start,
             len,
@@ -221,6 +241,7 @@ impl Scope {
             peer: peer.to_owned(),
             key: (start, id),
             state,
+            standing: None,
         }
     }
 }
@@ -241,9 +262,25 @@ pub struct Exposure {
     peer: String,
     key: (u64, u64),
     state: Arc<ExpState>,
+    /// A standing exposure's engine and grant, withdrawn when it drops.
+    standing: Option<(Arc<dyn ListedEngine>, Standing)>,
 }
 
 impl Exposure {
+    /// Makes it standing: `engine` hears of it now and of its end when it drops
+    /// ([`Registration::expose_standing`](crate::Registration::expose_standing)).
+    pub(crate) fn announce(mut self, engine: Arc<dyn ListedEngine>, reg: u64) -> Self {
+        let grant = Standing {
+            key: self.key.1,
+            reg,
+            offset: self.state.start,
+            len: self.state.len,
+        };
+        engine.standing(&self.peer, grant, true);
+        self.standing = Some((engine, grant));
+        self
+    }
+
     /// The peer it is for.
     pub fn peer(&self) -> &str {
         &self.peer
@@ -275,6 +312,18 @@ impl Exposure {
         self.state.written.lock().bytes
     }
 
+    /// Whether completed WRITEs covered every `(offset, len)` of `ranges`, offsets relative to
+    /// the exposure's start (a range beyond its end never is): the frames of a block exposed
+    /// whole, the padding between them left out.
+    pub fn ranges_written(&self, ranges: &[(u64, u64)]) -> bool {
+        let c = self.state.written.lock();
+        ranges.iter().all(|&(offset, len)| {
+            offset
+                .checked_add(len)
+                .is_some_and(|end| end <= self.state.len && c.covers(offset, end))
+        })
+    }
+
     /// Whether completed WRITEs covered every byte of it.
     pub fn is_fully_written(&self) -> bool {
         self.written() == self.state.len
@@ -289,6 +338,7 @@ impl Exposure {
     pub fn wait_written(&self, bytes: u64, timeout: Duration) -> u64 {
         let deadline = Instant::now() + timeout;
         let mut c = self.state.written.lock();
+        c.sleepers += 1;
         while c.bytes < bytes.min(self.state.len) {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
@@ -296,6 +346,7 @@ impl Exposure {
             }
             c = self.state.grew.wait_timeout(c, left).0;
         }
+        c.sleepers -= 1;
         c.bytes
     }
 
@@ -335,6 +386,10 @@ impl Drop for Exposure {
         if removed.is_some() {
             self.scope.count.fetch_sub(1, Ordering::AcqRel);
         }
+        // Withdrawn from the peer's side only once the target grants nothing more in it.
+        if let Some((engine, grant)) = self.standing.take() {
+            engine.standing(&self.peer, grant, false);
+        }
     }
 }
 
@@ -371,6 +426,28 @@ mod tests {
         assert_eq!(c.bytes, 40);
         c.add(50, 50);
         assert_eq!(c.bytes, 40);
+    }
+
+    #[test]
+    fn ranges_count_as_written_only_once_covered_whole() {
+        let s = Arc::new(Scope::new(true));
+        let e = s.expose("p", 1000, 300, Ops::WRITE, None);
+        assert!(e.ranges_written(&[]));
+        assert!(e.ranges_written(&[(10, 0)]), "an empty range is covered");
+        e.state.record(1000, 64);
+        e.state.record(1128, 64);
+        assert!(e.ranges_written(&[(0, 64), (128, 64)]));
+        assert!(e.ranges_written(&[(10, 20), (150, 42)]));
+        assert!(!e.ranges_written(&[(0, 65)]), "one byte past the run");
+        assert!(!e.ranges_written(&[(0, 192)]), "the gap between the runs");
+        assert!(!e.ranges_written(&[(64, 1)]));
+        e.state.record(1064, 64);
+        assert!(e.ranges_written(&[(0, 192)]));
+        assert!(
+            !e.ranges_written(&[(192, 109)]),
+            "beyond the exposure's end"
+        );
+        assert!(!e.ranges_written(&[(u64::MAX, 2)]));
     }
 
     #[test]

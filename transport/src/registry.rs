@@ -218,14 +218,16 @@ pub(crate) struct RegEntry {
 
 /// The engine that registered an entry and the registry that lists it.
 pub(crate) struct Listed {
-    pub(crate) engine: Arc<dyn Deregister>,
+    pub(crate) engine: Arc<dyn ListedEngine>,
     pub(crate) registry: Weak<Registry>,
 }
 
-/// What a listed entry calls when its last holder drops it: its engine's
-/// `Transport::deregister` (each agent builds one, over its engine).
-pub(crate) trait Deregister: Send + Sync {
+/// A listed entry's engine, as the entry reaches it: `Transport::deregister` when its last
+/// holder drops it, `Transport::standing` when one of its standing exposures comes or goes
+/// (each agent builds one, over its engine).
+pub(crate) trait ListedEngine: Send + Sync {
     fn deregister(&self, id: u64);
+    fn standing(&self, peer: &str, grant: crate::engine::Standing, live: bool);
 }
 
 impl RegEntry {

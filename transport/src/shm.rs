@@ -11,6 +11,13 @@
 //! 4. initiator → target `DONE`, with the notification: the target unpins and delivers the
 //!    notification, after the data landed.
 //!
+//! A WRITE that lies wholly inside ranges the target announced as standing
+//! ([`Transport::standing`], `STANDING` / `REVOKE`) skips steps 1 and 2: the initiator copies
+//! at once, on the caller's thread, and sends `WROTE` with the spans (and the notification);
+//! the target checks them against its exposures as it would a grant and records what landed.
+//! A peer that keeps a landing block ready for a client this way costs that client no round
+//! trip per WRITE.
+//!
 //! Each connection has one progress thread per side, blocked in `recvmsg` while idle.
 //!
 //! **Trust.** Before anything else, the dialer and the target run the challenge-response in
@@ -40,7 +47,7 @@ use crate::auth::{Token, NONCE_LEN};
 use crate::handshake::{self, PRE_AUTH_DEADLINE, PRE_AUTH_MAX};
 
 use crate::engine::wire::{u32_at, u64_at};
-use crate::engine::{Connection, Grant, Host, Op, PeerInfo, RegInfo, Transport, Xfer};
+use crate::engine::{Connection, Grant, Host, Op, PeerInfo, RegInfo, Standing, Transport, Xfer};
 use crate::error::{BackendError, RegisterError, RejectReason, TransferError};
 use crate::region::next_id;
 use crate::Region;
@@ -62,6 +69,9 @@ pub(crate) const CHALLENGE: u8 = 10;
 pub(crate) const AUTH: u8 = 11;
 pub(crate) const HELLO_ACK: u8 = 12;
 pub(crate) const REFUSED: u8 = 13;
+pub(crate) const STANDING: u8 = 14;
+pub(crate) const REVOKE: u8 = 15;
+pub(crate) const WROTE: u8 = 16;
 
 /// How long `connect` waits for the target to accept and answer the handshake.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -90,6 +100,109 @@ struct Inner {
     sockets: Mutex<Vec<Weak<UnixStream>>>,
     /// Names with live inbound links, by claiming process.
     claims: Arc<Claims>,
+    /// Standing exposures by peer name, and that peer's inbound links to announce them to.
+    standing: Arc<StandingTable>,
+}
+
+/// Standing exposures by peer name, shared with the links' serving threads.
+type StandingTable = Mutex<HashMap<String, PeerStanding>>;
+
+/// One peer's standing exposures and the reply queues of its inbound links.
+#[derive(Default)]
+struct PeerStanding {
+    grants: HashMap<u64, Standing>,
+    links: Vec<(u64, Replies)>,
+}
+
+/// A link's replies as the target sends them.
+type Replies = Arc<LinkOut>;
+
+/// The target's side of one link's socket. A message goes out from the thread that makes it
+/// when nothing is queued ahead of it and the socket takes it whole without blocking (no hop
+/// to another thread: a GRANT, a standing range); otherwise it waits in order for the link's
+/// writer thread, which may block. Messages carrying a file descriptor always go through the
+/// writer thread.
+struct LinkOut {
+    stream: Arc<UnixStream>,
+    /// Messages handed to the writer thread and not yet written whole, and whether the link
+    /// is broken.
+    queued: Arc<Mutex<(usize, bool)>>,
+    tx: tessera_sync::unchecked::mpsc::Sender<(Vec<u8>, Option<Region>)>,
+}
+
+impl LinkOut {
+    /// The link's sender and its writer thread; `None` when no thread could be started.
+    fn start(stream: &Arc<UnixStream>) -> Option<Arc<Self>> {
+        let (tx, rx) = tessera_sync::unchecked::mpsc::channel::<(Vec<u8>, Option<Region>)>();
+        let queued = Arc::new(Mutex::new((0, false)));
+        let stream_for_out = stream.clone();
+        // The thread holds no sender: it ends once the link's last `LinkOut` is dropped.
+        let (stream, q) = (stream.clone(), queued.clone());
+        let spawned = std::thread::Builder::new()
+            .name("shm-target-tx".into())
+            .spawn(move || {
+                let (stream, queued) = (&*stream, &*q);
+                for (msg, region) in rx {
+                    let sent = match region.as_ref().and_then(Region::fd) {
+                        Some(fd) => send_with_fd(stream, &msg, fd.as_raw_fd()),
+                        None => send_all(stream, &msg),
+                    };
+                    let mut q = queued.lock();
+                    q.0 -= 1;
+                    if sent.is_err() {
+                        q.1 = true;
+                        drop(q);
+                        let _ = stream.shutdown(std::net::Shutdown::Both);
+                        break;
+                    }
+                }
+            });
+        spawned.ok()?;
+        Some(Arc::new(Self {
+            stream: stream_for_out,
+            queued,
+            tx,
+        }))
+    }
+
+    /// Sends `msg` (with `region`'s file descriptor attached, if given), in order after every
+    /// message sent before it. Returns `false` once the link is broken.
+    fn send(&self, msg: Vec<u8>, region: Option<Region>) -> bool {
+        let mut q = self.queued.lock();
+        if q.1 {
+            return false;
+        }
+        let mut msg = msg;
+        if q.0 == 0 && region.is_none() {
+            match send_now(&self.stream, &msg) {
+                Ok(n) if n == msg.len() => return true,
+                // The rest follows through the writer thread, before anything sent later.
+                Ok(n) => {
+                    msg.drain(..n);
+                }
+                Err(_) => {
+                    q.1 = true;
+                    drop(q);
+                    let _ = self.stream.shutdown(std::net::Shutdown::Both);
+                    return false;
+                }
+            }
+        }
+        q.0 += 1;
+        if self.tx.send((msg, region)).is_err() {
+            q.1 = true;
+            return false;
+        }
+        true
+    }
+}
+
+fn standing_msg(out: &mut Vec<u8>, g: &Standing) {
+    frame(out, STANDING, |b| {
+        for v in [g.key, g.reg, g.offset, g.len] {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+    });
 }
 
 impl Shm {
@@ -105,6 +218,7 @@ impl Shm {
                 closed: AtomicBool::new(false),
                 sockets: Mutex::new(Vec::new()),
                 claims: Arc::new(Mutex::new(HashMap::new())),
+                standing: Arc::new(Mutex::new(HashMap::new())),
             }),
         }
     }
@@ -248,6 +362,32 @@ impl Transport for Shm {
 
     fn tracks_links(&self) -> bool {
         true
+    }
+
+    /// Tells every inbound link of `peer` (and any it opens later) that it may WRITE the
+    /// range without asking, or no longer may.
+    fn standing(&self, peer: &str, grant: Standing, live: bool) {
+        let mut all = self.inner.standing.lock();
+        let p = all.entry(peer.to_owned()).or_default();
+        let mut msg = Vec::new();
+        if live {
+            p.grants.insert(grant.key, grant);
+            standing_msg(&mut msg, &grant);
+        } else {
+            if p.grants.remove(&grant.key).is_none() {
+                return;
+            }
+            frame(&mut msg, REVOKE, |b| {
+                b.extend_from_slice(&grant.key.to_le_bytes())
+            });
+        }
+        // A link whose writer has gone is being torn down; it drops itself.
+        for (_, tx) in &p.links {
+            tx.send(msg.clone(), None);
+        }
+        if p.grants.is_empty() && p.links.is_empty() {
+            all.remove(peer);
+        }
     }
 
     fn shutdown(&self) {
@@ -590,6 +730,34 @@ fn send_all(stream: &UnixStream, mut data: &[u8]) -> io::Result<()> {
     Ok(())
 }
 
+/// Sends as much of `data` as the socket takes without blocking; returns the bytes sent.
+fn send_now(stream: &UnixStream, data: &[u8]) -> io::Result<usize> {
+    let mut sent = 0;
+    while sent < data.len() {
+        let rest = &data[sent..];
+        // SAFETY: `rest` is a valid readable buffer for its length; MSG_NOSIGNAL turns a dead
+        // peer into EPIPE instead of a signal, MSG_DONTWAIT a full socket into EAGAIN.
+        let n = unsafe {
+            libc::send(
+                stream.as_raw_fd(),
+                rest.as_ptr().cast(),
+                rest.len(),
+                libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+            )
+        };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            match e.kind() {
+                io::ErrorKind::Interrupted => continue,
+                io::ErrorKind::WouldBlock => return Ok(sent),
+                _ => return Err(e),
+            }
+        }
+        sent += n as usize;
+    }
+    Ok(sent)
+}
+
 /// Sends `data` with `fd` attached (SCM_RIGHTS) to its first byte.
 fn send_with_fd(stream: &UnixStream, data: &[u8], fd: RawFd) -> io::Result<()> {
     // u64 words keep the control buffer aligned for `cmsghdr`.
@@ -754,6 +922,33 @@ struct State {
     requested: HashSet<u64>,
     pending: HashMap<u64, Xfer>,
     dead: Option<String>,
+    /// The target's standing exposures to us: `(registration, offset)` to `(len, key)`, and
+    /// the key's place there.
+    standing: std::collections::BTreeMap<(u64, u64), (u64, u64)>,
+    standing_keys: HashMap<u64, (u64, u64)>,
+}
+
+impl State {
+    /// Whether every segment of a WRITE lies in one standing range of its registration, and
+    /// that registration is mapped: then it needs no grant.
+    fn standing_covers(&self, plan: &crate::engine::Plan) -> bool {
+        plan.op() == Op::Write
+            && !self.standing.is_empty()
+            && plan.segments().iter().all(|seg| {
+                self.mapped.contains_key(&seg.remote_reg)
+                    && self
+                        .standing
+                        .range(..=(seg.remote_reg, seg.remote_offset))
+                        .next_back()
+                        .is_some_and(|(&(reg, off), &(len, _))| {
+                            reg == seg.remote_reg
+                                && seg
+                                    .remote_offset
+                                    .checked_add(seg.len)
+                                    .is_some_and(|end| end <= off + len)
+                        })
+            })
+    }
 }
 
 struct ShmConnection {
@@ -830,6 +1025,30 @@ impl ShmConnection {
                     };
                     self.state.lock().requested.remove(&reg);
                 }
+                STANDING => {
+                    let (Some(key), Some(reg), Some(off), Some(len)) =
+                        (u64_at(b, 0), u64_at(b, 8), u64_at(b, 16), u64_at(b, 24))
+                    else {
+                        break "malformed STANDING".to_owned();
+                    };
+                    if off.checked_add(len).is_none() {
+                        break "malformed STANDING".to_owned();
+                    }
+                    let mut st = self.state.lock();
+                    if let Some(old) = st.standing_keys.insert(key, (reg, off)) {
+                        st.standing.remove(&old);
+                    }
+                    st.standing.insert((reg, off), (len, key));
+                }
+                REVOKE => {
+                    let Some(key) = u64_at(b, 0) else {
+                        break "malformed REVOKE".to_owned();
+                    };
+                    let mut st = self.state.lock();
+                    if let Some(at) = st.standing_keys.remove(&key) {
+                        st.standing.remove(&at);
+                    }
+                }
                 GRANT | REJECT => {
                     let Some(id) = u64_at(b, 0) else {
                         break "malformed GRANT".to_owned();
@@ -873,6 +1092,47 @@ impl ShmConnection {
             (Err(e), _) => Err(e),
             (Ok(()), Err(e)) => Err(self.gone(&format!("sending DONE: {e}"))),
             (Ok(()), Ok(())) => Ok(()),
+        };
+        xfer.done.complete(result);
+    }
+
+    /// A WRITE inside the target's standing ranges: copied here and now, then `WROTE` tells
+    /// the target which spans landed (with the notification), and the transfer completes on
+    /// the caller's thread. No round trip.
+    fn write_standing(&self, xfer: Xfer) {
+        if let Some(why) = self.state.lock().dead.clone() {
+            xfer.done.complete(Err(self.gone(&why)));
+            return;
+        }
+        let copied = self.copy(&xfer);
+        let notify = xfer.notify.as_deref().filter(|_| copied.is_ok());
+        let sent = match &copied {
+            // Nothing landed: the target has nothing to record.
+            Err(_) => Ok(()),
+            Ok(()) => self.send(|out| {
+                frame(out, WROTE, |b| {
+                    let segments = xfer.plan().segments();
+                    b.push(u8::from(notify.is_some()));
+                    b.extend_from_slice(&(segments.len() as u32).to_le_bytes());
+                    for s in segments {
+                        b.extend_from_slice(&s.remote_reg.to_le_bytes());
+                        b.extend_from_slice(&s.remote_offset.to_le_bytes());
+                        b.extend_from_slice(&s.len.to_le_bytes());
+                    }
+                    b.extend_from_slice(notify.unwrap_or_default());
+                })
+            }),
+        };
+        let result = match (copied, sent) {
+            (Err(e), _) => Err(e),
+            (Ok(()), Err(e)) => {
+                self.die(&format!("sending WROTE: {e}"));
+                Err(self.gone(&format!("sending WROTE: {e}")))
+            }
+            (Ok(()), Ok(())) => {
+                self.local.count_standing_write();
+                Ok(())
+            }
         };
         xfer.done.complete(result);
     }
@@ -942,6 +1202,10 @@ impl Connection for ShmConnection {
             let sent = self.send(|out| frame(out, NOTIFY, |b| b.extend_from_slice(msg)));
             let result = sent.map_err(|e| self.gone(&format!("sending a notification: {e}")));
             xfer.done.complete(result);
+            return;
+        }
+        if self.state.lock().standing_covers(xfer.plan()) {
+            self.write_standing(xfer);
             return;
         }
         let id = next_id();
@@ -1031,9 +1295,10 @@ fn accept_loop(inner: Arc<Inner>, listener: UnixListener) {
         let token = inner.token.get().cloned();
         let claims = inner.claims.clone();
         let deadline = inner.handshake_deadline();
+        let standing = inner.standing.clone();
         let spawned = std::thread::Builder::new()
             .name("shm-target".into())
-            .spawn(move || serve(host, stream, token, claims, deadline));
+            .spawn(move || serve(host, stream, token, claims, standing, deadline));
         if spawned.is_err() {
             continue;
         }
@@ -1047,6 +1312,7 @@ fn serve(
     stream: Arc<UnixStream>,
     token: Option<Token>,
     claims: Arc<Claims>,
+    standing: Arc<StandingTable>,
     deadline: Duration,
 ) {
     // Nothing but the handshake is read from a peer that has not authenticated. The peer
@@ -1057,27 +1323,25 @@ fn serve(
         let _ = stream.shutdown(std::net::Shutdown::Both);
         return;
     };
-    // Replies go through their own thread, so this one always keeps reading and an initiator
-    // blocked sending to us always makes progress.
-    let (tx, rx) = tessera_sync::unchecked::mpsc::channel::<(Vec<u8>, Option<Region>)>();
-    let replies = stream.clone();
-    let writer = std::thread::Builder::new()
-        .name("shm-target-tx".into())
-        .spawn(move || {
-            for (msg, region) in rx {
-                let sent = match region.as_ref().and_then(Region::fd) {
-                    Some(fd) => send_with_fd(&replies, &msg, fd.as_raw_fd()),
-                    None => send_all(&replies, &msg),
-                };
-                if sent.is_err() {
-                    let _ = replies.shutdown(std::net::Shutdown::Both);
-                    break;
-                }
-            }
-        });
-    if writer.is_err() {
+    // Replies never block this thread, so it always keeps reading and an initiator blocked
+    // sending to us always makes progress: each goes out at once when the socket takes it
+    // whole, else through the link's writer thread (see `LinkOut`).
+    let Some(tx) = LinkOut::start(&stream) else {
         let _ = stream.shutdown(std::net::Shutdown::Both);
         return;
+    };
+    // The peer's standing exposures reach it through this link from now on, those made
+    // before it first.
+    let link = next_id();
+    {
+        let mut all = standing.lock();
+        let p = all.entry(peer.clone()).or_default();
+        for g in p.grants.values() {
+            let mut msg = Vec::new();
+            standing_msg(&mut msg, g);
+            tx.send(msg, None);
+        }
+        p.links.push((link, tx.clone()));
     }
     let mut reader = Reader::new();
     let mut grants: HashMap<u64, Grant> = HashMap::new();
@@ -1098,13 +1362,13 @@ fn serve(
                             o.extend_from_slice(&base.to_le_bytes());
                             o.extend_from_slice(&len.to_le_bytes());
                         });
-                        tx.send((out, Some(region))).is_ok()
+                        tx.send(out, Some(region))
                     }
                     None => {
                         frame(&mut out, MAP_ERR, |o| {
                             o.extend_from_slice(&reg.to_le_bytes())
                         });
-                        tx.send((out, None)).is_ok()
+                        tx.send(out, None)
                     }
                 }
             }
@@ -1139,7 +1403,7 @@ fn serve(
                         });
                     }
                 }
-                tx.send((out, None)).is_ok()
+                tx.send(out, None)
             }
             DONE => {
                 let (Some(id), Some(&copied), Some(&has_note)) = (u64_at(b, 0), b.get(8), b.get(9))
@@ -1164,10 +1428,52 @@ fn serve(
                 host.notify(&peer, b.to_vec());
                 true
             }
+            WROTE => {
+                let (Some(&has_note), Some(n)) = (b.first(), u32_at(b, 1)) else {
+                    break;
+                };
+                let Some(end) = (n as usize).checked_mul(24).and_then(|x| x.checked_add(5)) else {
+                    break;
+                };
+                if b.len() < end {
+                    break;
+                }
+                let spans = (0..n as usize).map(|i| {
+                    let at = 5 + i * 24;
+                    (
+                        u64_at(b, at).unwrap_or(0),
+                        u64_at(b, at + 8).unwrap_or(0),
+                        u64_at(b, at + 16).unwrap_or(0),
+                    )
+                });
+                // Checked as a grant would have been: only spans inside this peer's exposures
+                // count as written. A WRITE that raced the withdrawal of its standing range
+                // records nothing (its memory is the exposure owner's to keep out of reuse
+                // until the peer is done with it).
+                let mut grant = spare.pop().unwrap_or_default();
+                if host.grant_for(&mut grant, &peer, Op::Write, spans).is_ok() {
+                    grant.mark_written();
+                }
+                grant.clear();
+                spare.push(grant);
+                if has_note != 0 {
+                    host.notify(&peer, b[end..].to_vec());
+                }
+                true
+            }
             _ => false,
         };
         if !ok {
             break;
+        }
+    }
+    {
+        let mut all = standing.lock();
+        if let Some(p) = all.get_mut(&peer) {
+            p.links.retain(|(l, _)| *l != link);
+            if p.grants.is_empty() && p.links.is_empty() {
+                all.remove(&peer);
+            }
         }
     }
     let _ = stream.shutdown(std::net::Shutdown::Both);
@@ -1189,6 +1495,79 @@ mod tests {
         return crate::testing::hang_guard();
         #[cfg(not(feature = "testing"))]
         Duration::from_secs(60)
+    }
+
+    /// A WRITE inside a standing range is copied at once, with no grant: it is done when
+    /// `write` returns, the initiator counts it, the target records it as written and its
+    /// notification arrives after the data. A WRITE reaching past the range, or into it once
+    /// it is withdrawn, asks for its grant as before, and a scoped registration refuses one
+    /// outside every exposure. Standing ranges made before the link opened reach it too.
+    #[test]
+    fn writes_inside_standing_ranges_need_no_grant() {
+        use crate::{Ops, RegisteredPool, Status, TransferError};
+        let unit = Agent::new("unit", Shm::new()).unwrap();
+        let pool = RegisteredPool::new_scoped(&unit, 1 << 16).unwrap();
+        let reg = pool.registration();
+        // Made before the client connects: announced when its link opens.
+        let early = reg.expose_standing("client", 0, 4096).unwrap();
+        let wider = reg.expose("client", 4096, 8192, Ops::WRITE).unwrap();
+        let client = Agent::new("client", Shm::new()).unwrap();
+        let src = Region::new(16384).unwrap();
+        src.fill(0, 16384, 0x5A).unwrap();
+        let local = client.register(&src).unwrap();
+        let peer = client.add_remote(&unit.metadata()).unwrap();
+        let write = |offset: u64, len: u64, note: Option<&[u8]>| {
+            peer.write(
+                &[local.desc(0, len).unwrap()],
+                &[reg.remote(offset, len).unwrap()],
+                note,
+            )
+            .unwrap()
+        };
+        // The first WRITE maps the registration (through a grant); the announcement came
+        // before its GRANT on the same socket.
+        write(4096, 64, None).wait_timeout(bound()).unwrap();
+        assert_eq!(client.report().standing_writes, 0);
+        let t = write(100, 1000, Some(b"landed"));
+        assert!(
+            matches!(t.status(), Status::Done),
+            "no round trip to wait for"
+        );
+        assert_eq!(client.report().standing_writes, 1);
+        assert_eq!(early.wait_written(1000, bound()), 1000);
+        let n = unit.wait_notification(bound()).expect("the notification");
+        assert_eq!(
+            (n.from.as_str(), n.msg.as_slice()),
+            ("client", &b"landed"[..])
+        );
+        let mut got = vec![0u8; 1000];
+        pool.registration().region().read_at(100, &mut got).unwrap();
+        assert!(got.iter().all(|b| *b == 0x5A));
+        // Past the standing range's end, into the next exposure: no one exposure holds it,
+        // so it asks for a grant, which is refused.
+        let straddling = write(4000, 200, None).wait_timeout(bound());
+        assert!(
+            matches!(straddling, Err(TransferError::Rejected { .. })),
+            "{straddling:?}"
+        );
+        assert_eq!(client.report().standing_writes, 1);
+        // Withdrawn: once a later grant's round trip shows the REVOKE was read, the range
+        // asks again and is refused.
+        drop(early);
+        write(4096, 64, None).wait_timeout(bound()).unwrap();
+        let late = write(100, 100, None).wait_timeout(bound());
+        assert!(
+            matches!(late, Err(TransferError::Rejected { .. })),
+            "{late:?}"
+        );
+        assert_eq!(client.report().standing_writes, 1);
+        // Made while the link is open: announced at once.
+        let now = reg.expose_standing("client", 8192, 1024).unwrap();
+        write(4096, 64, None).wait_timeout(bound()).unwrap();
+        write(8192, 512, None).wait_timeout(bound()).unwrap();
+        assert_eq!(client.report().standing_writes, 2);
+        assert_eq!(now.wait_written(512, bound()), 512);
+        drop((now, wider));
     }
 
     /// The target sees a peer's link open from its HELLO on, and closed once the peer's agent

@@ -15,7 +15,7 @@ pub use registration::Registration;
 
 use crate::engine::HostShared;
 use crate::notify::{NextNotification, Notification, Notifications};
-use crate::registry::{Deregister, Listed, RegEntry, Registry};
+use crate::registry::{Listed, ListedEngine, RegEntry, Registry};
 
 use std::collections::HashMap;
 use std::fmt;
@@ -45,17 +45,22 @@ pub(crate) struct AgentCore {
     pub(crate) host: Arc<HostShared>,
     pub(crate) transport: Arc<dyn Transport>,
     /// The engine, as the registrations it listed see it.
-    deregister: Arc<dyn Deregister>,
+    deregister: Arc<dyn ListedEngine>,
     peers: Mutex<HashMap<String, Weak<PeerCore>>>,
     pub(crate) in_flight: Arc<AtomicUsize>,
 }
 
-/// An agent's engine as its registrations reach it: only to deregister them.
+/// An agent's engine as its registrations reach it: to deregister them and to announce
+/// their standing exposures.
 struct EngineDeregister(Arc<dyn Transport>);
 
-impl Deregister for EngineDeregister {
+impl ListedEngine for EngineDeregister {
     fn deregister(&self, id: u64) {
         self.0.deregister(id);
+    }
+
+    fn standing(&self, peer: &str, grant: crate::engine::Standing, live: bool) {
+        self.0.standing(peer, grant, live);
     }
 }
 
@@ -95,6 +100,9 @@ pub struct AgentReport {
     pub copied_write_bytes: u64,
     /// The same for READs (`tcp`: counted at the reader, where the bytes land).
     pub copied_read_bytes: u64,
+    /// WRITEs this agent's engine made inside a peer's standing ranges, without asking the
+    /// peer first (`shm`; see [`Registration::expose_standing`]).
+    pub standing_writes: u64,
 }
 
 const _: () = {
@@ -125,6 +133,7 @@ impl Agent {
             notifications: Notifications::default(),
             closed: AtomicBool::new(false),
             copied_write: Counter::default(),
+            standing_writes: Counter::default(),
             copied_read: Counter::default(),
             inbound: Mutex::new(HashMap::new()),
         });
@@ -449,6 +458,7 @@ impl Agent {
             in_flight: self.core.in_flight.load(Ordering::Acquire),
             copied_write_bytes: self.core.host.copied_write.get(),
             copied_read_bytes: self.core.host.copied_read.get(),
+            standing_writes: self.core.host.standing_writes.get(),
         }
     }
 }

@@ -106,6 +106,27 @@ impl Registration {
         Ok(self.entry.scope.expose(peer, start, len, ops, None))
     }
 
+    /// Like [`Registration::expose`] for WRITEs, and announced to the engine as standing
+    /// ([`Transport::standing`](crate::engine::Transport::standing)): an engine whose
+    /// initiator asks for a grant before each transfer (`shm`) hands it to the peer's side
+    /// now, so that the peer's WRITEs inside it need no round trip until it drops. For ranges
+    /// a peer writes right after learning of them (a landing block kept ready for a client);
+    /// the target still checks every WRITE it sees against its exposures. A registration this
+    /// agent's engine never saw (local only) has nobody to announce to and is refused.
+    pub fn expose_standing(
+        &self,
+        peer: &str,
+        offset: u64,
+        len: u64,
+    ) -> Result<Exposure, DescError> {
+        let start = self.window(offset, len)?;
+        let exposure = self.entry.scope.expose(peer, start, len, Ops::WRITE, None);
+        match &self.entry.listed {
+            Some(listed) => Ok(exposure.announce(listed.engine.clone(), self.entry.id)),
+            None => Err(DescError::Local { reg: self.entry.id }),
+        }
+    }
+
     pub(crate) fn expose_keeping(
         &self,
         peer: &str,

@@ -24,6 +24,8 @@ pub(crate) struct HostShared {
     pub(crate) copied_write: Counter,
     /// Payload bytes this agent's engine copied into READ destinations.
     pub(crate) copied_read: Counter,
+    /// WRITEs made inside a peer's standing ranges, with no grant asked for.
+    pub(crate) standing_writes: Counter,
     /// Inbound links by peer name: how many of the engine's readers serving that peer are
     /// still running (engines that track them, see `Transport::tracks_links`).
     pub(crate) inbound: Mutex<HashMap<String, usize>>,
@@ -120,6 +122,12 @@ impl Host {
             Op::Write => self.shared.copied_write.add(bytes),
             Op::Read => self.shared.copied_read.add(bytes),
         }
+    }
+
+    /// Counts a WRITE made inside a peer's standing ranges without asking for a grant, for the
+    /// agent's [`report`](crate::Agent::report).
+    pub fn count_standing_write(&self) {
+        self.shared.standing_writes.add(1);
     }
 
     /// Whether the agent is shutting down.

@@ -95,9 +95,34 @@ pub trait Transport: Send + Sync + 'static {
         false
     }
 
+    /// A standing exposure of one of this agent's registrations came (`live`) or went: peer
+    /// `peer` may WRITE `grant`'s range until it goes
+    /// ([`Registration::expose_standing`](crate::Registration::expose_standing)). An engine
+    /// whose initiator asks the target for a grant before every transfer may hand this one to
+    /// the peer's side in advance, so that a WRITE inside it costs no round trip (`shm`);
+    /// every WRITE is still checked against the target's exposures where the target sees it.
+    /// The default ignores it (each transfer is granted as it comes).
+    fn standing(&self, peer: &str, grant: Standing, live: bool) {
+        let _ = (peer, grant, live);
+    }
+
     /// Stops progress, fails every pending transfer with a peer-gone or shutdown error, and
     /// releases the engine's resources. Called once, when the agent is dropped.
     fn shutdown(&self);
+}
+
+/// A range of a registration one peer may WRITE until it is withdrawn
+/// ([`Transport::standing`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Standing {
+    /// Names it among the agent's standing exposures (unique while it is live).
+    pub key: u64,
+    /// The registration's id.
+    pub reg: u64,
+    /// First byte, as peers name offsets in the registration.
+    pub offset: u64,
+    /// Its length.
+    pub len: u64,
 }
 
 /// An engine's handle on one peer.
