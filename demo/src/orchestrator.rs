@@ -392,7 +392,17 @@ async fn drive(
     while let Some((who, line)) = rx.recv().await {
         handle(who, line);
     }
-    let after = client.stats().await?.remove(0);
+    // The roles' sessions closed with their processes; what they held exposed (their unused
+    // credits) returns once the unit saw their links torn down, on its timer: wait for that
+    // (bounded), then look. Anything left then is reported as left.
+    let mut after = client.stats().await?.remove(0);
+    for _ in 0..250 {
+        if after.quarantined_bytes == 0 && after.sessions <= 1 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        after = client.stats().await?.remove(0);
+    }
     bars.finish();
     Ok(Finished {
         producer: producer.context("the producer exited without its report")?,

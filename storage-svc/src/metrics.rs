@@ -41,6 +41,7 @@ pub(crate) fn record_stats(s: &Stats) {
     metrics::gauge!("tessera_storage_pool_used_bytes").set(s.pool.used as f64);
     metrics::gauge!("tessera_storage_registered_chunks").set(s.pool.chunks as f64);
     metrics::gauge!("tessera_storage_leased_bytes").set(s.leased_bytes as f64);
+    metrics::gauge!("tessera_storage_credit_bytes").set(s.credit_bytes as f64);
     metrics::gauge!("tessera_storage_quarantined_bytes").set(s.quarantined_bytes as f64);
     metrics::gauge!("tessera_storage_compacted_bytes").set(s.compacted_bytes as f64);
     metrics::gauge!("tessera_storage_bytes_in").set(s.bytes_in as f64);

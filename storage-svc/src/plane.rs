@@ -14,7 +14,7 @@ use tessera_transport::{
 };
 
 use crate::chunks::ChunkPool;
-use crate::core::{Exposed, Memory, PoolStats, Written};
+use crate::core::{Exposed, Landed, Landing, Memory, PoolStats, Written};
 use crate::error::MemoryError;
 use tessera_engines::{EngineError, EngineOptions};
 
@@ -199,6 +199,19 @@ impl Memory for PoolMemory {
         block.len()
     }
 
+    fn shrink(block: &mut PoolBlock, len: u64) {
+        // A block still described elsewhere (a pulled PUT's READ destinations) keeps its
+        // length; nothing of it is lost, only not given back early.
+        let _ = block.shrink(len);
+    }
+
+    fn expose_landing(&self, block: &PoolBlock, peer: &str) -> Result<Landed, MemoryError> {
+        let exposure = block
+            .registration()
+            .expose_standing(peer, block.offset(), block.len())?;
+        Ok(Arc::new(CreditExposed(exposure)))
+    }
+
     fn copy_in(&mut self, data: &[u8], align: u64) -> Result<Bytes, MemoryError> {
         if data.is_empty() {
             return Ok(Bytes::new());
@@ -214,12 +227,19 @@ impl Memory for PoolMemory {
         peer: &str,
         ranges: &[(u64, u64)],
     ) -> Result<Exposed, MemoryError> {
-        let reg = block.registration();
-        let exposures = ranges
-            .iter()
-            .map(|&(offset, len)| reg.expose(peer, block.offset() + offset, len, Ops::WRITE))
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(Arc::new(FramesExposed(exposures)))
+        // One exposure from the first frame's start to the last one's end: the padding between
+        // frames is the client's to write as well, it is never published.
+        let start = ranges.iter().map(|r| r.0).min().unwrap_or(0);
+        let end = ranges.iter().map(|r| r.0 + r.1).max().unwrap_or(0);
+        let exposure =
+            block
+                .registration()
+                .expose(peer, block.offset() + start, end - start, Ops::WRITE)?;
+        Ok(Arc::new(FramesExposed {
+            exposure,
+            ranges: ranges.iter().map(|&(o, l)| (o - start, l)).collect(),
+            bytes: ranges.iter().map(|r| r.1).sum(),
+        }))
     }
 
     fn usage(&self) -> PoolStats {
@@ -231,23 +251,40 @@ impl Memory for PoolMemory {
     }
 }
 
-/// A pushed PUT's frames exposed to the client's agent, one exposure per run of touching
-/// frames: the unit's engine grants the client's WRITEs only inside them (where it sees every
-/// request, see tessera-transport's trust model) and records what landed.
-struct FramesExposed(Vec<Exposure>);
+/// A pushed PUT's frames exposed to the client's agent, as one exposure from the first
+/// frame to the last: the unit's engine grants the client's WRITEs only inside it (where it
+/// sees every request, see tessera-transport's trust model) and records what landed. The
+/// PUT counts as written once every frame's range is covered; the padding between frames
+/// need not be.
+struct FramesExposed {
+    exposure: Exposure,
+    /// The frames' `(offset, len)` relative to the exposure's start.
+    ranges: Vec<(u64, u64)>,
+    /// Their bytes: what the exposure has covered at least once they are all written.
+    bytes: u64,
+}
 
 impl Written for FramesExposed {
     fn is_written(&self) -> bool {
-        self.0.iter().all(Exposure::is_fully_written)
+        self.exposure.ranges_written(&self.ranges)
     }
 
     fn poll_written(&self, cx: &mut std::task::Context<'_>) -> std::task::Poll<()> {
-        for e in &self.0 {
-            if e.poll_written(e.len(), cx).is_pending() {
-                return std::task::Poll::Pending;
-            }
-        }
-        std::task::Poll::Ready(())
+        self.exposure.poll_written(self.bytes, cx)
+    }
+}
+
+/// A credit's block exposed whole, standing, to the client's agent (see
+/// [`Memory::expose_landing`]).
+struct CreditExposed(Exposure);
+
+impl Landing for CreditExposed {
+    fn ranges_written(&self, ranges: &[(u64, u64)]) -> bool {
+        self.0.ranges_written(ranges)
+    }
+
+    fn poll_bytes(&self, bytes: u64, cx: &mut std::task::Context<'_>) -> std::task::Poll<()> {
+        self.0.poll_written(bytes, cx)
     }
 }
 

@@ -11,7 +11,9 @@ use crate::error::{ErrorKind, MemoryError, WireError};
 /// Protocol version carried by every envelope. Version 2: a PUT may carry the sources of its
 /// payload for the unit to READ ([`Request::Put::pull`]). Version 4: the session opens with a
 /// challenge-response (`Hello`, `Challenge`, `Auth`, `Welcome`); the token never travels.
-pub const PROTOCOL_VERSION: u16 = 4;
+/// Version 5: credits, landing blocks kept ready for a session ([`Response::Stored`],
+/// [`Request::PutCredited`]): a PUT that fits one takes one round trip.
+pub const PROTOCOL_VERSION: u16 = 5;
 
 /// Label of the unit's proof in [`Response::Challenge`].
 pub const UNIT_PROOF: &str = "tessera-storage-unit-v4";
@@ -59,6 +61,24 @@ pub enum Request {
         /// The client keeps the frames registered until the unit answered.
         #[serde(default)]
         pull: Option<PullSource>,
+    },
+    /// Store `values` whose payload the client has WRITEn into credit `credit` (a landing
+    /// block of this session, [`Credit`]), laid out from `meta` at the block's start as for
+    /// `PutReady`: a PUT in one round trip. It uses the credit up, whatever the answer.
+    PutCredited {
+        /// Partition.
+        partition: String,
+        /// Global indexes, in the order of each field's list.
+        indexes: Vec<u64>,
+        /// Field names.
+        fields: Vec<String>,
+        /// The framecodec meta frame.
+        meta: ByteBuf,
+        /// The credit written.
+        credit: u64,
+        /// Bytes of the non-empty payload frames: the unit waits (briefly) to see that many
+        /// recorded as written before it checks every frame landed.
+        bytes: u64,
     },
     /// The payload of the PUT prepared under this request id has been written.
     Commit {
@@ -116,6 +136,17 @@ pub struct PullSource {
     pub agent: ByteBuf,
 }
 
+/// A landing block the unit keeps ready for one session (see [`Response::Stored`]): the
+/// session may WRITE a PUT's frames into it, laid out from the meta at its start with the
+/// unit's alignment, then name it in [`Request::PutCredited`]. Each credit serves one PUT.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Credit {
+    /// Names it in `PutCredited`.
+    pub id: u64,
+    /// The whole block.
+    pub block: RemoteDesc,
+}
+
 /// A response, unit to client, carrying the id of the request it answers.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[non_exhaustive]
@@ -153,6 +184,16 @@ pub enum Response {
     },
     /// A request that changes nothing else completed.
     Done,
+    /// A pushed PUT is stored (the answer to `Commit` or `PutCredited`), with new credits
+    /// for the session (possibly none): it holds up to the unit's `session_credits`.
+    Stored {
+        /// Landing blocks for the session's next PUTs.
+        credits: Vec<Credit>,
+        /// The unit's agent metadata, when its registered memory changed since this session
+        /// last got it (a credit may lie in a new chunk): add it before writing.
+        #[serde(default)]
+        agent: Option<ByteBuf>,
+    },
     /// A GET's values inline.
     Values {
         /// Meta frame.

@@ -9,7 +9,7 @@ use bytes::Bytes;
 pub use crate::client::join_all;
 use tessera_transport::RemoteDesc;
 
-use crate::core::{Exposed, Memory, PoolStats, Written};
+use crate::core::{Exposed, Landing, Memory, PoolStats, Written};
 use crate::error::MemoryError;
 use tessera_sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use tessera_sync::Arc;
@@ -97,6 +97,22 @@ impl Memory for VecMem {
     fn block_len(block: &VecBlock) -> u64 {
         block.buf.len() as u64
     }
+    fn shrink(block: &mut VecBlock, len: u64) {
+        let len = len as usize;
+        if len < block.buf.len() {
+            let freed = (block.buf.len() - len) as u64;
+            block.buf.truncate(len);
+            block.buf.shrink_to_fit();
+            block.live.fetch_sub(freed, Ordering::SeqCst);
+        }
+    }
+    fn expose_landing(
+        &self,
+        _block: &VecBlock,
+        _peer: &str,
+    ) -> Result<crate::core::Landed, MemoryError> {
+        Ok(Arc::new(Lands(self.land.clone())))
+    }
     fn copy_in(&mut self, data: &[u8], align: u64) -> Result<Bytes, MemoryError> {
         let mut block = self.lease(data.len() as u64, align)?;
         block.buf.copy_from_slice(data);
@@ -108,7 +124,7 @@ impl Memory for VecMem {
         _peer: &str,
         _ranges: &[(u64, u64)],
     ) -> Result<Exposed, MemoryError> {
-        Ok(Arc::new(Landed(self.land.clone())))
+        Ok(Arc::new(Lands(self.land.clone())))
     }
     fn usage(&self) -> PoolStats {
         PoolStats {
@@ -192,10 +208,17 @@ pub mod handshake {
 }
 
 /// A [`VecMem`] PUT's frames: written when the memory says WRITEs land.
-struct Landed(Arc<AtomicBool>);
+struct Lands(Arc<AtomicBool>);
 
-impl Written for Landed {
+impl Written for Lands {
     fn is_written(&self) -> bool {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+/// A [`VecMem`] credit: every range counts as written when the memory says WRITEs land.
+impl Landing for Lands {
+    fn ranges_written(&self, _ranges: &[(u64, u64)]) -> bool {
         self.0.load(Ordering::SeqCst)
     }
 }

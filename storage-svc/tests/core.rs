@@ -9,7 +9,7 @@ use proptest::prelude::*;
 use serde_bytes::ByteBuf;
 use tessera_framecodec::{encode, Tensor, Value};
 use tessera_storage::core::{Output, TornDown, Unit, UnitConfig};
-use tessera_storage::proto::{PullSource, Request, Response};
+use tessera_storage::proto::{Credit, PullSource, Request, Response};
 use tessera_storage::testing::{handshake, VecMem};
 use tessera_storage::ErrorKind;
 use tessera_transport::auth::Token;
@@ -21,6 +21,8 @@ struct Harness {
     next: u64,
     /// PUT payloads are pulled (the unit READs them) instead of pushed.
     pull: bool,
+    /// The session's credits, which `put` uses when one holds the PUT.
+    credits: Vec<Credit>,
 }
 
 const S: u64 = 1;
@@ -39,6 +41,7 @@ impl Harness {
             now,
             next: 1,
             pull: false,
+            credits: Vec::new(),
         }
     }
 
@@ -115,6 +118,21 @@ impl Harness {
             // The test memory cannot be written from outside: the "READ" leaves it zeroed.
             return single(self.unit.read_done(S, id, Ok(())));
         }
+        // A credit that holds the frames: one round trip (the "WRITE" into it, as below,
+        // leaves the test memory zeroed).
+        let size = frames.layout(self.unit.config().align).unwrap().size;
+        if let Some(at) = self.credits.iter().position(|c| size <= c.block.len) {
+            let credit = self.credits.swap_remove(at);
+            let (_, r) = self.req(Request::PutCredited {
+                partition: part.into(),
+                indexes: idx.to_vec(),
+                fields: fields.iter().map(|f| f.to_string()).collect(),
+                meta: ByteBuf::from(frames.meta.to_vec()),
+                credit: credit.id,
+                bytes: frames.payload_bytes(),
+            });
+            return self.keep_credits(r);
+        }
         let (id, r) = self.req(Request::Put {
             partition: part.into(),
             indexes: idx.to_vec(),
@@ -130,7 +148,18 @@ impl Harness {
                 // refusing payloads here: only zero-length layouts reach this branch in tests
                 // that check values, other tests only check accounting.
                 let (_, r) = self.req(Request::Commit { put: id });
-                r
+                self.keep_credits(r)
+            }
+            other => other,
+        }
+    }
+
+    /// A stored PUT's answer as `Done`, its credits kept for the next PUTs.
+    fn keep_credits(&mut self, r: Response) -> Response {
+        match r {
+            Response::Stored { credits, .. } => {
+                self.credits.extend(credits);
+                Response::Done
             }
             other => other,
         }
@@ -566,7 +595,12 @@ fn commit_stores_zero_copy_views_and_blocks_return_on_clear() {
         indexes: vec![2],
         fields: None,
     });
-    assert_eq!(h.stats().pool.used, 0);
+    let s = h.stats();
+    assert_eq!(
+        s.pool.used - s.credit_bytes,
+        0,
+        "only the session's credits hold memory"
+    );
 }
 
 /// A PUT's scalars are attributed to its block too, so the live bytes of a block can exceed
@@ -597,7 +631,11 @@ fn clearing_a_block_whose_values_outweigh_it_keeps_serving() {
         });
     }
     let s = h.stats();
-    assert_eq!((s.keys, s.bytes, s.pool.used), (0, 0, 0), "{s:?}");
+    assert_eq!(
+        (s.keys, s.bytes, s.pool.used - s.credit_bytes),
+        (0, 0, 0),
+        "{s:?}"
+    );
 }
 
 #[test]
@@ -615,7 +653,7 @@ fn compaction_releases_mostly_dead_blocks_and_counts_bytes() {
     });
     let s = h.stats();
     assert_eq!(s.compacted_bytes, 100_000);
-    assert!(s.pool.used < 200_000, "{s:?}");
+    assert!(s.pool.used - s.credit_bytes < 200_000, "{s:?}");
     let got = h.get("p", &[4], &["x"]).unwrap();
     let t = got
         .index(0)
@@ -773,7 +811,8 @@ proptest! {
             prop_assert_eq!((s.leased_bytes, s.pending_puts), (0, 0));
         }
         h.req(Request::DropPartition { partition: "p".into() });
-        prop_assert_eq!(h.stats().pool.used, 0);
+        let s = h.stats();
+        prop_assert_eq!(s.pool.used - s.credit_bytes, 0);
     }
 }
 
@@ -1176,7 +1215,8 @@ fn a_cancelled_prepare_gives_back_its_whole_reservation_and_lease() {
     let (id, r) = prepare(&mut h);
     assert!(matches!(r, Response::PutReady { .. }), "{r:?}");
     assert_eq!(kind(&prepare(&mut h).1), Some(ErrorKind::Capacity));
-    assert_eq!(h.req(Request::Commit { put: id }).1, Response::Done);
+    let r = h.req(Request::Commit { put: id }).1;
+    assert!(matches!(r, Response::Stored { .. }), "{r:?}");
     assert_eq!(h.unit.stats().keys, 1);
 }
 
@@ -1204,20 +1244,20 @@ fn compaction_starts_just_past_the_dead_fraction() {
         Response::Done
     );
     let s = h.stats();
-    assert_eq!(s.pool.used, 262_144);
+    assert_eq!(s.pool.used - s.credit_bytes, 262_144);
     // One value dead, then two: at most the fraction, nothing is copied.
     clear(&mut h, vec![1]);
     clear(&mut h, vec![2]);
     let s = h.stats();
     assert_eq!(
-        (s.compacted_bytes, s.pool.used, s.bytes),
+        (s.compacted_bytes, s.pool.used - s.credit_bytes, s.bytes),
         (0, 262_144, 131_072)
     );
     // Three dead: past it, the last survivor is copied out and the block returns.
     clear(&mut h, vec![3]);
     let s = h.stats();
     assert_eq!(
-        (s.compacted_bytes, s.pool.used, s.bytes),
+        (s.compacted_bytes, s.pool.used - s.credit_bytes, s.bytes),
         (65_536, 65_536, 65_536)
     );
     let got = h.get("p", &[4], &["x"]).unwrap();
@@ -1428,7 +1468,8 @@ fn a_pushed_put_hands_the_driver_its_exposure_until_commit() {
     mem.writes_land(true);
     assert!(written.is_written());
     assert!(h.unit.put_written(S, id + 100).is_none());
-    assert_eq!(h.req(Request::Commit { put: id }).1, Response::Done);
+    let r = h.req(Request::Commit { put: id }).1;
+    assert!(matches!(r, Response::Stored { .. }), "{r:?}");
     assert!(h.unit.put_written(S, id).is_none(), "a committed PUT");
     let mut pulled = Harness::pulling(UnitConfig::default());
     let (id, _) = pulled.pull_put("p", &[1], &value);

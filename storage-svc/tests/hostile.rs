@@ -719,7 +719,10 @@ async fn a_commit_without_its_write_publishes_nothing() {
             .await
             .unwrap();
         let done = call(&mut s, 5, &Request::Commit { put: 3 }).await;
-        assert!(matches!(done, Response::Done), "{backend}: {done:?}");
+        assert!(
+            matches!(done, Response::Done | Response::Stored { .. }),
+            "{backend}: {done:?}"
+        );
         let got = victim.get("q", &[2], &["x"]).await.unwrap();
         let bytes = got[0][0].as_tensor().unwrap().as_slice::<u8>().unwrap();
         assert!(
@@ -727,6 +730,159 @@ async fn a_commit_without_its_write_publishes_nothing() {
             "{backend}: not what was written"
         );
         drop((got, peer, reg, agent, s, victim));
+        server.shutdown().await;
+    }
+}
+
+/// Credits, by hand: a `PutCredited` whose credit was not written publishes nothing (the
+/// block may hold a value another client cleared), a credit is used once and only by its
+/// session, a PUT larger than its credit is refused, and a credit that was written stores
+/// exactly what was written, in one round trip. On every engine where the unit is the
+/// target.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_credit_publishes_only_what_was_written_into_it() {
+    const LEN: usize = 100_000; // `big_put`'s one frame
+    for backend in [Backend::Shm, Backend::Tcp, Backend::Inproc] {
+        let server = Server::start(ServerConfig {
+            bind: "127.0.0.1:0".into(),
+            backend,
+            pool_bytes: 32 << 20,
+            unit: UnitConfig {
+                credit_bytes: 1 << 20,
+                session_credits: 3,
+                ..UnitConfig::default()
+            },
+            ..ServerConfig::default()
+        })
+        .await
+        .unwrap();
+        // A value cleared before: its bytes are what an unwritten credit would publish.
+        let victim = Client::connect(ClientConfig {
+            backend,
+            ..client_cfg(&server)
+        })
+        .await
+        .unwrap();
+        for i in 0..4 {
+            let secret =
+                Value::Tensor(Tensor::from_slice(&[LEN as u64], &vec![0x5Au8; LEN]).unwrap());
+            victim
+                .put("v", &[i], &[("x".into(), vec![secret])])
+                .await
+                .unwrap();
+        }
+        victim.clear("v", &[0, 1, 2, 3]).await.unwrap();
+
+        let agent = backend.role_agent("raw").unwrap();
+        let (mut s, md) = raw_session(&server, &agent, None).await;
+        let peer = agent.add_remote(&md).unwrap();
+        let src = tessera_transport::Region::new(LEN as u64).unwrap();
+        src.write_at(0, &vec![0xC3u8; LEN]).unwrap();
+        let reg = agent.register(&src).unwrap();
+        let write = |block: tessera_transport::RemoteDesc| {
+            let dst = tessera_transport::RemoteDesc::new(block.reg, block.offset, LEN as u64);
+            peer.write(&[reg.desc(0, LEN as u64).unwrap()], &[dst], None)
+                .unwrap()
+        };
+        // The first pushed PUT's answer brings the credits.
+        let Response::PutReady { block, agent: md } = call(&mut s, 3, &big_put(1)).await else {
+            panic!("{backend}: no READY")
+        };
+        if let Some(md) = md {
+            agent.add_remote(&md).unwrap();
+        }
+        write(block).await.unwrap();
+        let stored = call(&mut s, 4, &Request::Commit { put: 3 }).await;
+        let Response::Stored { credits, agent: md } = stored else {
+            panic!("{backend}: {stored:?}")
+        };
+        if let Some(md) = md {
+            agent.add_remote(&md).unwrap();
+        }
+        assert_eq!(credits.len(), 3, "{backend}: the session's credits");
+        let credited = |index: u64, credit: u64| {
+            let Request::Put {
+                partition,
+                indexes,
+                fields,
+                meta,
+                ..
+            } = big_put(index)
+            else {
+                unreachable!()
+            };
+            Request::PutCredited {
+                partition,
+                indexes,
+                fields,
+                meta,
+                credit,
+                bytes: LEN as u64,
+            }
+        };
+        // Named without its WRITE: refused, nothing published, the credit used up.
+        let refused = call(&mut s, 5, &credited(2, credits[0].id)).await;
+        assert_eq!(
+            error_kind(&refused),
+            Some(ErrorKind::BadRequest),
+            "{backend}: {refused:?}"
+        );
+        let got = victim.get("q", &[2], &["x"]).await;
+        assert!(
+            matches!(&got, Err(e) if e.kind() == Some(ErrorKind::Missing)),
+            "{backend}: an unwritten credit was published: {got:?}"
+        );
+        let again = call(&mut s, 6, &credited(2, credits[0].id)).await;
+        assert_eq!(
+            error_kind(&again),
+            Some(ErrorKind::UnknownTransfer),
+            "{backend}: {again:?}"
+        );
+        // Another session cannot name this one's credit.
+        let (mut other, _) = raw_session(&server, &agent, None).await;
+        let stolen = call(&mut other, 3, &credited(2, credits[1].id)).await;
+        assert_eq!(
+            error_kind(&stolen),
+            Some(ErrorKind::UnknownTransfer),
+            "{backend}: {stolen:?}"
+        );
+        // A PUT larger than its credit is refused.
+        let huge = Value::Tensor(Tensor::from_slice(&[2 << 20], &vec![1u8; 2 << 20]).unwrap());
+        let frames = encode(&Value::List(vec![Value::List(vec![huge])])).unwrap();
+        let too_big = Request::PutCredited {
+            partition: "q".into(),
+            indexes: vec![3],
+            fields: vec!["x".into()],
+            meta: ByteBuf::from(frames.meta.to_vec()),
+            credit: credits[2].id,
+            bytes: 2 << 20,
+        };
+        let r = call(&mut s, 7, &too_big).await;
+        assert_eq!(
+            error_kind(&r),
+            Some(ErrorKind::TooLarge),
+            "{backend}: {r:?}"
+        );
+        // Written: stored in one round trip, exactly what was written, with a new credit.
+        write(credits[1].block).await.unwrap();
+        let r = call(&mut s, 8, &credited(2, credits[1].id)).await;
+        let Response::Stored { credits: more, .. } = r else {
+            panic!("{backend}: {r:?}")
+        };
+        assert!(!more.is_empty(), "{backend}: the session is topped up");
+        let got = victim.get("q", &[2], &["x"]).await.unwrap();
+        let bytes = got[0][0].as_tensor().unwrap().as_slice::<u8>().unwrap();
+        assert!(
+            bytes.iter().all(|&b| b == 0xC3),
+            "{backend}: not what was written"
+        );
+        // The value keeps its frames' part of the credit only.
+        let st = server.stats();
+        assert!(
+            st.pool.used - st.credit_bytes < 2 * (LEN as u64) + 4096,
+            "{backend}: {st:?}"
+        );
+        drop((got, peer, reg, agent, s, other, victim));
         server.shutdown().await;
     }
 }

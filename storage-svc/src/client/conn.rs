@@ -15,9 +15,11 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::ClientConfig;
 use crate::busy_poll::{BusyPoll, Waiting};
+use crate::core::client::PutOp;
 use crate::error::{ClientError, ErrorKind};
 use crate::plane::BackendExt;
-use crate::proto::{self, Request, Response};
+use crate::proto::{self, Credit, Request, Response};
+use tessera_framecodec::Frames;
 
 #[derive(Default)]
 struct Pending {
@@ -45,6 +47,8 @@ pub(super) struct Conn {
     pub(super) timeout: Duration,
     /// PUT payloads are READ by the unit (`Backend::pulls_puts`).
     pub(super) pull: bool,
+    /// The session's credits: landing blocks the unit keeps ready for its PUTs.
+    credits: Mutex<Vec<Credit>>,
 }
 
 impl Conn {
@@ -167,7 +171,25 @@ impl Conn {
             align,
             timeout: cfg.timeout,
             pull: cfg.backend.pulls_puts(),
+            credits: Mutex::new(Vec::new()),
         })
+    }
+
+    /// Takes a credit whose block holds `frames` laid out with the unit's alignment, if the
+    /// session has one.
+    pub(super) fn take_credit(&self, frames: &Frames) -> Option<Credit> {
+        let mut credits = self.credits.lock();
+        let at = credits
+            .iter()
+            .position(|c| PutOp::fits(frames, self.align, c.block.len))?;
+        Some(credits.swap_remove(at))
+    }
+
+    /// Credits the unit granted with an answer.
+    pub(super) fn add_credits(&self, credits: Vec<Credit>) {
+        if !credits.is_empty() {
+            self.credits.lock().extend(credits);
+        }
     }
 
     /// Whether this session is over (its connection closed, or the unit failed it).

@@ -10,7 +10,7 @@ use super::{Client, Slot};
 use crate::core::client::{PutOp, PutStep};
 use crate::error::{ClientError, MemoryError, PayloadError};
 use crate::plane::source_descs;
-use crate::proto::PullSource;
+use crate::proto::{Credit, PullSource};
 
 impl Client {
     pub(super) async fn put_unit(
@@ -30,6 +30,13 @@ impl Client {
             return self
                 .put_pulled(conn, partition, indexes, fields, &frames)
                 .await;
+        }
+        if !inline {
+            if let Some(credit) = conn.take_credit(&frames) {
+                return self
+                    .put_credited(conn, partition, indexes, fields, &frames, &credit)
+                    .await;
+            }
         }
         let (mut op, first) = PutOp::new(
             unit,
@@ -57,7 +64,10 @@ impl Client {
         let mut step = op.on_answer(answer.wait().await);
         loop {
             step = match step {
-                PutStep::Done(r) => return r,
+                PutStep::Done(r) => {
+                    self.keep_credits(conn, &mut op);
+                    return r;
+                }
                 PutStep::Send(req) => op.on_answer(conn.call(req).await),
                 PutStep::Write { descs, agent } => {
                     let ready = match (agent, locals.take()) {
@@ -86,6 +96,52 @@ impl Client {
                 }
             };
         }
+    }
+
+    /// A PUT into one of the session's credits: the frames are WRITEn into the credit's block
+    /// (over `shm` with no round trip: the block is a standing exposure), then one
+    /// `PutCredited` stores them.
+    async fn put_credited(
+        &self,
+        conn: &Conn,
+        partition: &str,
+        indexes: Vec<u64>,
+        fields: Vec<String>,
+        frames: &Frames,
+        credit: &Credit,
+    ) -> Result<(), ClientError> {
+        let (mut op, first) = PutOp::credited(
+            conn.unit, partition, indexes, fields, frames, conn.align, credit,
+        );
+        let PutStep::Write { descs, .. } = first else {
+            return done(first);
+        };
+        let written = match source_descs(
+            &self.agent,
+            frames.payloads.iter().filter(|f| !f.is_empty()),
+        ) {
+            Ok(locals) => self.write_frames(conn, &descs, locals).await,
+            Err(e) => Err(ClientError::Memory(e)),
+        };
+        let step = match op.on_written(written, true) {
+            PutStep::Send(req) => op.on_answer(conn.call(req).await),
+            other => other,
+        };
+        self.keep_credits(conn, &mut op);
+        done(step)
+    }
+
+    /// Keeps the credits a PUT's answer brought, after the unit's new agent metadata (a
+    /// credit may lie in memory it registered since). Credits this client cannot reach are
+    /// left unused: the PUT's own outcome stands.
+    fn keep_credits(&self, conn: &Conn, op: &mut PutOp) {
+        let (credits, agent) = op.take_credits();
+        if let Some(md) = agent {
+            if self.agent.add_remote(&md).is_err() {
+                return;
+            }
+        }
+        conn.add_credits(credits);
     }
 
     /// A PUT whose payload the unit READs: the frames are registered in place (or found in a

@@ -9,6 +9,9 @@
 //! - PUT, pushed: `PUT` → `PUT_READY` → the frames WRITEn into the block → `COMMIT` → `DONE`;
 //!   a failure before the WRITE cancels (`maybe_written: false`), after it starts cancels with
 //!   `maybe_written: true`. Inline (payload up to `inline_max`): `PUT` → `DONE`.
+//! - PUT, credited (a credit the unit granted holds the frames): the frames WRITEn into the
+//!   credit's block → `PUT_CREDITED` → `STORED`; one round trip. A pushed PUT's answer,
+//!   `STORED`, brings the session new credits ([`PutOp::take_credits`]).
 //! - PUT, pulled (the one-sided engines): `PUT` naming the frames → `DONE` once the unit has
 //!   READ them.
 //! - GET: `GET` → `VALUES` (inline), or `GET_READY` → a block leased from the client's pool →
@@ -22,7 +25,7 @@ use tessera_transport::RemoteDesc;
 
 use super::decode_inline;
 use crate::error::{ClientError, ErrorKind, MemoryError, PayloadError};
-use crate::proto::{frame_descs, PullSource, Request, Response};
+use crate::proto::{frame_descs, Credit, PullSource, Request, Response};
 
 /// What the driver does next for a PUT.
 #[derive(Debug)]
@@ -90,6 +93,10 @@ enum Mode {
 enum PutState {
     /// The PUT is on its way.
     Sent(Mode),
+    /// The frames are being written into a credit; `req` (its `PutCredited`) follows.
+    WritingCredit {
+        req: Box<Request>,
+    },
     /// The unit answered READY for `put`; the frames are being written.
     Writing {
         put: u64,
@@ -111,6 +118,9 @@ pub struct PutOp {
     /// Non-empty payload frames: one descriptor each.
     nonempty: usize,
     state: PutState,
+    /// Credits (and the unit's new metadata) that came with the answer.
+    credits: Vec<Credit>,
+    agent: Option<Vec<u8>>,
 }
 
 impl PutOp {
@@ -155,8 +165,66 @@ impl PutOp {
             layout: Some(frames.layout(align)),
             nonempty: frames.payloads.iter().filter(|f| !f.is_empty()).count(),
             state: PutState::Sent(mode),
+            credits: Vec::new(),
+            agent: None,
         };
         (op, PutStep::Send(req))
+    }
+
+    /// A PUT of `frames` into `credit`, one of the session's credits, whose frames laid out
+    /// with the unit's `align` fit it (see [`PutOp::fits`]). The first step WRITEs them into
+    /// the credit's block; the `PutCredited` follows.
+    #[allow(clippy::too_many_arguments)]
+    pub fn credited(
+        unit: usize,
+        partition: &str,
+        indexes: Vec<u64>,
+        fields: Vec<String>,
+        frames: &Frames,
+        align: u64,
+        credit: &Credit,
+    ) -> (Self, PutStep) {
+        let req = Request::PutCredited {
+            partition: partition.to_owned(),
+            indexes,
+            fields,
+            meta: ByteBuf::from(frames.meta.to_vec()),
+            credit: credit.id,
+            bytes: frames.payload_bytes(),
+        };
+        let mut op = Self {
+            unit,
+            layout: Some(frames.layout(align)),
+            nonempty: frames.payloads.iter().filter(|f| !f.is_empty()).count(),
+            state: PutState::Done,
+            credits: Vec::new(),
+            agent: None,
+        };
+        let step = match op.descs(&credit.block) {
+            Ok(descs) => {
+                op.state = PutState::WritingCredit { req: Box::new(req) };
+                PutStep::Write { descs, agent: None }
+            }
+            Err(e) => PutStep::Done(Err(e)),
+        };
+        (op, step)
+    }
+
+    /// Whether `frames`, laid out with the unit's `align`, fit in `len` bytes (a credit).
+    pub fn fits(frames: &Frames, align: u64, len: u64) -> bool {
+        frames.layout(align).is_ok_and(|l| l.size <= len)
+    }
+
+    /// The credits the unit granted with its answer, and its new agent metadata (to add
+    /// before writing into them), if any.
+    pub fn take_credits(&mut self) -> (Vec<Credit>, Option<Vec<u8>>) {
+        (std::mem::take(&mut self.credits), self.agent.take())
+    }
+
+    fn stored(&mut self, credits: Vec<Credit>, agent: Option<ByteBuf>) -> PutStep {
+        self.credits = credits;
+        self.agent = agent.map(ByteBuf::into_vec);
+        PutStep::Done(Ok(()))
     }
 
     /// Whether the PUT goes inline for a unit that said `inline_max` (then it needs neither
@@ -193,6 +261,9 @@ impl PutOp {
                 self.cancel(put, false, error)
             }
             (PutState::Committing, Ok((_, Response::Done))) => PutStep::Done(Ok(())),
+            (PutState::Committing, Ok((_, Response::Stored { credits, agent }))) => {
+                self.stored(credits, agent)
+            }
             (_, Ok((_, other))) => PutStep::Done(Err(unexpected(self.unit, other))),
         }
     }
@@ -201,10 +272,24 @@ impl PutOp {
     /// the error, and whether any byte may have been written (`false` when the WRITE never
     /// started: the unit's agent or the frames' registration failed).
     pub fn on_written(&mut self, result: Result<(), ClientError>, maybe_written: bool) -> PutStep {
-        let PutState::Writing { put } = std::mem::replace(&mut self.state, PutState::Done) else {
-            return PutStep::Done(Err(ClientError::ApiMisuse(
-                "on_written without a WRITE asked for".into(),
-            )));
+        let put = match std::mem::replace(&mut self.state, PutState::Done) {
+            PutState::Writing { put } => put,
+            PutState::WritingCredit { req } => {
+                // A failed WRITE into a credit leaves nothing to cancel: the credit is simply
+                // not used again (the unit keeps it until the session ends).
+                return match result {
+                    Ok(()) => {
+                        self.state = PutState::Committing;
+                        PutStep::Send(*req)
+                    }
+                    Err(e) => PutStep::Done(Err(e)),
+                };
+            }
+            _ => {
+                return PutStep::Done(Err(ClientError::ApiMisuse(
+                    "on_written without a WRITE asked for".into(),
+                )))
+            }
         };
         match result {
             Ok(()) => {

@@ -62,6 +62,19 @@ pub struct UnitConfig {
     /// hold them until the link is gone instead, however long that takes.
     #[serde(with = "crate::units::duration")]
     pub late_write_grace: Duration,
+    /// Bytes of each landing block ("credit") the unit keeps ready for a session that PUTs
+    /// payloads it pushes: a PUT whose frames fit one is written there and stored in one
+    /// round trip (`PutCredited`), and the unused end of the block goes back to the pool.
+    /// 0 turns credits off.
+    #[serde(with = "crate::units::size")]
+    pub credit_bytes: u64,
+    /// Credits one session holds at most: how many of its PUTs may be in flight on one round
+    /// trip each.
+    pub session_credits: u64,
+    /// Bytes of registered memory held as credits by all sessions, at most; beyond it
+    /// sessions PUT through a prepared block (two round trips) instead.
+    #[serde(with = "crate::units::size")]
+    pub credit_limit: u64,
     /// Compact a receive block when this fraction of it is dead (0 disables compaction).
     pub compact_dead_fraction: f64,
     /// Shared secret the client must prove it holds (challenge-response; the token never
@@ -99,6 +112,9 @@ impl Default for UnitConfig {
             slice_keys: 4096,
             prepare_ttl: Duration::from_secs(30),
             late_write_grace: Duration::from_secs(30),
+            credit_bytes: 4 << 20,
+            session_credits: 2,
+            credit_limit: 256 << 20,
             compact_dead_fraction: 0.75,
             token: None,
         }

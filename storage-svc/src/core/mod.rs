@@ -21,6 +21,7 @@
 
 pub mod client;
 mod config;
+mod credit;
 mod get;
 mod put;
 mod session;
@@ -42,6 +43,7 @@ pub use self::config::UnitConfig;
 pub use self::get::{encode_get, EncodedGet, SlicedGet};
 pub use self::stats::{PartitionStats, PoolStats, Stats};
 
+use self::credit::Credits;
 use self::get::Gets;
 use self::put::{PutNext, PutRequest, Puts};
 use self::session::{Handshake, SessionState, Sessions, Step};
@@ -71,6 +73,9 @@ pub trait Memory {
     fn freeze(&self, block: Self::Block, len: u64) -> Bytes;
     /// Length of a block.
     fn block_len(block: &Self::Block) -> u64;
+    /// Gives back the block's bytes from `len` on, where nothing else holds the block (a
+    /// credit trimmed to the PUT it landed).
+    fn shrink(block: &mut Self::Block, len: u64);
     /// Copies `data` into a fresh block and returns it frozen (used by compaction only).
     fn copy_in(&mut self, data: &[u8], align: u64) -> Result<Bytes, MemoryError>;
     /// Lets `peer` WRITE the `ranges` (offset, length) of `block` (a pushed PUT's frames,
@@ -83,6 +88,10 @@ pub trait Memory {
         peer: &str,
         ranges: &[(u64, u64)],
     ) -> Result<Exposed, MemoryError>;
+    /// Lets `peer` WRITE all of `block` (a credit) until the returned handle drops, announced
+    /// to the engine as standing (`Registration::expose_standing`: over `shm` the client
+    /// writes into it without asking first), and tells which of its bytes were written.
+    fn expose_landing(&self, block: &Self::Block, peer: &str) -> Result<Landed, MemoryError>;
     /// Pool usage.
     fn usage(&self) -> PoolStats;
     /// Gives back registered memory that is idle beyond the configured limit; returns the
@@ -105,6 +114,24 @@ pub trait Written: Send + Sync {
         std::task::Poll::Ready(())
     }
 }
+
+/// A peer's permission to WRITE a credit's block, and which of its bytes it did
+/// ([`Memory::expose_landing`]). Dropping it withdraws the permission.
+pub trait Landing: Send + Sync {
+    /// Whether WRITEs that completed covered every `(offset, len)` of `ranges` (relative to
+    /// the block).
+    fn ranges_written(&self, ranges: &[(u64, u64)]) -> bool;
+    /// Ready once completed WRITEs covered at least `bytes` of the block; otherwise wakes the
+    /// task when the engine records more. Memory that records nothing later is ready.
+    fn poll_bytes(&self, bytes: u64, cx: &mut std::task::Context<'_>) -> std::task::Poll<()> {
+        let _ = (bytes, cx);
+        std::task::Poll::Ready(())
+    }
+}
+
+/// A shared [`Landing`]: the driver clones it to wait for a credited PUT's WRITE off the
+/// unit's lock.
+pub type Landed = Arc<dyn Landing>;
 
 /// A shared [`Written`]: the driver clones it to wait for a WRITE's record off the unit's
 /// lock.
@@ -190,6 +217,8 @@ pub struct Unit<M: Memory> {
     puts: Puts,
     /// GETs waiting for the client's block or their WRITE.
     gets: Gets,
+    /// Landing blocks kept ready for sessions' next PUTs.
+    credits: Credits<M::Block>,
     /// PUT payloads are pulled (READ by the unit) instead of pushed.
     pull_puts: bool,
 }
@@ -231,6 +260,7 @@ impl<M: Memory> Unit<M> {
             sessions: Sessions::default(),
             puts: Puts::default(),
             gets: Gets::default(),
+            credits: Credits::default(),
             pull_puts: false,
         }
     }
@@ -401,6 +431,14 @@ impl<M: Memory> Unit<M> {
                     Err(e) => Err(e),
                 }
             }
+            Request::PutCredited {
+                partition,
+                indexes,
+                fields,
+                meta,
+                credit,
+                bytes: _,
+            } => self.put_credited(session, &partition, &indexes, &fields, meta, credit),
             Request::Commit { put } => self.commit(session, put),
             Request::Cancel { of, maybe_written } => self.cancel(session, of, maybe_written),
             Request::Get {
@@ -473,12 +511,14 @@ impl<M: Memory> Unit<M> {
             connections: 0,
             refused_connections: 0,
             accept_errors: 0,
+            credit_bytes: self.credits.bytes(),
         }
     }
 
     /// Drops every stored value, prepared transfer and quarantine (ordered teardown: the
     /// driver calls this after its transfers and agent connections are gone).
     pub fn teardown(&mut self) {
+        self.credits.clear();
         self.puts.clear();
         self.gets.clear();
         self.sessions.clear();

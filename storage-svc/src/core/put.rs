@@ -10,8 +10,9 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use serde_bytes::ByteBuf;
-use tessera_framecodec::{DecodeError, Value};
+use tessera_framecodec::Value;
 
+use super::credit::meta_error;
 use super::session::Quarantined;
 use super::store::Compaction;
 use super::{err, Exposed, Memory, Output, PartitionStats, PayloadError, SessionId, Unit};
@@ -99,6 +100,11 @@ impl Puts {
 
     pub(super) fn bytes_in(&self) -> u64 {
         self.bytes_in
+    }
+
+    /// Counts `bytes` of payload received through the payload plane (a stored PUT).
+    pub(super) fn count_in(&mut self, bytes: u64) {
+        self.bytes_in += bytes;
     }
 
     pub(super) fn len(&self) -> usize {
@@ -216,64 +222,17 @@ impl<M: Memory> Unit<M> {
                 "this unit pulls PUT payloads over its engine: name the frames (`pull`)",
             ));
         }
-        let table = self.decoder.frame_table(&meta).map_err(|e| {
-            let kind = if matches!(
-                e,
-                DecodeError::MetaTooLarge { .. }
-                    | DecodeError::TooManyFrames { .. }
-                    | DecodeError::TooLarge { .. }
-                    | DecodeError::TooDeep { .. }
-                    | DecodeError::TooManyElements { .. }
-                    | DecodeError::RankTooHigh { .. }
-            ) {
-                ErrorKind::TooLarge
-            } else {
-                ErrorKind::Protocol
-            };
-            err(kind, format!("meta frame: {e}"))
-        })?;
+        let table = self.decoder.frame_table(&meta).map_err(meta_error)?;
         let layout = table
             .layout(self.cfg.align)
             .map_err(|e| err(ErrorKind::Protocol, format!("layout: {e}")))?;
-        // Reserve the whole block: the stored values are never larger than it, plus scalars;
-        // and what each new key costs besides its value (an empty value is not free).
-        let overhead = self.cfg.key_overhead_bytes;
-        let replaced = self.store.replaced(&partition, &indexes, &fields, overhead);
-        let keys_cost: u64 = fields
-            .iter()
-            .map(|f| super::store::key_cost(overhead, f))
-            .sum::<u64>()
-            .saturating_mul(indexes.len() as u64);
-        let new_keys = (indexes.len() as u64 * fields.len() as u64) - replaced.keys;
-        let incoming = layout.size + meta.len() as u64 + keys_cost;
-        let credit = replaced.bytes + replaced.overhead;
-        let used = self.store.used() + self.store.overhead();
-        let reserved = self.puts.reserved();
-        let need = (used + reserved + incoming).saturating_sub(credit);
-        if need > self.cfg.capacity_bytes {
-            return Err(err(
-                ErrorKind::Capacity,
-                format!(
-                    "PUT of {incoming} bytes ({} of values, {} of metadata, {keys_cost} for its \
-                     keys: {overhead} bytes and the key's length each) exceeds capacity: \
-                     {used} of {} bytes stored (keys included), {reserved} reserved",
-                    layout.size,
-                    meta.len(),
-                    self.cfg.capacity_bytes
-                ),
-            ));
-        }
-        let stored = self.store.keys();
-        if stored + new_keys > self.cfg.max_stored_keys {
-            return Err(err(
-                ErrorKind::Capacity,
-                format!(
-                    "PUT of {new_keys} new keys exceeds the stored-key limit: {stored} of {} \
-                     keys stored",
-                    self.cfg.max_stored_keys
-                ),
-            ));
-        }
+        let incoming = self.admit_put(
+            &partition,
+            &indexes,
+            &fields,
+            layout.size,
+            meta.len() as u64,
+        )?;
         let meta = Bytes::from(meta.into_vec());
         if let Some(frames) = inline {
             if table.total_bytes() > self.cfg.inline_max {
@@ -349,7 +308,7 @@ impl<M: Memory> Unit<M> {
                 ),
             ));
         }
-        let mine = self.puts.session_leased(session);
+        let mine = self.puts.session_leased(session) + self.credits.session_bytes(session);
         if mine + layout.size > self.cfg.session_leased_limit {
             return Err(err(
                 ErrorKind::OutOfMemory,
@@ -359,14 +318,13 @@ impl<M: Memory> Unit<M> {
                 ),
             ));
         }
-        if self.puts.leased() + layout.size > self.cfg.leased_limit {
+        let leased = self.puts.leased() + self.credits.bytes();
+        if leased + layout.size > self.cfg.leased_limit {
             return Err(err(
                 ErrorKind::OutOfMemory,
                 format!(
                     "leased limit: {} of {} bytes leased, {} asked",
-                    self.puts.leased(),
-                    self.cfg.leased_limit,
-                    layout.size
+                    leased, self.cfg.leased_limit, layout.size
                 ),
             ));
         }
@@ -446,6 +404,57 @@ impl<M: Memory> Unit<M> {
         Ok(next)
     }
 
+    /// Whether a PUT of `size` bytes laid out and `meta_len` of meta, at `indexes` x
+    /// `fields` of `partition`, fits the unit's capacity (in bytes, keys included) and its
+    /// stored-key limit. Returns the capacity it reserves.
+    pub(super) fn admit_put(
+        &self,
+        partition: &str,
+        indexes: &[u64],
+        fields: &[String],
+        size: u64,
+        meta_len: u64,
+    ) -> Result<u64, RemoteError> {
+        // Reserve the whole block: the stored values are never larger than it, plus scalars;
+        // and what each new key costs besides its value (an empty value is not free).
+        let overhead = self.cfg.key_overhead_bytes;
+        let replaced = self.store.replaced(partition, indexes, fields, overhead);
+        let keys_cost: u64 = fields
+            .iter()
+            .map(|f| super::store::key_cost(overhead, f))
+            .sum::<u64>()
+            .saturating_mul(indexes.len() as u64);
+        let new_keys = (indexes.len() as u64 * fields.len() as u64) - replaced.keys;
+        let incoming = size + meta_len + keys_cost;
+        let credit = replaced.bytes + replaced.overhead;
+        let used = self.store.used() + self.store.overhead();
+        let reserved = self.puts.reserved();
+        let need = (used + reserved + incoming).saturating_sub(credit);
+        if need > self.cfg.capacity_bytes {
+            return Err(err(
+                ErrorKind::Capacity,
+                format!(
+                    "PUT of {incoming} bytes ({} of values, {} of metadata, {keys_cost} for its \
+                     keys: {overhead} bytes and the key's length each) exceeds capacity: \
+                     {used} of {} bytes stored (keys included), {reserved} reserved",
+                    size, meta_len, self.cfg.capacity_bytes
+                ),
+            ));
+        }
+        let stored = self.store.keys();
+        if stored + new_keys > self.cfg.max_stored_keys {
+            return Err(err(
+                ErrorKind::Capacity,
+                format!(
+                    "PUT of {new_keys} new keys exceeds the stored-key limit: {stored} of {} \
+                     keys stored",
+                    self.cfg.max_stored_keys
+                ),
+            ));
+        }
+        Ok(incoming)
+    }
+
     pub(super) fn commit(&mut self, session: SessionId, put: u64) -> Result<Response, RemoteError> {
         if self.puts.reading(session, put) {
             return Err(err(
@@ -475,7 +484,8 @@ impl<M: Memory> Unit<M> {
             .puts
             .remove(session, put)
             .ok_or_else(|| err(ErrorKind::UnknownTransfer, format!("no prepared PUT {put}")))?;
-        self.store_put(p)
+        self.store_put(p)?;
+        Ok(self.stored(session))
     }
 
     /// What PUT `put` of `session` exposed, for the driver to wait (off the lock) for its
@@ -515,16 +525,16 @@ impl<M: Memory> Unit<M> {
 
     /// Stores the values of a PUT whose payload is in its block (committed or read). It was
     /// taken out of `Puts` already.
-    fn store_put(&mut self, p: PendingPut) -> Result<Response, RemoteError> {
+    fn store_put(&mut self, p: PendingPut) -> Result<(), RemoteError> {
         self.puts.bytes_in += p.size;
         let block_id = self.store.new_block(p.block_len, &p.partition);
         let r = self.store_value(&p.partition, &p.indexes, &p.fields, p.value, Some(block_id));
         self.store.drop_if_unused(block_id);
-        r.map(|()| Response::Done)
+        r
     }
 
     /// Stores a PUT's value (see `Store::store`), compacting into this unit's memory.
-    fn store_value(
+    pub(super) fn store_value(
         &mut self,
         partition: &str,
         indexes: &[u64],
@@ -555,7 +565,10 @@ impl<M: Memory> Unit<M> {
             return Vec::new();
         };
         let response = match result {
-            Ok(()) => self.store_put(p).unwrap_or_else(Response::Error),
+            Ok(()) => match self.store_put(p) {
+                Ok(()) => Response::Done,
+                Err(e) => Response::Error(e),
+            },
             Err(e) => {
                 tracing::warn!(session, put, error = %e, "PUT READ failed; block quarantined");
                 self.quarantine_put(session, p);
@@ -594,7 +607,7 @@ impl<M: Memory> Unit<M> {
 
 /// The frames' `(offset, len)` ranges, empty ones left out and touching ones merged, so that a
 /// WRITE the client coalesced across adjacent frames lies inside one exposed range.
-fn merged_ranges(offsets: &[u64], lens: &[u64]) -> Vec<(u64, u64)> {
+pub(super) fn merged_ranges(offsets: &[u64], lens: &[u64]) -> Vec<(u64, u64)> {
     let mut frames: Vec<(u64, u64)> = offsets
         .iter()
         .zip(lens)

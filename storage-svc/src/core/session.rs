@@ -229,7 +229,8 @@ impl Sessions {
     pub(super) fn partition_stats<'a>(&'a self, per: &mut BTreeMap<&'a str, PartitionStats>) {
         let open = self.open.values().map(|s| &s.quarantine);
         for q in open.chain(self.closed.values().map(|c| &c.quarantine)) {
-            for (_, len, part) in q {
+            // A credit belongs to no partition: it counts in the unit's total only.
+            for (_, len, part) in q.iter().filter(|(_, _, part)| !part.is_empty()) {
                 per.entry(part).or_default().quarantined_bytes += len;
             }
         }
@@ -292,13 +293,15 @@ impl<M: Memory> Unit<M> {
         // Every pushed PUT was answered READY in the step that prepared it: all exposed. A
         // pulled PUT's block was never shown to the client; its READ (if in flight) keeps the
         // block's memory itself, so the core releases it (dropping it).
-        let exposed = self
+        let mut exposed: Vec<Quarantined> = self
             .puts
             .take_session(session)
             .into_iter()
             .filter(|p| !p.reading)
             .map(|p| p.into_quarantined())
             .collect();
+        // Its credits were exposed from the start.
+        exposed.extend(self.close_credits(session));
         let deadline = match how {
             TornDown::Signalled => None,
             TornDown::Grace => Some(now + self.cfg.late_write_grace),

@@ -83,4 +83,9 @@ pub struct Stats {
     /// Accepts that failed (`EMFILE`, `ENFILE`, ...).
     #[serde(default)]
     pub accept_errors: u64,
+    /// Bytes of registered memory held as credits: landing blocks kept ready for open
+    /// sessions' next PUTs (`UnitConfig::credit_bytes`). Part of `pool.used`; a closed
+    /// session's unused credits move to `quarantined_bytes`.
+    #[serde(default)]
+    pub credit_bytes: u64,
 }

@@ -533,8 +533,10 @@ mod tests {
         // A plain test without the loom cfg; under it, one model (VecMem's counters are loom's).
         tessera_sync::model(|| {
             let mem = VecMem::new(u64::MAX);
+            // No credits: the memory below is the stored blocks' alone.
             let cfg = UnitConfig {
                 inline_max: 16,
+                credit_bytes: 0,
                 ..UnitConfig::default()
             };
             let mut unit = Unit::new(cfg, mem.clone());

@@ -94,7 +94,8 @@ fn loom_session_executor_and_timer_release_everything() {
         get_being_written(&mut unit, now, [4, 40, 5, 6]);
         let s = unit.stats();
         assert!(s.leased_bytes > 0 && s.quarantined_bytes > 0 && s.pending_gets == 1);
-        let exposed = s.leased_bytes + s.quarantined_bytes;
+        assert!(s.credit_bytes > 0, "the COMMIT's answer granted credits");
+        let exposed = s.leased_bytes + s.quarantined_bytes + s.credit_bytes;
 
         let unit = Arc::new(Mutex::new(unit));
         let executor = {
@@ -113,10 +114,14 @@ fn loom_session_executor_and_timer_release_everything() {
         executor.join().unwrap();
         timer.join().unwrap();
         let mut unit = unit.lock();
-        // Both exposed blocks (the expired or still prepared PUT and the cancelled one)
-        // stay quarantined until the client's link is known gone.
+        // Every exposed block (the expired or still prepared PUT, the cancelled one and the
+        // unused credits) stays quarantined until the client's link is known gone.
         let s = unit.stats();
-        assert_eq!((s.quarantined_bytes, s.leased_bytes), (exposed, 0), "{s:?}");
+        assert_eq!(
+            (s.quarantined_bytes, s.leased_bytes, s.credit_bytes),
+            (exposed, 0, 0),
+            "{s:?}"
+        );
         assert_eq!(unit.closed_sessions(), vec![1]);
         assert!(unit.release_closed(1) > 0);
         let s = unit.stats();

@@ -375,8 +375,12 @@ async fn session(
             Ok((id, req)) => {
                 let op = op_name(&req);
                 let span = tracing::debug_span!("request", id, op);
-                if let Request::Commit { put } = req {
-                    commit_grace(&shared, sid, put).await;
+                match &req {
+                    Request::Commit { put } => commit_grace(&shared, sid, *put).await,
+                    Request::PutCredited { credit, bytes, .. } => {
+                        credit_grace(&shared, sid, *credit, *bytes).await
+                    }
+                    _ => {}
                 }
                 let req = match sliced(&shared, sid, id, req).instrument(span.clone()).await {
                     Ok(out) => {
@@ -590,6 +594,7 @@ fn op_name(req: &Request) -> &'static str {
         } => "put_inline",
         Request::Put { pull: Some(_), .. } => "put_pull",
         Request::Put { .. } => "put_prepare",
+        Request::PutCredited { .. } => "put_credited",
         Request::Commit { .. } => "put_commit",
         Request::Cancel { .. } => "cancel",
         Request::Get { .. } => "get",
@@ -639,6 +644,17 @@ async fn commit_grace(shared: &Shared, sid: SessionId, put: u64) {
         return;
     };
     let recorded = std::future::poll_fn(|cx| written.poll_written(cx));
+    let _ = tokio::time::timeout(COMMIT_GRACE, recorded).await;
+}
+
+/// [`commit_grace`] for a credited PUT: waits, at most the same grace, until the credit
+/// records `bytes` written (what the client says its frames hold; the core then checks each
+/// frame's range).
+async fn credit_grace(shared: &Shared, sid: SessionId, credit: u64, bytes: u64) {
+    let Some(landing) = shared.unit.lock().credit_landing(sid, credit) else {
+        return;
+    };
+    let recorded = std::future::poll_fn(|cx| landing.poll_bytes(bytes, cx));
     let _ = tokio::time::timeout(COMMIT_GRACE, recorded).await;
 }
 

@@ -31,7 +31,9 @@ pub(super) fn dispatch(shared: &Arc<Shared>, out: Vec<Output<LocalDesc>>) {
                 if let Response::Stats(s) = &mut response {
                     shared.add_counters(s);
                 }
-                if let Response::PutReady { agent, .. } = &mut response {
+                if let Response::PutReady { agent, .. } | Response::Stored { agent, .. } =
+                    &mut response
+                {
                     // Descriptors may name a chunk registered after this session last got
                     // the unit's metadata: send it along.
                     let now = shared.generation.load(Ordering::Acquire);

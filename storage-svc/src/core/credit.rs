@@ -1,0 +1,269 @@
+//! Credits: landing blocks the unit keeps ready for a session, so that a PUT whose frames fit
+//! one costs a single round trip. The client WRITEs its frames into the block it holds,
+//! laid out from the meta at the block's start as for a prepared PUT, then sends
+//! `PutCredited`; the unit checks that every frame landed, keeps the frames' part of the
+//! block for the values (the rest goes back to the pool) and stores them like a COMMIT.
+//! Answers to pushed PUTs (`Stored`) top the session's credits back up.
+//!
+//! A credit is exposed to the session's agent from the moment it is granted, as a standing
+//! exposure (over `shm` the client writes into it with no round trip at all), so it is
+//! treated like a prepared PUT's block: used up by the one `PutCredited` naming it, whatever
+//! the answer (the client sends it only once its WRITE completed, so nothing more lands
+//! there), and quarantined with its session when the session closes unused (a WRITE may be
+//! on its way).
+//!
+//! Invariant kept here: `bytes` is the sum of the held credits' block lengths, and
+//! `by_session` holds no empty entry.
+
+use std::collections::HashMap;
+
+use bytes::Bytes;
+use serde_bytes::ByteBuf;
+use tessera_framecodec::DecodeError;
+
+use super::put::merged_ranges;
+use super::session::Quarantined;
+use super::{err, Landed, Memory, SessionId, Unit};
+use crate::error::{ErrorKind, RemoteError};
+use crate::proto::{Credit, Response};
+
+/// One credit: its block and the block's standing exposure to the session's agent.
+pub(super) struct Held<B> {
+    block: B,
+    landing: Landed,
+    len: u64,
+}
+
+/// The credits of every session.
+pub(super) struct Credits<B> {
+    by_session: HashMap<SessionId, HashMap<u64, Held<B>>>,
+    /// Bytes of the blocks held as credits.
+    bytes: u64,
+    next: u64,
+}
+
+impl<B> Default for Credits<B> {
+    fn default() -> Self {
+        Self {
+            by_session: HashMap::new(),
+            bytes: 0,
+            next: 1,
+        }
+    }
+}
+
+impl<B> Credits<B> {
+    /// Bytes of the blocks held as credits, by every session.
+    pub(super) fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Bytes of the blocks held as credits by `session`.
+    pub(super) fn session_bytes(&self, session: SessionId) -> u64 {
+        self.by_session
+            .get(&session)
+            .map_or(0, |c| c.values().map(|h| h.len).sum())
+    }
+
+    fn held(&self, session: SessionId) -> u64 {
+        self.by_session.get(&session).map_or(0, |c| c.len() as u64)
+    }
+
+    fn insert(&mut self, session: SessionId, held: Held<B>) -> u64 {
+        let id = self.next;
+        self.next += 1;
+        self.bytes += held.len;
+        self.by_session.entry(session).or_default().insert(id, held);
+        id
+    }
+
+    /// Takes credit `id` of `session` out.
+    fn take(&mut self, session: SessionId, id: u64) -> Option<Held<B>> {
+        let mine = self.by_session.get_mut(&session)?;
+        let held = mine.remove(&id)?;
+        if mine.is_empty() {
+            self.by_session.remove(&session);
+        }
+        self.bytes -= held.len;
+        Some(held)
+    }
+
+    /// Takes every credit of `session` out (its session closed).
+    fn take_session(&mut self, session: SessionId) -> Vec<Held<B>> {
+        let held: Vec<Held<B>> = self
+            .by_session
+            .remove(&session)
+            .map(|c| c.into_values().collect())
+            .unwrap_or_default();
+        self.bytes -= held.iter().map(|h| h.len).sum::<u64>();
+        held
+    }
+
+    /// Drops every credit (teardown).
+    pub(super) fn clear(&mut self) {
+        self.by_session.clear();
+        self.bytes = 0;
+    }
+}
+
+impl<M: Memory> Unit<M> {
+    /// The answer to a pushed PUT that was stored: `Stored` with the session's credits topped
+    /// up, where this unit grants credits (`Done` where it does not: pulled PUTs, credits
+    /// off).
+    pub(super) fn stored(&mut self, session: SessionId) -> Response {
+        if self.pull_puts || self.cfg.credit_bytes == 0 || self.cfg.session_credits == 0 {
+            return Response::Done;
+        }
+        Response::Stored {
+            credits: self.top_up(session),
+            agent: None,
+        }
+    }
+
+    /// New credits for `session`, up to `session_credits`, while the unit-wide
+    /// `credit_limit`, the leased limits and the pool allow. None when any of them says no:
+    /// the session then PUTs through prepared blocks.
+    fn top_up(&mut self, session: SessionId) -> Vec<Credit> {
+        let size = self.cfg.credit_bytes;
+        let mut out = Vec::new();
+        let peer = self.sessions.peer(session).to_owned();
+        if peer.is_empty() {
+            return out;
+        }
+        while self.credits.held(session) < self.cfg.session_credits {
+            let mine = self.puts.session_leased(session) + self.credits.session_bytes(session);
+            let fits = self.credits.bytes() + size <= self.cfg.credit_limit
+                && mine + size <= self.cfg.session_leased_limit
+                && self.puts.leased() + self.credits.bytes() + size <= self.cfg.leased_limit;
+            if !fits {
+                break;
+            }
+            let Ok(block) = self.mem.lease(size, self.cfg.align) else {
+                break;
+            };
+            let (Ok(landing), Ok(desc)) = (
+                self.mem.expose_landing(&block, &peer),
+                self.mem.remote(&block, 0, size),
+            ) else {
+                break;
+            };
+            let len = M::block_len(&block);
+            let id = self.credits.insert(
+                session,
+                Held {
+                    block,
+                    landing,
+                    len,
+                },
+            );
+            out.push(Credit { id, block: desc });
+        }
+        out
+    }
+
+    /// What credit `credit` of `session` records as written, for the driver to wait (off
+    /// the lock) for a credited PUT's WRITE to be recorded before it hands the PUT over.
+    pub fn credit_landing(&self, session: SessionId, credit: u64) -> Option<Landed> {
+        self.credits
+            .by_session
+            .get(&session)?
+            .get(&credit)
+            .map(|h| h.landing.clone())
+    }
+
+    /// `PutCredited`: the payload is in credit `credit`. The credit is used up whatever the
+    /// outcome; on success its frames' part of the block holds the values and the rest goes
+    /// back to the pool.
+    pub(super) fn put_credited(
+        &mut self,
+        session: SessionId,
+        partition: &str,
+        indexes: &[u64],
+        fields: &[String],
+        meta: ByteBuf,
+        credit: u64,
+    ) -> Result<Response, RemoteError> {
+        let held = self.credits.take(session, credit).ok_or_else(|| {
+            err(
+                ErrorKind::UnknownTransfer,
+                format!("no credit {credit} held by this session"),
+            )
+        })?;
+        self.check_keys(indexes, fields)?;
+        let table = self.decoder.frame_table(&meta).map_err(meta_error)?;
+        let layout = table
+            .layout(self.cfg.align)
+            .map_err(|e| err(ErrorKind::Protocol, format!("layout: {e}")))?;
+        if layout.size > held.len {
+            return Err(err(
+                ErrorKind::TooLarge,
+                format!(
+                    "a PUT of {} bytes laid out does not fit credit {credit} of {} bytes",
+                    layout.size, held.len
+                ),
+            ));
+        }
+        self.admit_put(partition, indexes, fields, layout.size, meta.len() as u64)?;
+        let ranges = merged_ranges(&layout.offsets, &layout.lens);
+        if !held.landing.ranges_written(&ranges) {
+            // Refused rather than stored: the block would publish what it held before.
+            return Err(err(
+                ErrorKind::BadRequest,
+                format!(
+                    "credit {credit} does not hold the PUT's payload: WRITE every frame into \
+                     it before naming it"
+                ),
+            ));
+        }
+        let Held {
+            mut block, landing, ..
+        } = held;
+        // Withdrawn first, so the block is this unit's alone; its unused end goes back.
+        drop(landing);
+        M::shrink(&mut block, layout.size);
+        let block_len = M::block_len(&block);
+        let buf: Bytes = self.mem.freeze(block, layout.size);
+        let meta = Bytes::from(meta.into_vec());
+        let value = self
+            .decoder
+            .decode_contiguous(&meta, &buf, layout.align)
+            .map_err(|e| err(ErrorKind::Protocol, format!("decode: {e}")))?;
+        self.puts.count_in(layout.size);
+        let block_id = self.store.new_block(block_len, partition);
+        let r = self.store_value(partition, indexes, fields, value, Some(block_id));
+        self.store.drop_if_unused(block_id);
+        r?;
+        Ok(self.stored(session))
+    }
+
+    /// The credits of a closed session: quarantined like its exposed blocks (a WRITE into
+    /// them may still be on its way).
+    pub(super) fn close_credits(&mut self, session: SessionId) -> Vec<Quarantined> {
+        self.credits
+            .take_session(session)
+            .into_iter()
+            .map(|h| {
+                let Held { block, len, .. } = h;
+                (Box::new(block) as Box<dyn Send + Sync>, len, String::new())
+            })
+            .collect()
+    }
+}
+
+/// The unit's error for a meta frame the decoder refused.
+pub(super) fn meta_error(e: DecodeError) -> RemoteError {
+    let kind = if matches!(
+        e,
+        DecodeError::MetaTooLarge { .. }
+            | DecodeError::TooManyFrames { .. }
+            | DecodeError::TooLarge { .. }
+            | DecodeError::TooDeep { .. }
+            | DecodeError::TooManyElements { .. }
+            | DecodeError::RankTooHigh { .. }
+    ) {
+        ErrorKind::TooLarge
+    } else {
+        ErrorKind::Protocol
+    };
+    err(kind, format!("meta frame: {e}"))
+}
