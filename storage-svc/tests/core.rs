@@ -1475,3 +1475,63 @@ fn a_pushed_put_hands_the_driver_its_exposure_until_commit() {
     let (id, _) = pulled.pull_put("p", &[1], &value);
     assert!(pulled.unit.put_written(S, id).is_none(), "a pulled PUT");
 }
+
+/// Credits have bounds of their own: a session holding some can still prepare a PUT as
+/// large as its leased limit, and a PUT that fits one of them takes one round trip, the rest
+/// of the credit going back to the pool.
+#[test]
+fn credits_leave_a_sessions_largest_put_alone() {
+    let mut h = Harness::new(UnitConfig {
+        session_leased_limit: 1 << 20,
+        credit_bytes: 256 << 10,
+        session_credits: 2,
+        ..UnitConfig::default()
+    });
+    let small = batch(
+        1,
+        vec![Value::Tensor(
+            Tensor::from_slice(&[100_000], &vec![1u8; 100_000]).unwrap(),
+        )],
+    );
+    assert_eq!(h.put("p", &[1], &["f"], &small), Response::Done);
+    assert_eq!(h.credits.len(), 2, "the COMMIT's answer granted credits");
+    let s = h.stats();
+    assert_eq!(s.credit_bytes, 512 << 10);
+    // The session's whole leased limit, credits held or not.
+    let len = (1 << 20) - 64;
+    let big = batch(
+        1,
+        vec![Value::Tensor(
+            Tensor::from_slice(&[len as u64], &vec![2u8; len]).unwrap(),
+        )],
+    );
+    let frames = encode(&big).unwrap();
+    let (id, r) = h.req(Request::Put {
+        partition: "p".into(),
+        indexes: vec![2],
+        fields: vec!["f".into()],
+        meta: ByteBuf::from(frames.meta.to_vec()),
+        inline: None,
+        pull: None,
+    });
+    assert!(matches!(r, Response::PutReady { .. }), "{r:?}");
+    assert!(matches!(
+        h.req(Request::Commit { put: id }).1,
+        Response::Stored { .. }
+    ));
+    // One round trip into a credit: used up, replaced, its unused end given back.
+    let before = h.stats();
+    assert_eq!(h.put("p", &[3], &["f"], &small), Response::Done);
+    let after = h.stats();
+    assert_eq!(
+        after.credit_bytes,
+        512 << 10,
+        "the used credit was replaced"
+    );
+    assert_eq!(after.pending_puts, 0, "no block was prepared");
+    let stored = (after.pool.used - after.credit_bytes) - (before.pool.used - before.credit_bytes);
+    assert!(
+        stored < 100_000 + 4096,
+        "the value keeps its frames only: {stored}"
+    );
+}

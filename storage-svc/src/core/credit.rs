@@ -121,8 +121,8 @@ impl<M: Memory> Unit<M> {
     }
 
     /// New credits for `session`, up to `session_credits`, while the unit-wide
-    /// `credit_limit`, the leased limits and the pool allow. None when any of them says no:
-    /// the session then PUTs through prepared blocks.
+    /// `credit_limit`, the leased limits (with the prepared PUTs' leases) and the pool allow.
+    /// None when any of them says no: the session then PUTs through prepared blocks.
     fn top_up(&mut self, session: SessionId) -> Vec<Credit> {
         let size = self.cfg.credit_bytes;
         let mut out = Vec::new();

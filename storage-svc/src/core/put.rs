@@ -308,7 +308,9 @@ impl<M: Memory> Unit<M> {
                 ),
             ));
         }
-        let mine = self.puts.session_leased(session) + self.credits.session_bytes(session);
+        // Credits have bounds of their own (`session_credits`, `credit_limit`): a session's
+        // largest PUT does not shrink because it holds some.
+        let mine = self.puts.session_leased(session);
         if mine + layout.size > self.cfg.session_leased_limit {
             return Err(err(
                 ErrorKind::OutOfMemory,
@@ -318,7 +320,7 @@ impl<M: Memory> Unit<M> {
                 ),
             ));
         }
-        let leased = self.puts.leased() + self.credits.bytes();
+        let leased = self.puts.leased();
         if leased + layout.size > self.cfg.leased_limit {
             return Err(err(
                 ErrorKind::OutOfMemory,
