@@ -400,7 +400,7 @@ async fn drive(
         if after.quarantined_bytes == 0 && after.sessions <= 1 {
             break;
         }
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
         after = client.stats().await?.remove(0);
     }
     bars.finish();
