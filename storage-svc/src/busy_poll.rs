@@ -178,6 +178,16 @@ impl BusyPoll {
         if !awaited() {
             return;
         }
+        // A task woken from outside the runtime (a transfer completing on an engine's thread,
+        // a WRITE recorded by the target's) lands in the runtime's shared queue and wakes the
+        // worker through the runtime's own poller, which this spin does not watch: seen here,
+        // it ends the spin at once instead of at the window's end.
+        let runtime = tokio::runtime::Handle::try_current().ok();
+        let woken = || {
+            runtime
+                .as_ref()
+                .is_some_and(|h| h.metrics().global_queue_depth() > 0)
+        };
         let deadline = Instant::now() + self.inner.window;
         let mut ev = [libc::epoll_event { events: 0, u64: 0 }; 1];
         loop {
@@ -185,7 +195,7 @@ impl BusyPoll {
             let n =
                 unsafe { libc::epoll_wait(self.inner.epoll.as_raw_fd(), ev.as_mut_ptr(), 1, 0) };
             // Readable (or an error, which the worker's own poll will see): stop.
-            if n != 0 || !awaited() || Instant::now() >= deadline {
+            if n != 0 || !awaited() || woken() || Instant::now() >= deadline {
                 return;
             }
             // No sched_yield: under EEVDF it can keep a thread woken on this core (the
@@ -322,6 +332,26 @@ mod tests {
         let _waiting = poll.waiting();
         let took = timed(poll.on_park());
         assert!(took >= Duration::from_millis(30), "{took:?}");
+    }
+
+    /// A task woken from a thread outside the runtime (an engine's, completing a transfer)
+    /// runs at once: the spinning worker sees it queued and parks, which finds it.
+    #[test]
+    fn a_task_woken_from_outside_the_runtime_ends_the_poll() {
+        let poll = BusyPoll::new(Duration::from_secs(30)).unwrap();
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .on_thread_park(poll.on_park())
+            .build()
+            .unwrap();
+        let _waiting = poll.waiting();
+        let (tx, rx) = tokio::sync::oneshot::channel::<Instant>();
+        let task = rt.spawn(async move { rx.await.unwrap().elapsed() });
+        std::thread::sleep(Duration::from_millis(50));
+        tx.send(Instant::now()).unwrap();
+        let waited = rt.block_on(task).unwrap();
+        assert!(waited < Duration::from_secs(5), "{waited:?}");
     }
 
     #[test]

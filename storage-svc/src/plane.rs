@@ -161,7 +161,11 @@ impl AsRef<[u8]> for BlockBytes {
 /// a compacted copy), as bytes that own it through the transport's `FrozenBlock`: slices keep
 /// it leased and it returns to its pool when the last one drops. Fails while a descriptor or
 /// transfer of the block is still alive.
-pub(crate) fn freeze_written(block: PoolBlock, len: u64) -> Result<Bytes, MemoryError> {
+pub(crate) fn freeze_written(mut block: PoolBlock, len: u64) -> Result<Bytes, MemoryError> {
+    // A block leased larger than it turned out to be (a GET's offered block) keeps `len`.
+    if len > 0 {
+        block.shrink(len);
+    }
     let frozen = block.freeze().map_err(|_| MemoryError::InUse)?;
     Ok(Bytes::from_owner(frozen).slice(..len as usize))
 }

@@ -12,7 +12,8 @@ use crate::error::{ErrorKind, MemoryError, WireError};
 /// payload for the unit to READ ([`Request::Put::pull`]). Version 4: the session opens with a
 /// challenge-response (`Hello`, `Challenge`, `Auth`, `Welcome`); the token never travels.
 /// Version 5: credits, landing blocks kept ready for a session ([`Response::Stored`],
-/// [`Request::PutCredited`]): a PUT that fits one takes one round trip.
+/// [`Request::PutCredited`]): a PUT that fits one takes one round trip; a GET may offer its
+/// receive block up front ([`Request::GetOffer`], [`Response::Written`]), one round trip too.
 pub const PROTOCOL_VERSION: u16 = 5;
 
 /// Label of the unit's proof in [`Response::Challenge`].
@@ -100,6 +101,21 @@ pub enum Request {
         indexes: Vec<u64>,
         /// Field names.
         fields: Vec<String>,
+    },
+    /// A GET that offers a block of the client's receive pool up front: when the values go
+    /// through the payload plane and, laid out from their meta at the block's start, fit in
+    /// it, the unit WRITEs them there and answers [`Response::Written`] (one round trip);
+    /// otherwise it answers as to a GET (`Values`, or `GetReady` for a block of the right
+    /// size, and the offered one is not touched).
+    GetOffer {
+        /// Partition.
+        partition: String,
+        /// Global indexes.
+        indexes: Vec<u64>,
+        /// Field names.
+        fields: Vec<String>,
+        /// The offered block.
+        block: RemoteDesc,
     },
     /// The client's receive block for the GET prepared under this request id.
     GetInto {
@@ -208,6 +224,11 @@ pub enum Response {
     },
     /// The payload of a GET has been written into the client's block.
     GetDone,
+    /// A `GetOffer`'s values were written into the block it offered, laid out from `meta`.
+    Written {
+        /// Meta frame.
+        meta: ByteBuf,
+    },
     /// Statistics.
     Stats(crate::Stats),
     /// The request failed.

@@ -1011,7 +1011,7 @@ fn a_get_in_slices_answers_as_one_get() {
         let encoded = g
             .into_columns()
             .and_then(|c| tessera_storage::core::encode_get(h.unit.config(), c));
-        (steps, h.unit.get_finish(h.now, S, 50, encoded))
+        (steps, h.unit.get_finish(h.now, S, 50, encoded, None))
     };
     let (steps, out) = sliced(&mut h, idx.clone());
     assert_eq!(steps, 19, "5 indexes x 2 fields per step");
@@ -1534,4 +1534,84 @@ fn credits_leave_a_sessions_largest_put_alone() {
         stored < 100_000 + 4096,
         "the value keeps its frames only: {stored}"
     );
+}
+
+/// A GET that offers its block: written at once when the values fit it (the WRITE names the
+/// GET itself, and its answer carries the meta), asked for a block of the right size when
+/// they do not (the offered one untouched), answered inline when small.
+#[test]
+fn an_offered_block_is_written_when_the_values_fit() {
+    let mut h = Harness::new(UnitConfig {
+        inline_max: 1024,
+        ..UnitConfig::default()
+    });
+    let v = batch(
+        1,
+        vec![Value::Tensor(
+            Tensor::from_slice(&[10_000], &vec![4u8; 10_000]).unwrap(),
+        )],
+    );
+    assert_eq!(h.put("p", &[1], &["f"], &v), Response::Done);
+    let offer = |h: &mut Harness, len: u64| {
+        let id = h.next;
+        h.next += 1;
+        let out = h.unit.handle(
+            h.now,
+            S,
+            id,
+            Request::GetOffer {
+                partition: "p".into(),
+                indexes: vec![1],
+                fields: vec!["f".into()],
+                block: RemoteDesc::new(9, 4096, len),
+            },
+        );
+        (id, out)
+    };
+    let (id, out) = offer(&mut h, 16_384);
+    let Some(Output::Write {
+        id: reply,
+        get,
+        frames,
+        descs,
+        ..
+    }) = out.into_iter().next()
+    else {
+        panic!("no WRITE into the offered block")
+    };
+    assert_eq!((reply, get), (id, id));
+    assert_eq!(frames.iter().map(|f| f.len()).sum::<usize>(), 10_000);
+    assert!(descs
+        .iter()
+        .all(|d| d.reg == 9 && d.offset >= 4096 && d.offset + d.len <= 4096 + 16_384));
+    assert_eq!(h.stats().pending_gets, 1);
+    let r = single(h.unit.transfer_done(S, get, reply, Ok(())));
+    let Response::Written { meta } = r else {
+        panic!("{r:?}")
+    };
+    assert!(!meta.is_empty());
+    assert_eq!(h.stats().pending_gets, 0);
+    // Too small: a GET like any other, the offer ignored.
+    let (_, out) = offer(&mut h, 9_999);
+    assert!(
+        matches!(single(out), Response::GetReady { .. }),
+        "a block too small is not written"
+    );
+    // Small values come inline whatever is offered.
+    let small = batch(1, vec![Value::I64(7)]);
+    assert_eq!(h.put_inline("p", &[2], &["f"], &small), Response::Done);
+    let id = h.next;
+    h.next += 1;
+    let out = h.unit.handle(
+        h.now,
+        S,
+        id,
+        Request::GetOffer {
+            partition: "p".into(),
+            indexes: vec![2],
+            fields: vec!["f".into()],
+            block: RemoteDesc::new(9, 0, 1 << 20),
+        },
+    );
+    assert!(matches!(single(out), Response::Values { .. }));
 }

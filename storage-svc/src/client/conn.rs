@@ -49,6 +49,21 @@ pub(super) struct Conn {
     pub(super) pull: bool,
     /// The session's credits: landing blocks the unit keeps ready for its PUTs.
     credits: Mutex<Vec<Credit>>,
+    /// What GETs of one shape (their fields and count of indexes) laid out to lately, to size
+    /// the block the next such GET offers.
+    shapes: Mutex<HashMap<u64, u64>>,
+}
+
+/// Shapes of GETs remembered per session, at most (the map is emptied beyond).
+const SHAPES: usize = 256;
+
+/// A GET's shape: its fields and how many indexes it names.
+fn shape(fields: &[String], indexes: usize) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    fields.hash(&mut h);
+    indexes.hash(&mut h);
+    h.finish()
 }
 
 impl Conn {
@@ -172,7 +187,26 @@ impl Conn {
             timeout: cfg.timeout,
             pull: cfg.backend.pulls_puts(),
             credits: Mutex::new(Vec::new()),
+            shapes: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// How large a block a GET of `fields` at `indexes` indexes should offer, from what GETs
+    /// of its shape laid out to lately (an eighth above the largest, which shrinks slowly);
+    /// `None` before any did.
+    pub(super) fn offer_for(&self, fields: &[String], indexes: usize) -> Option<u64> {
+        let seen = *self.shapes.lock().get(&shape(fields, indexes))?;
+        Some(seen + seen / 8)
+    }
+
+    /// A GET of `fields` at `indexes` indexes laid out to `size` bytes.
+    pub(super) fn laid_out(&self, fields: &[String], indexes: usize, size: u64) {
+        let mut shapes = self.shapes.lock();
+        if shapes.len() >= SHAPES {
+            shapes.clear();
+        }
+        let seen = shapes.entry(shape(fields, indexes)).or_insert(0);
+        *seen = size.max(*seen - *seen / 8);
     }
 
     /// Takes a credit whose block holds `frames` laid out with the unit's alignment, if the

@@ -3,11 +3,13 @@
 
 use tessera_framecodec::Value;
 
+use super::conn::Conn;
 use super::{Client, Slot};
 use crate::core::client::{GetOp, GetStep};
 use crate::error::ClientError;
 use crate::plane::freeze_written;
 use crate::proto::Request;
+use tessera_transport::{Exposure, RemoteDesc};
 
 impl Client {
     pub(super) async fn get_unit(
@@ -20,14 +22,33 @@ impl Client {
         let unit = slot.number;
         let conn = self.conn(slot).await?;
         let conn = &*conn;
-        let (mut op, mut step) = GetOp::new(
-            unit,
-            partition,
-            indexes,
-            fields,
-            conn.align,
-            self.decoder.clone(),
-        );
+        let shape = (fields.clone(), indexes.len());
+        // A GET of a shape seen before offers a block of about its size up front: one round
+        // trip when the values fit it. The block is a standing exposure to the unit's agent,
+        // which can then WRITE into it without asking first (`shm`).
+        let offered = conn
+            .offer_for(&shape.0, shape.1)
+            .and_then(|size| self.offer(conn, size));
+        let (mut op, mut step) = match &offered {
+            Some((_, _, desc)) => GetOp::offered(
+                unit,
+                partition,
+                indexes,
+                fields,
+                conn.align,
+                self.decoder.clone(),
+                *desc,
+            ),
+            None => GetOp::new(
+                unit,
+                partition,
+                indexes,
+                fields,
+                conn.align,
+                self.decoder.clone(),
+            ),
+        };
+        let mut offered = offered.map(|(b, e, _)| (b, e));
         // The receive block and the bytes of it the frames occupy.
         let mut block: Option<(tessera_transport::PoolBlock, u64)> = None;
         loop {
@@ -38,10 +59,13 @@ impl Client {
                         if let Some((b, _)) = block.take() {
                             self.quarantine.lock().push(b);
                         }
+                        if let Some((b, _)) = offered.take() {
+                            self.quarantine.lock().push(b);
+                        }
                     }
                     return r;
                 }
-                GetStep::Send(req @ Request::GetInto { .. }) => {
+                GetStep::Send(req @ (Request::GetInto { .. } | Request::GetOffer { .. })) => {
                     // The answer's own deadline (which first takes an answer already there).
                     match conn.call(req).await {
                         Err(ClientError::Timeout { .. }) => op.on_timeout(self.timeout),
@@ -50,6 +74,11 @@ impl Client {
                 }
                 GetStep::Send(req) => op.on_answer(conn.call(req).await),
                 GetStep::Lease { layout } => {
+                    conn.laid_out(&shape.0, shape.1, layout.size);
+                    // The values did not fit the offered block, which the unit left alone.
+                    if op.offer_untouched() {
+                        drop(offered.take());
+                    }
                     let len = layout.size.max(1);
                     match self.pool.lease(len, layout.align) {
                         // The unit lays the frames out in the block as this client did.
@@ -64,7 +93,18 @@ impl Client {
                     }
                 }
                 GetStep::Land => {
-                    let Some((b, size)) = block.take() else {
+                    let landed = match (block.take(), offered.take()) {
+                        (Some(b), _) => Some(b),
+                        // Written into the offered block: laid out as its meta says.
+                        (None, Some((b, exposure))) => {
+                            drop(exposure);
+                            let size = op.landed_size().unwrap_or(0);
+                            conn.laid_out(&shape.0, shape.1, size);
+                            Some((b, size))
+                        }
+                        (None, None) => None,
+                    };
+                    let Some((b, size)) = landed else {
                         return Err(ClientError::ApiMisuse(
                             "a GET landed without a receive block".into(),
                         ));
@@ -73,5 +113,22 @@ impl Client {
                 }
             };
         }
+    }
+
+    /// A block of `size` bytes of the receive pool offered to `conn`'s unit, standing: the
+    /// block, its exposure and its descriptor. `None` when the pool has no room for it now
+    /// (the GET then asks first, as a plain GET does).
+    fn offer(
+        &self,
+        conn: &Conn,
+        size: u64,
+    ) -> Option<(tessera_transport::PoolBlock, Exposure, RemoteDesc)> {
+        let b = self.pool.lease(size.max(1), conn.align).ok()?;
+        let exposure = b
+            .registration()
+            .expose_standing(conn.peer.name(), b.offset(), b.len())
+            .ok()?;
+        let desc = b.remote().ok()?;
+        Some((b, exposure, desc))
     }
 }

@@ -16,7 +16,9 @@
 //!   READ them.
 //! - GET: `GET` → `VALUES` (inline), or `GET_READY` → a block leased from the client's pool →
 //!   `GET_INTO` → the unit's WRITE → `GET_DONE` → the block decoded; a failure to lease
-//!   cancels the GET.
+//!   cancels the GET. Offered: `GET_OFFER` naming a block leased before → the unit's WRITE →
+//!   `WRITTEN` → the block decoded (one round trip); or, the values not fitting the block,
+//!   `GET_READY` and on as above (the offered block untouched).
 
 use bytes::Bytes;
 use serde_bytes::ByteBuf;
@@ -329,6 +331,8 @@ impl PutOp {
 
 enum GetState {
     Sent,
+    /// A `GetOffer` is on its way; the unit may WRITE into the offered block.
+    Offered,
     /// The unit prepared GET `get`; a block is being leased.
     Leasing {
         get: u64,
@@ -394,12 +398,77 @@ impl GetOp {
         (op, GetStep::Send(req))
     }
 
+    /// A GET of `indexes` x `fields` of `partition` on `unit` that offers `block`, a block
+    /// of the client's receive pool: when the values fit it laid out from their meta at its
+    /// start, the unit WRITEs them there and answers `Written` (the driver then lands the
+    /// block, [`GetStep::Land`]); otherwise the GET goes on as [`GetOp::new`]'s does and the
+    /// offered block was never touched ([`GetOp::offer_untouched`]). An answer that does not
+    /// come in time ([`GetOp::on_timeout`]) leaves the offered block to quarantine.
+    pub fn offered(
+        unit: usize,
+        partition: &str,
+        indexes: Vec<u64>,
+        fields: Vec<String>,
+        align: u64,
+        decoder: Decoder,
+        block: RemoteDesc,
+    ) -> (Self, GetStep) {
+        let op = Self {
+            unit,
+            indexes: indexes.len(),
+            fields: fields.len(),
+            align,
+            decoder,
+            state: GetState::Offered,
+            quarantine: false,
+        };
+        let req = Request::GetOffer {
+            partition: partition.to_owned(),
+            indexes,
+            fields,
+            block,
+        };
+        (op, GetStep::Send(req))
+    }
+
+    /// The bytes of the block the values occupy, once [`GetStep::Land`] was asked for.
+    pub fn landed_size(&self) -> Option<u64> {
+        match &self.state {
+            GetState::Landing { layout, .. } => Some(layout.size),
+            _ => None,
+        }
+    }
+
+    /// After the answer to a `GetOffer`: whether the unit left the offered block alone (it
+    /// answered inline, asked for a block of another size, or refused the GET before any
+    /// WRITE), so that it can go back to the pool.
+    pub fn offer_untouched(&self) -> bool {
+        !self.quarantine && !matches!(self.state, GetState::Landing { .. })
+    }
+
     /// The answer to the last request sent: `(request id, response)`, or why none came.
     pub fn on_answer(&mut self, answer: Result<(u64, Response), ClientError>) -> GetStep {
         let state = std::mem::replace(&mut self.state, GetState::Done);
         match (state, answer) {
             (GetState::Cancelling { error }, _) => GetStep::Done(Err(error)),
-            (GetState::Writing { .. }, Err(e)) => {
+            (GetState::Offered, Ok((_, Response::Written { meta }))) => {
+                match self
+                    .decoder
+                    .frame_table(&meta)
+                    .map_err(ClientError::from)
+                    .and_then(|t| Ok(t.layout(self.align)?))
+                {
+                    Ok(layout) => {
+                        self.state = GetState::Landing { meta, layout };
+                        GetStep::Land
+                    }
+                    Err(e) => GetStep::Done(Err(e)),
+                }
+            }
+            (GetState::Offered, Ok((get, Response::GetReady { meta }))) => {
+                self.on_answer_ready(get, meta)
+            }
+            (GetState::Writing { .. } | GetState::Offered, Err(e)) => {
                 // A failed WRITE may have reached the block: outcome unknown.
                 if matches!(&e, ClientError::Remote { source, .. } if source.kind == ErrorKind::Transfer)
                 {
@@ -412,30 +481,37 @@ impl GetOp {
                 GetStep::Land
             }
             (_, Err(e)) => GetStep::Done(Err(e)),
-            (GetState::Sent, Ok((_, Response::Values { meta, frames }))) => GetStep::Done(
-                decode_inline(&meta, frames)
-                    .map_err(Into::into)
-                    .and_then(|v| self.columns(v)),
-            ),
+            (GetState::Sent | GetState::Offered, Ok((_, Response::Values { meta, frames }))) => {
+                GetStep::Done(
+                    decode_inline(&meta, frames)
+                        .map_err(Into::into)
+                        .and_then(|v| self.columns(v)),
+                )
+            }
             (GetState::Sent, Ok((get, Response::GetReady { meta }))) => {
-                let layout = match self
-                    .decoder
-                    .frame_table(&meta)
-                    .map_err(ClientError::from)
-                    .and_then(|t| Ok(t.layout(self.align)?))
-                {
-                    Ok(l) => l,
-                    Err(e) => return GetStep::Done(Err(e)),
-                };
-                self.state = GetState::Leasing {
-                    get,
-                    meta,
-                    layout: layout.clone(),
-                };
-                GetStep::Lease { layout }
+                self.on_answer_ready(get, meta)
             }
             (_, Ok((_, other))) => GetStep::Done(Err(unexpected(self.unit, other))),
         }
+    }
+
+    /// `GetReady`: a block of the layout `meta` asks for is to be leased.
+    fn on_answer_ready(&mut self, get: u64, meta: ByteBuf) -> GetStep {
+        let layout = match self
+            .decoder
+            .frame_table(&meta)
+            .map_err(ClientError::from)
+            .and_then(|t| Ok(t.layout(self.align)?))
+        {
+            Ok(l) => l,
+            Err(e) => return GetStep::Done(Err(e)),
+        };
+        self.state = GetState::Leasing {
+            get,
+            meta,
+            layout: layout.clone(),
+        };
+        GetStep::Lease { layout }
     }
 
     /// The block asked for by [`GetStep::Lease`]: its descriptor, or why there is none (the

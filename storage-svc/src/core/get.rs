@@ -19,6 +19,9 @@ struct PendingGet {
     layout: RecvLayout,
     writing: bool,
     deadline: Instant,
+    /// A `GetOffer` written into the block it offered: its meta goes with the answer
+    /// (`Written`), which no `GetReady` carried before.
+    offered: Option<ByteBuf>,
 }
 
 /// GETs answered `GetReady`, by session and request id, until their WRITE is done.
@@ -71,6 +74,12 @@ impl Gets {
     pub(super) fn clear(&mut self) {
         self.pending.clear();
     }
+}
+
+/// What a GET leads to: an answer, or the WRITE into the block it offered first.
+enum Answer<D> {
+    Reply(Response),
+    Write(Output<D>),
 }
 
 /// A GET looked up in slices ([`Unit::get_begin`]).
@@ -129,6 +138,7 @@ pub fn encode_get(cfg: &super::UnitConfig, columns: Vec<Value>) -> Result<Encode
 }
 
 impl<M: Memory> Unit<M> {
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn get(
         &mut self,
         now: Instant,
@@ -137,11 +147,13 @@ impl<M: Memory> Unit<M> {
         partition: &str,
         indexes: &[u64],
         fields: &[String],
-    ) -> Result<Response, RemoteError> {
-        self.check_keys(indexes, fields)?;
-        let columns = self.store.lookup(partition, indexes, fields)?;
-        let encoded = encode_get(&self.cfg, columns)?;
-        self.answer_get(now, session, id, encoded)
+        offer: Option<RemoteDesc>,
+    ) -> Vec<Output<M::Dest>> {
+        let encoded = self.check_keys(indexes, fields).and_then(|()| {
+            let columns = self.store.lookup(partition, indexes, fields)?;
+            encode_get(&self.cfg, columns)
+        });
+        self.get_finish(now, session, id, encoded, offer)
     }
 
     /// Starts a GET that the driver looks up in slices ([`Unit::get_step`]) so that no hold of
@@ -195,21 +207,28 @@ impl<M: Memory> Unit<M> {
 
     /// Ends a GET looked up in slices: its answer (`encoded` from [`SlicedGet::into_columns`]
     /// through [`encode_get`], or the keys missing).
+    /// A `GetOffer`'s `offer` is the block the client offered.
     pub fn get_finish(
         &mut self,
         now: Instant,
         session: SessionId,
         id: u64,
         encoded: Result<EncodedGet, RemoteError>,
+        offer: Option<RemoteDesc>,
     ) -> Vec<Output<M::Dest>> {
-        let response = encoded
-            .and_then(|e| self.answer_get(now, session, id, e))
-            .unwrap_or_else(Response::Error);
-        vec![Output::Reply {
-            session,
-            id,
-            response,
-        }]
+        match encoded.and_then(|e| self.answer_get(now, session, id, e, offer)) {
+            Ok(Answer::Reply(response)) => vec![Output::Reply {
+                session,
+                id,
+                response,
+            }],
+            Ok(Answer::Write(o)) => vec![o],
+            Err(e) => vec![Output::Reply {
+                session,
+                id,
+                response: Response::Error(e),
+            }],
+        }
     }
 
     fn answer_get(
@@ -218,33 +237,60 @@ impl<M: Memory> Unit<M> {
         session: SessionId,
         id: u64,
         encoded: EncodedGet,
-    ) -> Result<Response, RemoteError> {
+        offer: Option<RemoteDesc>,
+    ) -> Result<Answer<M::Dest>, RemoteError> {
         let EncodedGet(frames) = encoded;
         let payload = frames.payload_bytes();
         let meta = ByteBuf::from(frames.meta.to_vec());
         if payload <= self.cfg.inline_max {
-            return Ok(Response::Values {
+            return Ok(Answer::Reply(Response::Values {
                 meta,
                 frames: frames
                     .payloads
                     .iter()
                     .map(|f| ByteBuf::from(f.to_vec()))
                     .collect(),
-            });
+            }));
         }
         let layout = frames
             .layout(self.cfg.align)
             .map_err(|e| err(ErrorKind::TooLarge, format!("layout: {e}")))?;
+        if self.gets.pending.contains_key(&(session, id)) {
+            return Err(err(ErrorKind::BadRequest, "request id already prepared"));
+        }
+        let frames: Vec<Bytes> = frames.payloads.iter().cloned().collect();
+        // An offered block that holds the layout is written at once: one round trip.
+        if let Some(descs) = offer.and_then(|b| frame_descs(&b, &layout).ok()) {
+            let nonempty = frames.iter().filter(|f| !f.is_empty()).cloned().collect();
+            self.gets.pending.insert(
+                (session, id),
+                PendingGet {
+                    frames,
+                    layout,
+                    writing: true,
+                    deadline: now + self.cfg.prepare_ttl,
+                    offered: Some(meta),
+                },
+            );
+            return Ok(Answer::Write(Output::Write {
+                session,
+                id,
+                get: id,
+                frames: nonempty,
+                descs,
+            }));
+        }
         self.gets.pending.insert(
             (session, id),
             PendingGet {
-                frames: frames.payloads.iter().cloned().collect(),
+                frames,
                 layout,
                 writing: false,
                 deadline: now + self.cfg.prepare_ttl,
+                offered: None,
             },
         );
-        Ok(Response::GetReady { meta })
+        Ok(Answer::Reply(Response::GetReady { meta }))
     }
 
     pub(super) fn get_into(
@@ -296,7 +342,10 @@ impl<M: Memory> Unit<M> {
         let response = match result {
             Ok(()) => {
                 self.gets.bytes_out += get.frames.iter().map(|f| f.len() as u64).sum::<u64>();
-                Response::GetDone
+                match get.offered {
+                    Some(meta) => Response::Written { meta },
+                    None => Response::GetDone,
+                }
             }
             Err(e) => {
                 // The client's block may hold part of the payload: outcome unknown.

@@ -445,7 +445,13 @@ impl<M: Memory> Unit<M> {
                 partition,
                 indexes,
                 fields,
-            } => self.get(now, session, id, &partition, &indexes, &fields),
+            } => return self.get(now, session, id, &partition, &indexes, &fields, None),
+            Request::GetOffer {
+                partition,
+                indexes,
+                fields,
+                block,
+            } => return self.get(now, session, id, &partition, &indexes, &fields, Some(block)),
             Request::GetInto { get, block } => return self.get_into(session, id, get, block),
             Request::Clear {
                 partition,

@@ -77,7 +77,7 @@ pub(super) async fn accept_loop(
                 }
                 shared.connections.fetch_add(1, Ordering::Relaxed);
                 let served = Served(shared.clone());
-                let sid = shared.next_session.fetch_add(1, Ordering::Relaxed);
+                let sid = super::next_session();
                 let s = shared.clone();
                 let span = tracing::info_span!("session", id = sid, %from);
                 shared.tasks.lock().spawn(
@@ -400,7 +400,8 @@ async fn session(
                         fault::before_handle(sid, id, &req);
                         #[cfg(test)]
                         let watched = match &req {
-                            Request::Get { partition, .. } => Some(partition.clone()),
+                            Request::Get { partition, .. }
+                            | Request::GetOffer { partition, .. } => Some(partition.clone()),
                             _ => None,
                         };
                         let out = unit.handle(started, sid, id, req);
@@ -472,6 +473,23 @@ async fn sliced(
 ) -> Result<Vec<crate::core::Output<tessera_transport::LocalDesc>>, Request> {
     let cfg = &shared.cfg.unit;
     let slice = cfg.slice_keys.max(1) as usize;
+    // A GET that offers its block is sliced alike; the offer goes with its end.
+    let (req, offer) = match req {
+        Request::GetOffer {
+            partition,
+            indexes,
+            fields,
+            block,
+        } if indexes.len().saturating_mul(fields.len().max(1)) > slice => (
+            Request::Get {
+                partition,
+                indexes,
+                fields,
+            },
+            Some(block),
+        ),
+        other => (other, None),
+    };
     match req {
         Request::Get {
             partition,
@@ -512,7 +530,7 @@ async fn sliced(
             let partition = g_partition;
             let out = {
                 let mut unit = shared.unit.lock();
-                let out = unit.get_finish(Instant::now(), sid, id, encoded);
+                let out = unit.get_finish(Instant::now(), sid, id, encoded, offer);
                 #[cfg(test)]
                 fault::get_done(&partition);
                 out
@@ -598,6 +616,7 @@ fn op_name(req: &Request) -> &'static str {
         Request::Commit { .. } => "put_commit",
         Request::Cancel { .. } => "cancel",
         Request::Get { .. } => "get",
+        Request::GetOffer { .. } => "get_offer",
         Request::GetInto { .. } => "get_into",
         Request::Clear { .. } => "clear",
         Request::DropPartition { .. } => "drop_partition",

@@ -32,6 +32,7 @@ fn armed(req: &Request) -> Option<Fault> {
     let partition = match req {
         Request::Put { partition, .. }
         | Request::Get { partition, .. }
+        | Request::GetOffer { partition, .. }
         | Request::Clear { partition, .. } => partition,
         _ => return None,
     };

@@ -208,7 +208,6 @@ struct Shared {
     /// Closed sessions whose exposed blocks wait for their client's link to be torn down, with
     /// the client's agent name.
     lingering: Mutex<HashMap<SessionId, String>>,
-    next_session: AtomicU64,
     tasks: Mutex<JoinSet<()>>,
     /// Control connections being served.
     connections: AtomicU64,
@@ -305,6 +304,14 @@ enum Listener {
     Unix(UnixListener, PathBuf),
 }
 
+/// A session id unique in the process, not only in its unit: the logs of several units in
+/// one process (and the test harness's fault hooks, keyed by session) never mix sessions up.
+pub(super) fn next_session() -> SessionId {
+    use tessera_sync::unchecked::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
 impl Server {
     /// Creates the agent and its registered pool, binds the control socket and starts serving.
     pub async fn start(cfg: ServerConfig) -> Result<Server, ServerError> {
@@ -380,7 +387,6 @@ impl Server {
             cfg,
             sessions: Mutex::new(HashMap::new()),
             lingering: Mutex::new(HashMap::new()),
-            next_session: AtomicU64::new(1),
             tasks: Mutex::new(JoinSet::new()),
             connections: AtomicU64::new(0),
             connection_cap,
@@ -422,7 +428,7 @@ impl Server {
     #[cfg(test)]
     fn attach(&self, stream: tokio::io::DuplexStream) {
         let (r, w) = tokio::io::split(stream);
-        let sid = self.shared.next_session.fetch_add(1, Ordering::Relaxed);
+        let sid = next_session();
         let s = self.shared.clone();
         self.shared
             .tasks

@@ -650,3 +650,56 @@ async fn pipelined_requests_beyond_the_socket_buffer_stay_whole_and_in_order() {
     }
     assert_eq!(server.stats().keys, 200);
 }
+
+/// Over shm, the second PUT of a session lands in a credit and the second GET of a shape in
+/// the block it offered, each in one round trip: both engines copy into ranges the other
+/// announced as standing, without a grant, and the values read back whole. The offered
+/// block keeps only what the values occupy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn credits_and_offered_blocks_take_one_round_trip_over_shm() {
+    let server = Server::start(ServerConfig {
+        bind: "127.0.0.1:0".into(),
+        backend: Backend::Shm,
+        pool_bytes: 64 << 20,
+        ..ServerConfig::default()
+    })
+    .await
+    .unwrap();
+    let c = Client::connect(ClientConfig {
+        units: vec![server.addr().to_owned()],
+        backend: Backend::Shm,
+        recv_pool_bytes: 32 << 20,
+        timeout: Duration::from_secs(60),
+        ..ClientConfig::default()
+    })
+    .await
+    .unwrap();
+    for round in 0..4 {
+        c.put("p", &[1], &column(100_000, round)).await.unwrap();
+        let got = c.get("p", &[1], &["x"]).await.unwrap();
+        let vals = got[0][0].as_tensor().unwrap().as_slice::<i32>().unwrap();
+        assert!(vals.iter().all(|&v| v == round), "round {round}");
+        // The result keeps its frames' bytes of the receive pool, not the offered block's.
+        assert!(
+            c.recv_pool_used() < 400_000 + 4096,
+            "{}",
+            c.recv_pool_used()
+        );
+    }
+    let s = server.stats();
+    assert_eq!((s.pending_puts, s.pending_gets), (0, 0));
+    // The client's PUTs after the first WRITEd into its credits without asking; the unit's
+    // GET WRITEs after the first went into blocks the client offered, standing.
+    assert!(
+        c.agent().report().standing_writes >= 2,
+        "{:?}",
+        c.agent().report()
+    );
+    assert!(
+        server.agent().report().standing_writes >= 2,
+        "{:?}",
+        server.agent().report()
+    );
+    drop(c);
+    server.shutdown().await;
+}
