@@ -59,6 +59,8 @@ struct Inner {
     window: Duration,
     /// Awaited things ([`Waiting`] guards alive): no polling while zero.
     waiting: AtomicUsize,
+    /// Waits on this process's own threads ([`Quiet`] guards alive): no polling while any.
+    quiet: AtomicUsize,
 }
 
 impl std::fmt::Debug for BusyPoll {
@@ -90,6 +92,7 @@ impl BusyPoll {
                 epoll,
                 window,
                 waiting: AtomicUsize::new(0),
+                quiet: AtomicUsize::new(0),
             }),
         })
     }
@@ -119,6 +122,15 @@ impl BusyPoll {
     pub(crate) fn waiting(&self) -> Waiting {
         self.inner.waiting.fetch_add(1, Ordering::Relaxed);
         Waiting { poll: self.clone() }
+    }
+
+    /// Stops the polling while the guard lives: for a wait on another thread of this process
+    /// (an engine's thread recording a WRITE), which a spin on the same core would keep off
+    /// it until the window ends. The worker parks, and that thread's wake-up finds it as it
+    /// would any parked worker.
+    pub(crate) fn quiet(&self) -> Quiet {
+        self.inner.quiet.fetch_add(1, Ordering::Relaxed);
+        Quiet { poll: self.clone() }
     }
 
     /// `reader` (the read half of the socket `fd`), watched by `poll` if there is one until
@@ -174,7 +186,10 @@ impl BusyPoll {
     }
 
     fn spin(&self) {
-        let awaited = || self.inner.waiting.load(Ordering::Relaxed) > 0;
+        let awaited = || {
+            self.inner.waiting.load(Ordering::Relaxed) > 0
+                && self.inner.quiet.load(Ordering::Relaxed) == 0
+        };
         if !awaited() {
             return;
         }
@@ -232,6 +247,17 @@ pub(crate) struct Waiting {
 impl Drop for Waiting {
     fn drop(&mut self) {
         self.poll.inner.waiting.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A wait on this process's own threads: no polling while it lives (see [`BusyPoll::quiet`]).
+pub(crate) struct Quiet {
+    poll: BusyPoll,
+}
+
+impl Drop for Quiet {
+    fn drop(&mut self) {
+        self.poll.inner.quiet.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -352,6 +378,18 @@ mod tests {
         tx.send(Instant::now()).unwrap();
         let waited = rt.block_on(task).unwrap();
         assert!(waited < Duration::from_secs(5), "{waited:?}");
+    }
+
+    #[test]
+    fn a_quiet_wait_stops_the_poll() {
+        let poll = BusyPoll::new(Duration::from_secs(30)).unwrap();
+        let _waiting = poll.waiting();
+        let quiet = poll.quiet();
+        assert!(timed(poll.on_park()) < Duration::from_secs(5));
+        drop(quiet);
+        let poll = BusyPoll::new(Duration::from_millis(30)).unwrap();
+        let _waiting = poll.waiting();
+        assert!(timed(poll.on_park()) >= Duration::from_millis(30));
     }
 
     #[test]

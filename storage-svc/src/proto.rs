@@ -63,9 +63,11 @@ pub enum Request {
         #[serde(default)]
         pull: Option<PullSource>,
     },
-    /// Store `values` whose payload the client has WRITEn into credit `credit` (a landing
-    /// block of this session, [`Credit`]), laid out from `meta` at the block's start as for
-    /// `PutReady`: a PUT in one round trip. It uses the credit up, whatever the answer.
+    /// Store `values` whose payload the client WRITEs into credit `credit` (a landing block
+    /// of this session, [`Credit`]), laid out from `meta` at the block's start as for
+    /// `PutReady`: a PUT in one round trip. The client may send it before its WRITE is done:
+    /// the unit waits (up to its transfer timeout) until the frames are recorded as written,
+    /// and refuses the PUT if they are not. It uses the credit up, whatever the answer.
     PutCredited {
         /// Partition.
         partition: String,

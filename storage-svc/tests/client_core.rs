@@ -139,6 +139,7 @@ impl Pair {
                     op.on_written(write(), true)
                 }
                 PutStep::Done(r) => return r,
+                other => panic!("a prepared PUT asked for {other:?}"),
             };
         }
     }
@@ -290,4 +291,123 @@ fn a_pulled_put_is_answered_after_the_units_read() {
     p.put(&[3], &Value::List(vec![Value::List(vec![bytes(3, 10)])]))
         .unwrap();
     assert_eq!(p.get(&[3]).unwrap()[0], vec![bytes(3, 10)]);
+}
+
+/// Credits and offered blocks, machine against core: a pushed PUT's answer brings credits;
+/// the next PUT sends its `PutCredited` and writes meanwhile (one round trip, no block
+/// prepared), and brings a replacement; a GET that offers a block large enough is written
+/// into it and answered `Written`, one round trip, every byte as stored; one whose block is
+/// too small goes on as a plain GET. A WRITE into a credit that fails ends the PUT with its
+/// error, and the unit, finding nothing written, stores nothing.
+#[test]
+fn credited_puts_and_offered_gets_take_one_round_trip() {
+    let mut p = Pair::new(false);
+    let v = |i: u64| Value::List(vec![Value::List(vec![bytes(i, 50_000)])]);
+    // The first PUT is prepared; its answer brings the session's credits.
+    let frames = encode(&v(1)).unwrap();
+    let (mut op, step) = PutOp::new(
+        0,
+        "p",
+        vec![1],
+        vec!["x".into()],
+        &frames,
+        INLINE_MAX,
+        ALIGN,
+        None,
+    );
+    let PutStep::Send(req) = step else {
+        panic!("{step:?}")
+    };
+    let PutStep::Write { .. } = op.on_answer(p.call(req)) else {
+        panic!("no READY")
+    };
+    let PutStep::Send(commit) = op.on_written(Ok(()), true) else {
+        panic!("no COMMIT")
+    };
+    assert!(matches!(
+        op.on_answer(p.call(commit)),
+        PutStep::Done(Ok(()))
+    ));
+    let (mut credits, _) = op.take_credits();
+    assert_eq!(credits.len(), 2, "the session's credits");
+    // The second goes into a credit: the request and the WRITE together, then the answer.
+    let frames = encode(&v(2)).unwrap();
+    assert!(PutOp::fits(&frames, ALIGN, credits[0].block.len));
+    let credit = credits.remove(0);
+    let (mut op, step) =
+        PutOp::credited(0, "p", vec![2], vec!["x".into()], &frames, ALIGN, &credit);
+    let PutStep::SendWrite { req, descs } = step else {
+        panic!("{step:?}")
+    };
+    assert!(matches!(req, Request::PutCredited { credit: c, .. } if c == credit.id));
+    assert!(descs
+        .iter()
+        .all(|d| d.offset + d.len <= credit.block.offset + credit.block.len));
+    assert!(matches!(op.on_written(Ok(()), true), PutStep::Await));
+    assert!(matches!(op.on_answer(p.call(req)), PutStep::Done(Ok(()))));
+    let (more, _) = op.take_credits();
+    assert_eq!(more.len(), 1, "the used credit replaced");
+    let s = p.unit.stats();
+    assert_eq!((s.keys, s.pending_puts, s.leased_bytes), (2, 0, 0));
+    // A failed WRITE into a credit: the PUT fails with it, and nothing is stored.
+    let frames = encode(&v(3)).unwrap();
+    let credit = credits.remove(0);
+    let (mut op, step) =
+        PutOp::credited(0, "p", vec![3], vec!["x".into()], &frames, ALIGN, &credit);
+    let PutStep::SendWrite { .. } = step else {
+        panic!("{step:?}")
+    };
+    let failed = ClientError::Transfer {
+        unit: 0,
+        source: PayloadError::TimedOut {
+            after: std::time::Duration::from_secs(1),
+        },
+    };
+    assert!(matches!(
+        op.on_written(Err(failed), true),
+        PutStep::Done(Err(ClientError::Transfer { .. }))
+    ));
+    // A GET offering a block the values fit: written into it, one round trip.
+    p.block = vec![0xee; 1 << 20];
+    let (mut op, step) = GetOp::offered(
+        0,
+        "p",
+        vec![2, 1],
+        vec!["x".into()],
+        ALIGN,
+        Decoder::default(),
+        RemoteDesc::new(9, 0, 1 << 20),
+    );
+    let GetStep::Send(req @ Request::GetOffer { .. }) = step else {
+        panic!("{step:?}")
+    };
+    let GetStep::Land = op.on_answer(p.call(req)) else {
+        panic!("not written into the offer")
+    };
+    assert!(!op.offer_untouched());
+    let size = op.landed_size().unwrap();
+    assert!((100_000..1 << 20).contains(&size));
+    let GetStep::Done(Ok(got)) = op.on_landed(Bytes::from(std::mem::take(&mut p.block))) else {
+        panic!("not landed")
+    };
+    // The prepared PUT's payload stays zeroed in the test memory, the credited one too.
+    assert_eq!(got[0].len(), 2);
+    // Offered too small: a plain GET from there on, the offered block untouched.
+    let (mut op, step) = GetOp::offered(
+        0,
+        "p",
+        vec![2],
+        vec!["x".into()],
+        ALIGN,
+        Decoder::default(),
+        RemoteDesc::new(9, 0, 1000),
+    );
+    let GetStep::Send(req) = step else {
+        panic!("{step:?}")
+    };
+    let GetStep::Lease { .. } = op.on_answer(p.call(req)) else {
+        panic!("no GET_READY")
+    };
+    assert!(op.offer_untouched());
+    assert_eq!(p.unit.stats().keys, 2);
 }

@@ -752,6 +752,8 @@ async fn a_credit_publishes_only_what_was_written_into_it() {
                 session_credits: 3,
                 ..UnitConfig::default()
             },
+            // How long the unit waits for a credit's frames to be recorded as written.
+            transfer_timeout: Duration::from_millis(300),
             ..ServerConfig::default()
         })
         .await
@@ -820,7 +822,8 @@ async fn a_credit_publishes_only_what_was_written_into_it() {
                 bytes: LEN as u64,
             }
         };
-        // Named without its WRITE: refused, nothing published, the credit used up.
+        // Named without its WRITE: refused once the unit waited its transfer timeout for the
+        // frames, nothing published, the credit used up.
         let refused = call(&mut s, 5, &credited(2, credits[0].id)).await;
         assert_eq!(
             error_kind(&refused),

@@ -226,6 +226,13 @@ impl Conn {
         }
     }
 
+    /// Gives this session up: the client's next request opens a new one. For a request the
+    /// unit may hold this session's later requests behind for long (a credited PUT whose
+    /// WRITE failed: the unit waits up to its transfer timeout for frames that never come).
+    pub(super) fn abandon(&self) {
+        self.waiters.lock().failed = true;
+    }
+
     /// Whether this session is over (its connection closed, or the unit failed it).
     pub(super) fn ended(&self) -> bool {
         let w = self.waiters.lock();

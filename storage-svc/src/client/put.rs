@@ -69,6 +69,12 @@ impl Client {
                     return r;
                 }
                 PutStep::Send(req) => op.on_answer(conn.call(req).await),
+                // A prepared PUT never asks for these (a credited one does, below).
+                step @ (PutStep::SendWrite { .. } | PutStep::Await) => {
+                    return Err(ClientError::ApiMisuse(format!(
+                        "a prepared PUT's machine asked for {step:?}"
+                    )))
+                }
                 PutStep::Write { descs, agent } => {
                     let ready = match (agent, locals.take()) {
                         (_, None) => Err(ClientError::ApiMisuse(
@@ -98,9 +104,9 @@ impl Client {
         }
     }
 
-    /// A PUT into one of the session's credits: the frames are WRITEn into the credit's block
-    /// (over `shm` with no round trip: the block is a standing exposure), then one
-    /// `PutCredited` stores them.
+    /// A PUT into one of the session's credits: one `PutCredited` stores the frames WRITEn into
+    /// the credit's block while it travels (over `shm` a plain copy: the block is a standing
+    /// exposure), so the copy overlaps the request's trip and the unit's wake-up.
     async fn put_credited(
         &self,
         conn: &Conn,
@@ -113,9 +119,10 @@ impl Client {
         let (mut op, first) = PutOp::credited(
             conn.unit, partition, indexes, fields, frames, conn.align, credit,
         );
-        let PutStep::Write { descs, .. } = first else {
+        let PutStep::SendWrite { req, descs } = first else {
             return done(first);
         };
+        let answer = conn.send(req, false)?;
         let written = match source_descs(
             &self.agent,
             frames.payloads.iter().filter(|f| !f.is_empty()),
@@ -124,8 +131,13 @@ impl Client {
             Err(e) => Err(ClientError::Memory(e)),
         };
         let step = match op.on_written(written, true) {
-            PutStep::Send(req) => op.on_answer(conn.call(req).await),
-            other => other,
+            PutStep::Await => op.on_answer(answer.wait().await),
+            other => {
+                // The unit waits for frames that will not come before it refuses the PUT;
+                // the session's next requests would wait behind it.
+                conn.abandon();
+                other
+            }
         };
         self.keep_credits(conn, &mut op);
         done(step)

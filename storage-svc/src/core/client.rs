@@ -45,6 +45,20 @@ pub enum PutStep {
         /// The unit's new agent metadata (it registered more memory), if any.
         agent: Option<Vec<u8>>,
     },
+    /// Send `req` and, while it travels, WRITE the PUT's non-empty frames, in order, to
+    /// `descs` (a credit's block); report the WRITE's outcome to [`PutOp::on_written`], then,
+    /// when that asks for it ([`PutStep::Await`]), the request's answer to
+    /// [`PutOp::on_answer`]. The unit waits to see the frames recorded as written before it
+    /// looks at them, so the request and the WRITE may arrive in any order.
+    SendWrite {
+        /// The `PutCredited`.
+        req: Request,
+        /// One descriptor per non-empty frame, in the credit's block.
+        descs: Vec<RemoteDesc>,
+    },
+    /// Feed the answer to the request sent with [`PutStep::SendWrite`] to
+    /// [`PutOp::on_answer`].
+    Await,
     /// The PUT is over.
     Done(Result<(), ClientError>),
 }
@@ -95,10 +109,8 @@ enum Mode {
 enum PutState {
     /// The PUT is on its way.
     Sent(Mode),
-    /// The frames are being written into a credit; `req` (its `PutCredited`) follows.
-    WritingCredit {
-        req: Box<Request>,
-    },
+    /// The frames are being written into a credit, its `PutCredited` on its way.
+    WritingCredit,
     /// The unit answered READY for `put`; the frames are being written.
     Writing {
         put: u64,
@@ -174,8 +186,9 @@ impl PutOp {
     }
 
     /// A PUT of `frames` into `credit`, one of the session's credits, whose frames laid out
-    /// with the unit's `align` fit it (see [`PutOp::fits`]). The first step WRITEs them into
-    /// the credit's block; the `PutCredited` follows.
+    /// with the unit's `align` fit it (see [`PutOp::fits`]). The first step sends the
+    /// `PutCredited` and WRITEs the frames into the credit's block meanwhile
+    /// ([`PutStep::SendWrite`]): the request's trip and the unit's wake-up overlap the copy.
     #[allow(clippy::too_many_arguments)]
     pub fn credited(
         unit: usize,
@@ -204,8 +217,8 @@ impl PutOp {
         };
         let step = match op.descs(&credit.block) {
             Ok(descs) => {
-                op.state = PutState::WritingCredit { req: Box::new(req) };
-                PutStep::Write { descs, agent: None }
+                op.state = PutState::WritingCredit;
+                PutStep::SendWrite { req, descs }
             }
             Err(e) => PutStep::Done(Err(e)),
         };
@@ -276,13 +289,13 @@ impl PutOp {
     pub fn on_written(&mut self, result: Result<(), ClientError>, maybe_written: bool) -> PutStep {
         let put = match std::mem::replace(&mut self.state, PutState::Done) {
             PutState::Writing { put } => put,
-            PutState::WritingCredit { req } => {
-                // A failed WRITE into a credit leaves nothing to cancel: the credit is simply
-                // not used again (the unit keeps it until the session ends).
+            PutState::WritingCredit => {
+                // A failed WRITE into a credit leaves nothing to cancel: the unit, finding the
+                // frames not written, refuses the PUT and the credit is used up.
                 return match result {
                     Ok(()) => {
                         self.state = PutState::Committing;
-                        PutStep::Send(*req)
+                        PutStep::Await
                     }
                     Err(e) => PutStep::Done(Err(e)),
                 };

@@ -663,18 +663,34 @@ async fn commit_grace(shared: &Shared, sid: SessionId, put: u64) {
         return;
     };
     let recorded = std::future::poll_fn(|cx| written.poll_written(cx));
+    // The record comes from the engine's thread of this process: no spin in its way.
+    let _quiet = shared.cfg.busy_poll.as_ref().map(BusyPoll::quiet);
     let _ = tokio::time::timeout(COMMIT_GRACE, recorded).await;
 }
 
-/// [`commit_grace`] for a credited PUT: waits, at most the same grace, until the credit
-/// records `bytes` written (what the client says its frames hold; the core then checks each
-/// frame's range).
+/// For a credited PUT, whose client sends it while it WRITEs the frames: waits, at most the
+/// unit's `transfer_timeout` (a WRITE's own bound), until the credit records `bytes` written
+/// (what the client says its frames hold; the core then checks each frame's range). Only
+/// this session's requests wait meanwhile.
 async fn credit_grace(shared: &Shared, sid: SessionId, credit: u64, bytes: u64) {
     let Some(landing) = shared.unit.lock().credit_landing(sid, credit) else {
         return;
     };
     let recorded = std::future::poll_fn(|cx| landing.poll_bytes(bytes, cx));
-    let _ = tokio::time::timeout(COMMIT_GRACE, recorded).await;
+    if recorded_now(&landing, bytes) {
+        return;
+    }
+    // The record comes from the engine's thread of this process: no spin in its way.
+    let _quiet = shared.cfg.busy_poll.as_ref().map(BusyPoll::quiet);
+    let _ = tokio::time::timeout(shared.cfg.transfer_timeout, recorded).await;
+}
+
+/// Whether `landing` records `bytes` written already.
+fn recorded_now(landing: &crate::core::Landed, bytes: u64) -> bool {
+    let waker = std::task::Waker::noop();
+    landing
+        .poll_bytes(bytes, &mut Context::from_waker(waker))
+        .is_ready()
 }
 
 pub(super) async fn accept_peer(shared: Arc<Shared>, sid: SessionId, id: u64, md: Vec<u8>) {
