@@ -27,6 +27,10 @@ const UNIT_ENV: &str = "TESSERA_BENCH_STORAGE_UNIT";
 const UNIT_CPU_ENV: &str = "TESSERA_BENCH_STORAGE_UNIT_CPU";
 /// Set: the unit process busy-polls its sessions for this many microseconds before parking.
 const UNIT_POLL_ENV: &str = "TESSERA_BENCH_STORAGE_UNIT_POLL_US";
+/// Set: only these parts of the suite run (comma-separated: `big`, `batch`, `rollouts`,
+/// `put16m`, `small`, `load32`, `unpinned`, `tcp`, `ucx`), to look at one closely (a profiler
+/// attached, say); unset, all of them.
+const ONLY_ENV: &str = "TESSERA_BENCH_STORAGE_ONLY";
 /// The busy-polling window of both processes (`BusyPoll`), except where a key says unpolled.
 const POLL: Duration = Duration::from_micros(50);
 const BIG: usize = 256 << 20;
@@ -107,6 +111,11 @@ pub fn run(report: &mut Report) -> Result<()> {
     result
 }
 
+/// Whether the part `name` runs (see [`ONLY_ENV`]).
+fn part(name: &str) -> bool {
+    std::env::var(ONLY_ENV).map_or(true, |only| only.split(',').any(|p| p.trim() == name))
+}
+
 fn gbps(bytes: u64, d: Duration) -> f64 {
     bytes as f64 / d.as_secs_f64() / 1e9
 }
@@ -146,6 +155,9 @@ async fn suite(report: &mut Report, poll: &BusyPoll, mask: Option<libc::cpu_set_
     let backends = [Backend::Shm, Backend::Tcp, Backend::Ucx];
     for backend in backends.into_iter().filter(|b| b.available()) {
         let k = backend.name();
+        if backend != Backend::Shm && !part(k) {
+            continue;
+        }
         let mut unit = UnitProc::start(k, Some(UNIT_CPU), Some(POLL))?;
         let client = Client::connect(ClientConfig {
             units: vec![unit.addr.clone()],
@@ -161,7 +173,12 @@ async fn suite(report: &mut Report, poll: &BusyPoll, mask: Option<libc::cpu_set_
         drop(client.get("big", &[0], &["x"]).await?);
         let mut put = Vec::new();
         let mut get = Vec::new();
-        for _ in 0..RUNS_BIG {
+        let runs = if backend != Backend::Shm || part("big") {
+            RUNS_BIG
+        } else {
+            1
+        };
+        for _ in 0..runs {
             let t = Instant::now();
             client.put("big", &[0], &cols).await?;
             put.push(t.elapsed());
@@ -194,13 +211,25 @@ async fn suite(report: &mut Report, poll: &BusyPoll, mask: Option<libc::cpu_set_
                 "shm_get_256m_gbps / memcpy_256m_gbps (goal >= 0.5)",
             );
             let bare = unit.bare()?;
-            batch(&client, &bare, report, &pinned).await?;
-            requests::rollouts(&client, report, &pinned, memcpy).await?;
-            requests::put_16m(&client, &bare, report, &pinned, RUNS_BIG).await?;
-            small(&client, &unit.echo, report, &pinned).await?;
-            same_core(report).await?;
-            requests::load32(&unit.addr, poll, report, &pinned).await?;
-            tokio::task::block_in_place(|| requests::unpinned(report, mask))?;
+            if part("batch") {
+                batch(&client, &bare, report, &pinned).await?;
+            }
+            if part("rollouts") {
+                requests::rollouts(&client, report, &pinned, memcpy).await?;
+            }
+            if part("put16m") {
+                requests::put_16m(&client, &bare, report, &pinned, RUNS_BIG).await?;
+            }
+            if part("small") {
+                small(&client, &unit.echo, report, &pinned).await?;
+                same_core(report).await?;
+            }
+            if part("load32") {
+                requests::load32(&unit.addr, poll, report, &pinned).await?;
+            }
+            if part("unpinned") {
+                tokio::task::block_in_place(|| requests::unpinned(report, mask))?;
+            }
         } else if backend == Backend::Tcp {
             let raw_addr = unit.raw.clone().context("raw sink address")?;
             let raw =
