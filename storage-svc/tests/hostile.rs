@@ -746,7 +746,8 @@ async fn a_credit_publishes_only_what_was_written_into_it() {
         let server = Server::start(ServerConfig {
             bind: "127.0.0.1:0".into(),
             backend,
-            pool_bytes: 32 << 20,
+            // Credits may take an eighth of it: three for each of the two sessions.
+            pool_bytes: 64 << 20,
             unit: UnitConfig {
                 credit_bytes: 1 << 20,
                 session_credits: 3,

@@ -378,7 +378,11 @@ impl Server {
         }
         let peer_adds = Arc::new(tokio::sync::Semaphore::new(cfg.max_peer_adds.max(1)));
         let generation = pool.generation();
-        let mut unit = Unit::new(cfg.unit.clone(), PoolMemory { pool });
+        // Credits never hold more than an eighth of the registered memory, however small the
+        // pool: the rest stays for the PUTs themselves.
+        let mut unit_cfg = cfg.unit.clone();
+        unit_cfg.credit_limit = unit_cfg.credit_limit.min(cfg.pool_bytes / 8);
+        let mut unit = Unit::new(unit_cfg, PoolMemory { pool });
         unit.set_pull_puts(backend.pulls_puts());
         let shared = Arc::new(Shared {
             unit: Mutex::new(unit),
