@@ -880,10 +880,12 @@ async fn a_credit_publishes_only_what_was_written_into_it() {
             bytes.iter().all(|&b| b == 0xC3),
             "{backend}: not what was written"
         );
-        // The value keeps its frames' part of the credit only.
+        // The value keeps its frames' part of the credit only; the refused PUTs' credits,
+        // whose WRITE might still have been on its way, wait in quarantine.
         let st = server.stats();
+        assert_eq!(st.quarantined_bytes, 2 << 20, "{backend}: {st:?}");
         assert!(
-            st.pool.used - st.credit_bytes < 2 * (LEN as u64) + 4096,
+            st.pool.used - st.credit_bytes - st.quarantined_bytes < 2 * (LEN as u64) + 4096,
             "{backend}: {st:?}"
         );
         drop((got, peer, reg, agent, s, other, victim));

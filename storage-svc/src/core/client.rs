@@ -384,6 +384,25 @@ pub struct GetOp {
 }
 
 impl GetOp {
+    fn start(
+        unit: usize,
+        indexes: &[u64],
+        fields: &[String],
+        align: u64,
+        decoder: Decoder,
+        state: GetState,
+    ) -> Self {
+        Self {
+            unit,
+            indexes: indexes.len(),
+            fields: fields.len(),
+            align,
+            decoder,
+            state,
+            quarantine: false,
+        }
+    }
+
     /// A GET of `indexes` x `fields` of `partition` on `unit`, whose HELLO said `align`;
     /// `decoder` checks the answer's meta frame. Returns the machine and the GET to send.
     pub fn new(
@@ -394,15 +413,7 @@ impl GetOp {
         align: u64,
         decoder: Decoder,
     ) -> (Self, GetStep) {
-        let op = Self {
-            unit,
-            indexes: indexes.len(),
-            fields: fields.len(),
-            align,
-            decoder,
-            state: GetState::Sent,
-            quarantine: false,
-        };
+        let op = Self::start(unit, &indexes, &fields, align, decoder, GetState::Sent);
         let req = Request::Get {
             partition: partition.to_owned(),
             indexes,
@@ -426,15 +437,7 @@ impl GetOp {
         decoder: Decoder,
         block: RemoteDesc,
     ) -> (Self, GetStep) {
-        let op = Self {
-            unit,
-            indexes: indexes.len(),
-            fields: fields.len(),
-            align,
-            decoder,
-            state: GetState::Offered,
-            quarantine: false,
-        };
+        let op = Self::start(unit, &indexes, &fields, align, decoder, GetState::Offered);
         let req = Request::GetOffer {
             partition: partition.to_owned(),
             indexes,

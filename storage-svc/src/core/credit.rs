@@ -19,13 +19,16 @@ use std::collections::HashMap;
 
 use bytes::Bytes;
 use serde_bytes::ByteBuf;
-use tessera_framecodec::DecodeError;
+use tessera_framecodec::{DecodeError, RecvLayout};
 
 use super::put::merged_ranges;
 use super::session::Quarantined;
 use super::{err, Landed, Memory, SessionId, Unit};
 use crate::error::{ErrorKind, RemoteError};
 use crate::proto::{Credit, Response};
+
+/// A credited PUT that passed its checks: its layout and its frames' `(offset, len)` ranges.
+type Checked = (RecvLayout, Vec<(u64, u64)>);
 
 /// One credit: its block and the block's standing exposure to the session's agent.
 pub(super) struct Held<B> {
@@ -173,7 +176,10 @@ impl<M: Memory> Unit<M> {
 
     /// `PutCredited`: the payload is in credit `credit`. The credit is used up whatever the
     /// outcome; on success its frames' part of the block holds the values and the rest goes
-    /// back to the pool.
+    /// back to the pool. A refused PUT's block goes back to the pool only when every frame is
+    /// recorded as written (the client's WRITE is over: the driver waited for its record
+    /// before handing the PUT over); otherwise the WRITE may still be landing, and the block is
+    /// quarantined with the session.
     pub(super) fn put_credited(
         &mut self,
         session: SessionId,
@@ -189,29 +195,28 @@ impl<M: Memory> Unit<M> {
                 format!("no credit {credit} held by this session"),
             )
         })?;
-        self.check_keys(indexes, fields)?;
-        let table = self.decoder.frame_table(&meta).map_err(meta_error)?;
-        let layout = table
-            .layout(self.cfg.align)
-            .map_err(|e| err(ErrorKind::Protocol, format!("layout: {e}")))?;
-        if layout.size > held.len {
-            return Err(err(
-                ErrorKind::TooLarge,
-                format!(
-                    "a PUT of {} bytes laid out does not fit credit {credit} of {} bytes",
-                    layout.size, held.len
-                ),
-            ));
-        }
-        self.admit_put(partition, indexes, fields, layout.size, meta.len() as u64)?;
-        let ranges = merged_ranges(&layout.offsets, &layout.lens);
+        let (layout, ranges) = match self.check_credited(partition, indexes, fields, &meta, &held) {
+            Ok(checked) => checked,
+            Err((e, written)) => {
+                if !written {
+                    let Held { block, len, .. } = held;
+                    self.sessions
+                        .quarantine(session, Box::new(block), len, String::new());
+                }
+                return Err(e);
+            }
+        };
         if !held.landing.ranges_written(&ranges) {
-            // Refused rather than stored: the block would publish what it held before.
+            // Refused rather than stored: the block would publish what it held before. The
+            // WRITE may still come: the block waits in quarantine.
+            let Held { block, len, .. } = held;
+            self.sessions
+                .quarantine(session, Box::new(block), len, String::new());
             return Err(err(
                 ErrorKind::BadRequest,
                 format!(
                     "credit {credit} does not hold the PUT's payload: WRITE every frame into \
-                     it before naming it"
+                     it (the unit waits for them up to its transfer timeout)"
                 ),
             ));
         }
@@ -234,6 +239,44 @@ impl<M: Memory> Unit<M> {
         self.store.drop_if_unused(block_id);
         r?;
         Ok(self.stored(session))
+    }
+
+    /// The checks of a credited PUT before its payload is looked at: its layout and its
+    /// frames' ranges, or why it is refused and whether its frames are all recorded as
+    /// written (only then may the block go straight back to the pool).
+    fn check_credited(
+        &self,
+        partition: &str,
+        indexes: &[u64],
+        fields: &[String],
+        meta: &ByteBuf,
+        held: &Held<M::Block>,
+    ) -> Result<Checked, (RemoteError, bool)> {
+        let table = self
+            .decoder
+            .frame_table(meta)
+            .map_err(|e| (meta_error(e), false))?;
+        let layout = table
+            .layout(self.cfg.align)
+            .map_err(|e| (err(ErrorKind::Protocol, format!("layout: {e}")), false))?;
+        if layout.size > held.len {
+            let e = err(
+                ErrorKind::TooLarge,
+                format!(
+                    "a PUT of {} bytes laid out does not fit its credit of {} bytes",
+                    layout.size, held.len
+                ),
+            );
+            return Err((e, false));
+        }
+        let ranges = merged_ranges(&layout.offsets, &layout.lens);
+        let written = held.landing.ranges_written(&ranges);
+        self.check_keys(indexes, fields)
+            .and_then(|()| {
+                self.admit_put(partition, indexes, fields, layout.size, meta.len() as u64)
+            })
+            .map_err(|e| (e, written))?;
+        Ok((layout, ranges))
     }
 
     /// The credits of a closed session: quarantined like its exposed blocks (a WRITE into
