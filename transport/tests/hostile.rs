@@ -277,9 +277,17 @@ use tessera_transport::auth::{self, Token};
 use tessera_transport::{Inproc, Ops, RegisteredPool, RejectReason};
 
 /// Counts allocations of 16 MiB or more: nothing in these tests makes one, except an engine
-/// that makes room for a body a header merely announced.
+/// that makes room for a body a header merely announced, and the tests that send the largest
+/// bodies on purpose. Those and the tests that watch the count take turns
+/// ([`large_allocations`]), since the count is the whole process's.
 #[global_allocator]
 static GLOBAL: CountingAlloc = CountingAlloc::new(16 << 20);
+
+/// Held by a test that watches [`GLOBAL`] or makes allocations it would count.
+fn large_allocations() -> std::sync::MutexGuard<'static, ()> {
+    static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    TURN.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 /// Selects, in a re-executed copy of this binary, the attack `attacker` runs.
 const ATTACK_VAR: &str = "TESSERA_HOSTILE_ATTACK";
@@ -811,6 +819,7 @@ fn shm_connect_to_a_full_backlog_fails_at_its_deadline() {
 /// connection without making room for it; a handshake left half done closes at the deadline.
 #[test]
 fn pre_auth_bounds_close_without_allocating() {
+    let _turn = large_allocations();
     // A short handshake deadline keeps the test quick; the default is 5 s.
     let deadline = Duration::from_secs(1);
     let target = Agent::new("target", Shm::new().with_handshake_deadline(deadline)).unwrap();
@@ -852,6 +861,7 @@ fn pre_auth_bounds_close_without_allocating() {
 /// come makes no room for them.
 #[test]
 fn tcp_descriptor_buffers_grow_only_as_bytes_arrive() {
+    let _turn = large_allocations();
     let t = token();
     let target = Agent::new("target", Tcp::new().with_token(t.clone())).unwrap();
     let meta = target.metadata();
@@ -880,6 +890,7 @@ fn tcp_descriptor_buffers_grow_only_as_bytes_arrive() {
 /// closes the link at once, without an answer.
 #[test]
 fn tcp_request_headers_are_bounded_before_their_body() {
+    let _turn = large_allocations();
     use tessera_transport::MAX_NOTIFICATION;
     let t = token();
     let target = Agent::new("target", Tcp::new().with_token(t.clone())).unwrap();
@@ -1228,6 +1239,7 @@ fn inproc_peers_of_another_process_are_refused() {
 /// for it: the reader's buffer grows only as bytes arrive.
 #[test]
 fn shm_reader_grows_only_as_bytes_arrive() {
+    let _turn = large_allocations();
     let t = token();
     let target = Agent::new("target", Shm::new().with_token(t.clone())).unwrap();
     let meta = target.metadata();
@@ -1250,6 +1262,7 @@ fn shm_reader_grows_only_as_bytes_arrive() {
 /// header announcing one byte more closes the connection at once, before any of its body.
 #[test]
 fn shm_reader_reads_the_largest_body_and_refuses_one_byte_more() {
+    let _turn = large_allocations();
     let t = token();
     let target = Agent::new("target", Shm::new().with_token(t.clone())).unwrap();
     let meta = target.metadata();
