@@ -210,13 +210,14 @@ impl Conn {
     }
 
     /// Takes a credit whose block holds `frames` laid out with the unit's alignment, if the
-    /// session has one.
+    /// session has one: the oldest, whose standing exposure the client's engine has most
+    /// likely read by now (then its WRITE needs no grant).
     pub(super) fn take_credit(&self, frames: &Frames) -> Option<Credit> {
         let mut credits = self.credits.lock();
         let at = credits
             .iter()
             .position(|c| PutOp::fits(frames, self.align, c.block.len))?;
-        Some(credits.swap_remove(at))
+        Some(credits.remove(at))
     }
 
     /// Credits the unit granted with an answer.

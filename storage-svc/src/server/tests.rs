@@ -674,7 +674,7 @@ async fn credits_and_offered_blocks_take_one_round_trip_over_shm() {
     })
     .await
     .unwrap();
-    for round in 0..4 {
+    for round in 0..16 {
         c.put("p", &[1], &column(100_000, round)).await.unwrap();
         let got = c.get("p", &[1], &["x"]).await.unwrap();
         let vals = got[0][0].as_tensor().unwrap().as_slice::<i32>().unwrap();
@@ -688,15 +688,18 @@ async fn credits_and_offered_blocks_take_one_round_trip_over_shm() {
     }
     let s = server.stats();
     assert_eq!((s.pending_puts, s.pending_gets), (0, 0));
-    // The client's PUTs after the first WRITEd into its credits without asking; the unit's
-    // GET WRITEs after the first went into blocks the client offered, standing.
+    // The client's PUTs after the first WRITE into its credits, the unit's GET WRITEs after
+    // the first into blocks the client offered: standing, so without a grant, once the
+    // writer's engine has read the announcement (it travels beside the answer that hands the
+    // block over, so a WRITE that comes first asks for its grant as before; under load that
+    // may be most of them, never all).
     assert!(
-        c.agent().report().standing_writes >= 2,
+        c.agent().report().standing_writes >= 1,
         "{:?}",
         c.agent().report()
     );
     assert!(
-        server.agent().report().standing_writes >= 2,
+        server.agent().report().standing_writes >= 1,
         "{:?}",
         server.agent().report()
     );
