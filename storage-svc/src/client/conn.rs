@@ -57,8 +57,8 @@ pub(super) struct Conn {
 /// Shapes of GETs remembered per session, at most (the map is emptied beyond).
 const SHAPES: usize = 256;
 
-/// A GET's shape: its fields and how many indexes it names.
-fn shape(fields: &[String], indexes: usize) -> u64 {
+/// A GET's shape: its fields and how many indexes it names, as the key of `Conn::shapes`.
+pub(super) fn shape(fields: &[String], indexes: usize) -> u64 {
     use std::hash::{Hash, Hasher};
     let mut h = std::collections::hash_map::DefaultHasher::new();
     fields.hash(&mut h);
@@ -191,21 +191,21 @@ impl Conn {
         })
     }
 
-    /// How large a block a GET of `fields` at `indexes` indexes should offer, from what GETs
-    /// of its shape laid out to lately (an eighth above the largest, which shrinks slowly);
-    /// `None` before any did.
-    pub(super) fn offer_for(&self, fields: &[String], indexes: usize) -> Option<u64> {
-        let seen = *self.shapes.lock().get(&shape(fields, indexes))?;
+    /// How large a block a GET of shape `key` ([`shape`]) should offer, from what GETs of its
+    /// shape laid out to lately (an eighth above the largest, which shrinks slowly); `None`
+    /// before any did.
+    pub(super) fn offer_for(&self, key: u64) -> Option<u64> {
+        let seen = *self.shapes.lock().get(&key)?;
         Some(seen + seen / 8)
     }
 
-    /// A GET of `fields` at `indexes` indexes laid out to `size` bytes.
-    pub(super) fn laid_out(&self, fields: &[String], indexes: usize, size: u64) {
+    /// A GET of shape `key` ([`shape`]) laid out to `size` bytes.
+    pub(super) fn laid_out(&self, key: u64, size: u64) {
         let mut shapes = self.shapes.lock();
         if shapes.len() >= SHAPES {
             shapes.clear();
         }
-        let seen = shapes.entry(shape(fields, indexes)).or_insert(0);
+        let seen = shapes.entry(key).or_insert(0);
         *seen = size.max(*seen - *seen / 8);
     }
 

@@ -3,7 +3,7 @@
 
 use tessera_framecodec::Value;
 
-use super::conn::Conn;
+use super::conn::{shape, Conn};
 use super::{Client, Slot};
 use crate::core::client::{GetOp, GetStep};
 use crate::error::ClientError;
@@ -22,12 +22,12 @@ impl Client {
         let unit = slot.number;
         let conn = self.conn(slot).await?;
         let conn = &*conn;
-        let shape = (fields.clone(), indexes.len());
+        let shape = shape(&fields, indexes.len());
         // A GET of a shape seen before offers a block of about its size up front: one round
         // trip when the values fit it. The block is a standing exposure to the unit's agent,
         // which can then WRITE into it without asking first (`shm`).
         let offered = conn
-            .offer_for(&shape.0, shape.1)
+            .offer_for(shape)
             .and_then(|size| self.offer(conn, size));
         let (mut op, mut step) = match &offered {
             Some((_, _, desc)) => GetOp::offered(
@@ -74,7 +74,7 @@ impl Client {
                 }
                 GetStep::Send(req) => op.on_answer(conn.call(req).await),
                 GetStep::Lease { layout } => {
-                    conn.laid_out(&shape.0, shape.1, layout.size);
+                    conn.laid_out(shape, layout.size);
                     // The values did not fit the offered block, which the unit left alone.
                     if op.offer_untouched() {
                         drop(offered.take());
@@ -99,7 +99,7 @@ impl Client {
                         (None, Some((b, exposure))) => {
                             drop(exposure);
                             let size = op.landed_size().unwrap_or(0);
-                            conn.laid_out(&shape.0, shape.1, size);
+                            conn.laid_out(shape, size);
                             Some((b, size))
                         }
                         (None, None) => None,

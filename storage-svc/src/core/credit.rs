@@ -1,16 +1,17 @@
 //! Credits: landing blocks the unit keeps ready for a session, so that a PUT whose frames fit
 //! one costs a single round trip. The client WRITEs its frames into the block it holds,
-//! laid out from the meta at the block's start as for a prepared PUT, then sends
-//! `PutCredited`; the unit checks that every frame landed, keeps the frames' part of the
-//! block for the values (the rest goes back to the pool) and stores them like a COMMIT.
+//! laid out from the meta at the block's start as for a prepared PUT, and sends
+//! `PutCredited` as the WRITE starts; the unit waits until every frame is recorded as
+//! written, keeps the frames' part of the block for the values (the rest goes back to the
+//! pool) and stores them like a COMMIT.
 //! Answers to pushed PUTs (`Stored`) top the session's credits back up.
 //!
 //! A credit is exposed to the session's agent from the moment it is granted, as a standing
 //! exposure (over `shm` the client writes into it with no round trip at all), so it is
 //! treated like a prepared PUT's block: used up by the one `PutCredited` naming it, whatever
-//! the answer (the client sends it only once its WRITE completed, so nothing more lands
-//! there), and quarantined with its session when the session closes unused (a WRITE may be
-//! on its way).
+//! the answer; back to the pool once its WRITE is recorded whole, otherwise (a refused PUT
+//! whose WRITE may still be landing, a session closing with it unused) quarantined with its
+//! session.
 //!
 //! Invariant kept here: `bytes` is the sum of the held credits' block lengths, and
 //! `by_session` holds no empty entry.
