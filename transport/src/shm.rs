@@ -730,6 +730,30 @@ fn send_all(stream: &UnixStream, mut data: &[u8]) -> io::Result<()> {
     Ok(())
 }
 
+/// Appends a transfer's spans as `XFER` and `WROTE` carry them: their count, then each
+/// (registration, offset, length).
+fn put_spans(b: &mut Vec<u8>, segments: &[crate::engine::Segment]) {
+    b.extend_from_slice(&(segments.len() as u32).to_le_bytes());
+    for s in segments {
+        b.extend_from_slice(&s.remote_reg.to_le_bytes());
+        b.extend_from_slice(&s.remote_offset.to_le_bytes());
+        b.extend_from_slice(&s.len.to_le_bytes());
+    }
+}
+
+/// The `n` spans of a message body from byte `at` on (their count before them was checked
+/// against the body's length).
+fn spans_at(b: &[u8], at: usize, n: usize) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
+    (0..n).map(move |i| {
+        let at = at + i * 24;
+        (
+            u64_at(b, at).unwrap_or(0),
+            u64_at(b, at + 8).unwrap_or(0),
+            u64_at(b, at + 16).unwrap_or(0),
+        )
+    })
+}
+
 /// Sends as much of `data` as the socket takes without blocking; returns the bytes sent.
 fn send_now(stream: &UnixStream, data: &[u8]) -> io::Result<usize> {
     let mut sent = 0;
@@ -1113,12 +1137,7 @@ impl ShmConnection {
                 frame(out, WROTE, |b| {
                     let segments = xfer.plan().segments();
                     b.push(u8::from(notify.is_some()));
-                    b.extend_from_slice(&(segments.len() as u32).to_le_bytes());
-                    for s in segments {
-                        b.extend_from_slice(&s.remote_reg.to_le_bytes());
-                        b.extend_from_slice(&s.remote_offset.to_le_bytes());
-                        b.extend_from_slice(&s.len.to_le_bytes());
-                    }
+                    put_spans(b, segments);
                     b.extend_from_slice(notify.unwrap_or_default());
                 })
             }),
@@ -1231,12 +1250,7 @@ impl Connection for ShmConnection {
             frame(&mut out, XFER, |b| {
                 b.extend_from_slice(&id.to_le_bytes());
                 b.push(xfer.plan().op().code());
-                b.extend_from_slice(&(segments.len() as u32).to_le_bytes());
-                for s in segments {
-                    b.extend_from_slice(&s.remote_reg.to_le_bytes());
-                    b.extend_from_slice(&s.remote_offset.to_le_bytes());
-                    b.extend_from_slice(&s.len.to_le_bytes());
-                }
+                put_spans(b, segments);
             });
             st.pending.insert(id, xfer);
         }
@@ -1380,14 +1394,7 @@ fn serve(
                 if Op::from_code(op).is_none() || b.len() != 13 + n * 24 {
                     break;
                 }
-                let spans = (0..n).map(|i| {
-                    let at = 13 + i * 24;
-                    (
-                        u64_at(b, at).unwrap_or(0),
-                        u64_at(b, at + 8).unwrap_or(0),
-                        u64_at(b, at + 16).unwrap_or(0),
-                    )
-                });
+                let spans = spans_at(b, 13, n);
                 let Some(op) = Op::from_code(op) else { break };
                 let mut grant = spare.pop().unwrap_or_default();
                 match host.grant_for(&mut grant, &peer, op, spans) {
@@ -1438,14 +1445,7 @@ fn serve(
                 if b.len() < end {
                     break;
                 }
-                let spans = (0..n as usize).map(|i| {
-                    let at = 5 + i * 24;
-                    (
-                        u64_at(b, at).unwrap_or(0),
-                        u64_at(b, at + 8).unwrap_or(0),
-                        u64_at(b, at + 16).unwrap_or(0),
-                    )
-                });
+                let spans = spans_at(b, 5, n as usize);
                 // Checked as a grant would have been: only spans inside this peer's exposures
                 // count as written. A WRITE that raced the withdrawal of its standing range
                 // records nothing (its memory is the exposure owner's to keep out of reuse
