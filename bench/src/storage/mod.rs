@@ -41,8 +41,9 @@ const SMALL_N: usize = 2000;
 const CLIENT_CPU: usize = 0;
 const UNIT_CPU: usize = 1;
 const RAW_CHUNK: usize = 1 << 20;
-/// Bytes of the bare shm regions on both sides of the reference WRITEs.
-const BARE_BYTES: u64 = 32 << 20;
+/// Bytes of the bare shm regions on both sides of the reference WRITEs: room for 16 distinct
+/// 16 MiB values, as the PUTs they are the reference of move (more than the L3 cache).
+const BARE_BYTES: u64 = 256 << 20;
 
 /// The reference for the storage unit's payload path: a shm agent here WRITing into a bare
 /// registered region of the unit process, between the same two processes.
@@ -68,12 +69,17 @@ impl Bare {
 
     /// One WRITE of [`Bare::write`]'s layout.
     fn write_once(&self, n: u64, len: u64) -> Result<Duration> {
+        self.write_at(n, len, 0)
+    }
+
+    /// One WRITE of [`Bare::write`]'s layout, `base` bytes into both regions.
+    fn write_at(&self, n: u64, len: u64, base: u64) -> Result<Duration> {
         let stride = if n == 1 { len } else { 2 * len };
         let local: Vec<_> = (0..n)
-            .map(|i| self.reg.desc(i * stride, len))
+            .map(|i| self.reg.desc(base + i * stride, len))
             .collect::<Result<_, _>>()?;
         let remote: Vec<_> = (0..n)
-            .map(|i| tessera_transport::RemoteDesc::new(self.peer_reg, i * len, len))
+            .map(|i| tessera_transport::RemoteDesc::new(self.peer_reg, base + i * len, len))
             .collect();
         let t = Instant::now();
         self.peer.write(&local, &remote, None)?.wait()?;
