@@ -232,6 +232,7 @@ pub(crate) async fn run(args: RunArgs) -> Result<i32> {
                 peak_registered: f.peak_registered,
                 unit_clean,
                 wall: started.elapsed(),
+                memcpy_gbps: summary::memcpy_gbps(),
             });
             Ok(if errors == 0 { 0 } else { 1 })
         }

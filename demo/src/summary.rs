@@ -21,6 +21,30 @@ pub(crate) struct Outcome<'a> {
     pub(crate) peak_registered: u64,
     pub(crate) unit_clean: bool,
     pub(crate) wall: Duration,
+    /// This machine's single-thread memcpy, measured after the run ([`memcpy_gbps`]).
+    pub(crate) memcpy_gbps: f64,
+}
+
+/// Bytes of the memcpy reference: more than a last-level cache holds.
+const MEMCPY_BYTES: usize = 64 << 20;
+
+/// A single-thread memcpy of [`MEMCPY_BYTES`] between pre-touched buffers, best of 5, in
+/// decimal GB/s: the machine's own limit, which the rollout PUT is set against (as
+/// `rollout_put_vs_memcpy` in `cargo xtask bench storage`).
+pub(crate) fn memcpy_gbps() -> f64 {
+    let src = vec![0x5au8; MEMCPY_BYTES];
+    // Touched, not only zeroed: a zeroed allocation may be pages not mapped yet.
+    let mut dst = vec![0xa5u8; MEMCPY_BYTES];
+    let best = (0..5)
+        .map(|_| {
+            let t = std::time::Instant::now();
+            dst.copy_from_slice(std::hint::black_box(&src));
+            std::hint::black_box(&dst);
+            t.elapsed()
+        })
+        .min()
+        .unwrap_or_default();
+    MEMCPY_BYTES as f64 / best.as_secs_f64().max(1e-9) / 1e9
 }
 
 pub(crate) use tessera_storage::units::fmt_bytes;
@@ -280,6 +304,22 @@ pub(crate) fn print(o: &Outcome<'_>) -> u64 {
     }
     let _ = writeln!(out, "\nLatency (client side, one request each)");
     t.render(&mut out);
+    let mut puts = p.puts.latencies_us.clone();
+    puts.sort_unstable();
+    let p50 = percentile(&puts, 50.0);
+    if p50 > 0 && put_busy > 0.0 && o.memcpy_gbps > 0.0 {
+        let _ = writeln!(
+            out,
+            "  rollout PUT against the machine: {} GB/s inside put() is {:.3} of a \
+             single-thread memcpy ({:.2} GB/s, {} pre-touched, best of 5, after the run); \
+             p99 is {:.2}x p50",
+            gbps(p.puts.bytes, put_busy),
+            p.puts.bytes as f64 / put_busy / 1e9 / o.memcpy_gbps,
+            o.memcpy_gbps,
+            fmt_bytes(MEMCPY_BYTES as u64),
+            percentile(&puts, 99.0) as f64 / p50 as f64,
+        );
+    }
 
     // Pools.
     let mut t = Table::new(

@@ -58,6 +58,7 @@ fn check_short_summary(backend: &str) {
         "600/600 tensors are views of the receive pool",
         "PUT (16 rollouts)",
         "GET (16 rollouts)",
+        "rollout PUT against the machine: ",
         "\n  errors: 0\n",
     ] {
         assert!(
