@@ -1536,6 +1536,77 @@ fn credits_leave_a_sessions_largest_put_alone() {
     );
 }
 
+/// Each limit on credits binds on its own: the session's leased limit (credits count
+/// against it), the unit's credit limit and the unit's leased limit. Every credit granted has
+/// an id of its own.
+#[test]
+fn credits_stop_at_each_limit() {
+    const CREDIT: u64 = 512 << 10;
+    let unbound = UnitConfig {
+        credit_bytes: CREDIT,
+        session_credits: 4,
+        ..UnitConfig::default()
+    };
+    let value = batch(
+        1,
+        vec![Value::Tensor(
+            Tensor::from_slice(&[1000], &[1u8; 1000]).unwrap(),
+        )],
+    );
+    for (what, cfg, granted) in [
+        ("no limit reached", unbound.clone(), 4),
+        (
+            "the session's leased limit",
+            UnitConfig {
+                session_leased_limit: 2 * CREDIT,
+                ..unbound.clone()
+            },
+            2,
+        ),
+        (
+            "the unit's credit limit",
+            UnitConfig {
+                credit_limit: 3 * CREDIT,
+                ..unbound.clone()
+            },
+            3,
+        ),
+        (
+            "the unit's leased limit",
+            UnitConfig {
+                leased_limit: CREDIT,
+                ..unbound.clone()
+            },
+            1,
+        ),
+    ] {
+        let mut h = Harness::new(cfg);
+        assert_eq!(h.put("p", &[1], &["f"], &value), Response::Done, "{what}");
+        assert_eq!(h.credits.len(), granted, "{what}");
+        assert_eq!(h.stats().credit_bytes, granted as u64 * CREDIT, "{what}");
+        let ids: std::collections::HashSet<u64> = h.credits.iter().map(|c| c.id).collect();
+        assert_eq!(ids.len(), granted, "{what}: one id per credit");
+        // Used up and replaced: the session stays at its share.
+        assert_eq!(h.put("p", &[2], &["f"], &value), Response::Done, "{what}");
+        assert_eq!(h.credits.len(), granted, "{what}");
+        assert_eq!(h.stats().credit_bytes, granted as u64 * CREDIT, "{what}");
+    }
+    // A PUT that fills a credit exactly is stored in it.
+    let mut h = Harness::new(unbound);
+    assert_eq!(h.put("p", &[1], &["f"], &value), Response::Done);
+    let full = batch(
+        1,
+        vec![Value::Tensor(
+            Tensor::from_slice(&[CREDIT], &vec![2u8; CREDIT as usize]).unwrap(),
+        )],
+    );
+    let frames = encode(&full).unwrap();
+    let size = frames.layout(h.unit.config().align).unwrap().size;
+    assert!(h.credits.iter().all(|c| c.block.len == size), "{size}");
+    assert_eq!(h.put("p", &[2], &["f"], &full), Response::Done);
+    assert_eq!(h.stats().pending_puts, 0, "no block was prepared");
+}
+
 /// A GET that offers its block: written at once when the values fit it (the WRITE names the
 /// GET itself, and its answer carries the meta), asked for a block of the right size when
 /// they do not (the offered one untouched), answered inline when small.

@@ -134,7 +134,7 @@ impl<M: Memory> Unit<M> {
         if peer.is_empty() {
             return out;
         }
-        while self.credits.held(session) < self.cfg.session_credits {
+        for _ in self.credits.held(session)..self.cfg.session_credits {
             let mine = self.puts.session_leased(session) + self.credits.session_bytes(session);
             let fits = self.credits.bytes() + size <= self.cfg.credit_limit
                 && mine + size <= self.cfg.session_leased_limit
