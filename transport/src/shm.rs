@@ -1701,6 +1701,32 @@ mod tests {
         (err, t.elapsed())
     }
 
+    /// Messages the socket takes only in part (its peer is not reading yet) arrive whole and
+    /// in order: the rest of the one cut short, then those sent after it, through the writer
+    /// thread.
+    #[test]
+    fn a_message_the_socket_takes_in_part_arrives_whole_and_in_order() {
+        use std::io::Read;
+        let (ours, mut theirs) = UnixStream::pair().unwrap();
+        let out = LinkOut::start(&Arc::new(ours)).unwrap();
+        let msgs: Vec<Vec<u8>> = [3usize << 20, 10, 1 << 20]
+            .iter()
+            .enumerate()
+            .map(|(i, &len)| (0..len).map(|b| (b % 251 + i) as u8).collect())
+            .collect();
+        for m in &msgs {
+            assert!(out.send(m.clone(), None));
+        }
+        // The writer thread ends once it has written what it holds: the socket then closes.
+        drop(out);
+        let want: Vec<u8> = msgs.concat();
+        let mut got = Vec::with_capacity(want.len());
+        theirs.set_read_timeout(Some(bound())).unwrap();
+        theirs.read_to_end(&mut got).unwrap();
+        assert_eq!(got.len(), want.len());
+        assert!(got == want, "the bytes arrived out of order");
+    }
+
     /// A target that closes the connection with the dialer's HELLO unread (the kernel resets
     /// it) fails the handshake as a reset, at once: not as a deadline, not retried.
     #[test]
