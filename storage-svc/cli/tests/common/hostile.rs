@@ -780,6 +780,19 @@ enum Known {
     Cleared,
 }
 
+/// `f` (making or checking `len` bytes of a value) on a blocking thread when the value is
+/// larger than [`SMALL_VALUE`], else here: tens of milliseconds of a 64 MiB value's bytes on
+/// the runtime's worker would hold up every session's requests on it, and their latencies
+/// would measure the load generator instead of the unit.
+async fn off_worker<T: Send + 'static>(len: usize, f: impl FnOnce() -> T + Send + 'static) -> T {
+    if len <= SMALL_VALUE {
+        return f();
+    }
+    tokio::task::spawn_blocking(f)
+        .await
+        .expect("the soak's value check does not panic")
+}
+
 /// Runs `cfg.sessions` sessions of mixed PUT/GET/CLEAR against the unit of `session` on the
 /// current runtime and checks every GET against what its session stored and cleared.
 pub async fn soak(session: ClientConfig, cfg: SoakConfig) -> SoakReport {
@@ -840,7 +853,12 @@ async fn soak_session(
             };
             generation += 1;
             let seed = (id << 48) ^ (key << 32) ^ generation;
-            let cols = vec![("v".to_string(), vec![Value::Bytes(content(seed, len))])];
+            let cols = vec![(
+                "v".to_string(),
+                vec![Value::Bytes(
+                    off_worker(len, move || content(seed, len)).await,
+                )],
+            )];
             let t = Instant::now();
             let res = tokio::time::timeout(timeout, client.put(&part, &[key], &cols)).await;
             drop(cols);
@@ -889,8 +907,14 @@ async fn check_get(
     match res {
         Ok(Ok(cols)) => {
             r.get.push(took);
+            let mismatch = match expected {
+                Some(Known::Stored { seed, len }) => {
+                    !off_worker(len, move || matches(&cols[0][0], seed, len)).await
+                }
+                _ => false,
+            };
             match expected {
-                Some(Known::Stored { seed, len }) if !matches(&cols[0][0], seed, len) => {
+                Some(Known::Stored { len, .. }) if mismatch => {
                     r.corrupt += 1;
                     r.note(format!("session {id}: GET {key}: not the {len} B stored"));
                 }
