@@ -95,3 +95,26 @@ async fn soak_beside_attackers_loses_and_corrupts_nothing() {
         report.notes
     );
 }
+
+/// The soak's check tells a value from every other: another seed's value of the same length,
+/// a page of another value, one byte changed, a value cut short; also past the pattern, where
+/// the bytes come from an RNG.
+#[test]
+fn the_soak_check_tells_each_value_from_others() {
+    use hostile::{content, matches};
+    use tessera_storage::Value;
+    for len in [1000, 3 * 4096 + 5, (64 << 20) + 1] {
+        let v = content(7, len);
+        assert!(matches(&Value::Bytes(v.clone()), 7, len), "{len}");
+        assert!(!matches(&Value::Bytes(content(8, len)), 7, len), "{len}");
+        assert!(!matches(&Value::Bytes(v.slice(..len - 1)), 7, len), "{len}");
+        let mut changed = v.to_vec();
+        changed[len / 2] ^= 1;
+        assert!(!matches(&Value::Bytes(changed.into()), 7, len), "{len}");
+        if len > 8192 {
+            let mut mixed = v.to_vec();
+            mixed[4096..8192].copy_from_slice(&content(8, len)[4096..8192]);
+            assert!(!matches(&Value::Bytes(mixed.into()), 7, len), "{len}");
+        }
+    }
+}

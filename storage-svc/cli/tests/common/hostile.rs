@@ -584,18 +584,52 @@ pub use tessera_storage::testing::join_all;
 
 // ----- content ----------------------------------------------------------------------------
 
-/// `len` bytes derived from `seed`.
+/// Bytes of the random pattern values are cut from: the soak's largest value and a page.
+const PATTERN: usize = (64 << 20) + PAGE;
+/// Every this many bytes a value carries its seed.
+const PAGE: usize = 4096;
+
+/// The random pattern, made once per process.
+fn pattern() -> &'static [u8] {
+    static P: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
+    P.get_or_init(|| {
+        let mut rng = Rng::new(0x7e55_e4a0);
+        (0..PATTERN / 8)
+            .flat_map(|_| rng.next_u64().to_le_bytes())
+            .collect()
+    })
+}
+
+/// Where the value of `seed` starts in the pattern: a multiple of 8 below a page.
+fn offset(seed: u64) -> usize {
+    (Rng::new(seed).next_u64() % (PAGE as u64 / 8)) as usize * 8
+}
+
+/// `len` bytes derived from `seed`: a stretch of a fixed random pattern from a place `seed`
+/// picks, with `seed` over the first 8 bytes of every 4 KiB, so that no page of another
+/// value passes for one of this value. Made at memcpy speed: the load generator's own work
+/// must not be what a soak measures. Values longer than the pattern come from an RNG.
 pub fn content(seed: u64, len: usize) -> Bytes {
-    let mut rng = Rng::new(seed);
-    let mut v = Vec::with_capacity(len + 8);
-    while v.len() < len {
-        v.extend_from_slice(&rng.next_u64().to_le_bytes());
+    if len > PATTERN - PAGE {
+        let mut rng = Rng::new(seed);
+        let mut v = Vec::with_capacity(len + 8);
+        while v.len() < len {
+            v.extend_from_slice(&rng.next_u64().to_le_bytes());
+        }
+        v.truncate(len);
+        return Bytes::from(v);
     }
-    v.truncate(len);
+    let at = offset(seed);
+    let mut v = pattern()[at..at + len].to_vec();
+    let stamp = seed.to_le_bytes();
+    for page in v.chunks_mut(PAGE) {
+        let n = page.len().min(8);
+        page[..n].copy_from_slice(&stamp[..n]);
+    }
     Bytes::from(v)
 }
 
-/// Whether `got` is exactly [`content`]`(seed, len)`, as bytes or a u8 tensor.
+/// Whether `got` is exactly [`content`]`(seed, len)`, as bytes.
 pub fn matches(got: &Value, seed: u64, len: usize) -> bool {
     let data: &[u8] = match got {
         Value::Bytes(b) => b,
@@ -604,9 +638,16 @@ pub fn matches(got: &Value, seed: u64, len: usize) -> bool {
     if data.len() != len {
         return false;
     }
-    let mut rng = Rng::new(seed);
-    data.chunks(8)
-        .all(|c| c == &rng.next_u64().to_le_bytes()[..c.len()])
+    if len > PATTERN - PAGE {
+        return data == &content(seed, len)[..];
+    }
+    let at = offset(seed);
+    let want = &pattern()[at..at + len];
+    let stamp = seed.to_le_bytes();
+    data.chunks(PAGE).zip(want.chunks(PAGE)).all(|(got, want)| {
+        let n = got.len().min(8);
+        got[..n] == stamp[..n] && got[n..] == want[n..]
+    })
 }
 
 // ----- probe ------------------------------------------------------------------------------
