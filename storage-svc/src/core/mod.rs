@@ -23,6 +23,7 @@ pub mod client;
 mod config;
 mod credit;
 mod get;
+mod keyed;
 mod put;
 mod session;
 mod stats;
@@ -30,7 +31,7 @@ mod store;
 #[cfg(test)]
 mod tests;
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -50,6 +51,7 @@ use self::session::{Handshake, SessionState, Sessions, Step};
 use self::store::{Compaction, Store};
 use crate::error::{ErrorKind, MemoryError, PayloadError, RemoteError};
 use crate::proto::{handshake_parts, Request, Response, CLIENT_PROOF, UNIT_PROOF};
+use keyed::{Keyed, KeyedSet};
 use tessera_transport::auth;
 
 /// Identifies a control connection (a session). A client that reconnects is a new session.
@@ -545,11 +547,14 @@ pub fn check_keys(cfg: &UnitConfig, indexes: &[u64], fields: &[String]) -> Resul
             format!("{keys} keys exceed the maximum of {}", cfg.max_keys),
         ));
     }
-    let mut seen = HashSet::with_capacity(indexes.len());
-    if indexes.iter().any(|i| !seen.insert(*i)) {
-        return Err(err(ErrorKind::BadRequest, "duplicate index"));
+    // Indexes in increasing order (the usual request) cannot repeat: no set needed.
+    if !indexes.windows(2).all(|w| w[0] < w[1]) {
+        let mut seen = KeyedSet::with_capacity_and_hasher(indexes.len(), Keyed::default());
+        if indexes.iter().any(|i| !seen.insert(*i)) {
+            return Err(err(ErrorKind::BadRequest, "duplicate index"));
+        }
     }
-    let mut seen = HashSet::with_capacity(fields.len());
+    let mut seen = KeyedSet::with_capacity_and_hasher(fields.len(), Keyed::default());
     if fields.iter().any(|f| !seen.insert(f.as_str())) {
         return Err(err(ErrorKind::BadRequest, "duplicate field"));
     }

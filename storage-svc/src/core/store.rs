@@ -9,6 +9,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use tessera_framecodec::{TensorError, Value, ViewError};
 
+use super::keyed::KeyedMap;
 use super::{err, logical_bytes, Memory, PartitionStats, UnitConfig};
 use crate::error::{ErrorKind, MemoryError, RemoteError};
 
@@ -21,7 +22,7 @@ pub(super) struct Entry {
 
 #[derive(Default)]
 struct Partition {
-    fields: HashMap<String, HashMap<u64, Entry>>,
+    fields: KeyedMap<String, KeyedMap<u64, Entry>>,
     keys: u64,
     bytes: u64,
 }

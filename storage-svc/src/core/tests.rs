@@ -239,10 +239,21 @@ fn key_checks_hold_at_their_bounds() {
         kind(check_keys(&cfg, &[1], &[])),
         Err(ErrorKind::BadRequest)
     );
-    assert_eq!(
-        kind(check_keys(&cfg, &[1, 2, 1], &fields(1))),
-        Err(ErrorKind::BadRequest)
-    );
+    // Increasing indexes skip the duplicate set; anything else goes through it.
+    for dup in [&[1, 2, 1][..], &[1, 1], &[1, 2, 2], &[3, 2, 3]] {
+        assert_eq!(
+            kind(check_keys(&cfg, dup, &fields(1))),
+            Err(ErrorKind::BadRequest),
+            "{dup:?}"
+        );
+    }
+    for unique in [&[3, 2, 1][..], &[1, 3, 2], &[u64::MAX, 0]] {
+        assert_eq!(
+            kind(check_keys(&cfg, unique, &fields(1))),
+            Ok(()),
+            "{unique:?}"
+        );
+    }
     assert_eq!(
         kind(check_keys(&cfg, &[1, 2], &["a".into(), "a".into()])),
         Err(ErrorKind::BadRequest)
