@@ -361,12 +361,13 @@ async fn session(
                 break;
             }
         }
-        // A large request (a GET of a million keys) decodes on the blocking pool, so the
-        // worker it would hold serves other sessions meanwhile.
+        // A large request (a GET of a million keys) decodes on a thread of its own at a
+        // lower priority, so the worker it would hold serves other sessions meanwhile and
+        // preempts it when one sends a request.
         let decoded = if buf.len() > LARGE_FRAME {
-            match tokio::task::spawn_blocking(move || proto::decode_body::<Request>(&buf)).await {
-                Ok(d) => d,
-                Err(_) => break,
+            match super::bulk::run(move || proto::decode_body::<Request>(&buf)).await {
+                Some(d) => d,
+                None => break,
             }
         } else {
             proto::decode_body::<Request>(&buf)
@@ -646,8 +647,6 @@ pub(super) fn send(shared: &Shared, sid: SessionId, id: u64, resp: &Response) {
     }
 }
 
-/// Connects to the client's agent (a blocking connect for some engines), then starts the
-/// session's executor: WRITEs to one peer run one at a time, peers run concurrently.
 /// Frames larger than this decode off the session's worker.
 const LARGE_FRAME: usize = 1 << 20;
 
@@ -693,6 +692,8 @@ fn recorded_now(landing: &crate::core::Landed, bytes: u64) -> bool {
         .is_ready()
 }
 
+/// Connects to the client's agent (a blocking connect for some engines), then starts the
+/// session's executor: WRITEs to one peer run one at a time, peers run concurrently.
 pub(super) async fn accept_peer(shared: Arc<Shared>, sid: SessionId, id: u64, md: Vec<u8>) {
     let timeout = shared.cfg.peer_add_timeout;
     let fail = |kind: ErrorKind, why: String| {

@@ -22,6 +22,7 @@ use crate::plane::BackendExt;
 use crate::plane::{Backend, PoolMemory};
 use tessera_sync::atomic::{AtomicU64, Ordering};
 
+mod bulk;
 mod connection;
 #[cfg(test)]
 pub(crate) mod fault;
