@@ -7,6 +7,8 @@
 //! Settings (environment):
 //! - `TESSERA_BENCH_HOSTILE_SHORT=1`: short phases and a short soak, for development;
 //! - `TESSERA_BENCH_HOSTILE_BACKEND`: `shm` (default) or `tcp`;
+//! - `TESSERA_BENCH_HOSTILE_ONLY=missing_gets,soak`: only the attacks named (and the soak if
+//!   named), for studying one; the probe alone is always measured;
 //! - `TESSERA_BENCH_STORAGE_BIN`: the `tessera-storage` binary (default: next to this one;
 //!   `cargo xtask bench hostile` builds it).
 
@@ -72,9 +74,16 @@ fn settings() -> Result<Settings> {
     })
 }
 
+/// Whether the part `name` (an attack's name or `soak`) runs: `TESSERA_BENCH_HOSTILE_ONLY`
+/// names the parts to run, all when it is not set.
+fn part(name: &str) -> bool {
+    std::env::var("TESSERA_BENCH_HOSTILE_ONLY")
+        .map_or(true, |only| only.split(',').any(|p| p.trim() == name))
+}
+
 /// The attacks measured one at a time, in order.
 fn attacks() -> Vec<Kind> {
-    vec![
+    let all = vec![
         Kind::Idle(2000),
         Kind::Slowloris(300),
         Kind::MissingGets(1 << 20),
@@ -83,7 +92,8 @@ fn attacks() -> Vec<Kind> {
             bytes: 64 << 20,
         },
         Kind::PayloadPreauth(16),
-    ]
+    ];
+    all.into_iter().filter(|k| part(k.name())).collect()
 }
 
 /// What runs beside the soak (the soak test's mix).
@@ -252,6 +262,9 @@ fn suite(report: &mut Report, s: &Settings) -> Result<()> {
         ),
     );
     drop(probe);
+    if !part("soak") {
+        return Ok(());
+    }
 
     std::thread::sleep(s.settle);
     let mix = soak_attacks();
