@@ -148,6 +148,24 @@ pub fn run(report: &mut Report) -> Result<()> {
         us(dec),
         "decode only, best of 200",
     );
+    // The receiver's case: the frames landed in one buffer at the layout's offsets.
+    let layout = f.layout(64)?;
+    let mut laid = vec![0u8; layout.size as usize];
+    for (i, p) in f.payloads.iter().enumerate() {
+        laid[layout.range(i)].copy_from_slice(p);
+    }
+    let laid = Bytes::from(laid);
+    let dec_laid = best_of(
+        200,
+        || (),
+        |_| decode_contiguous(&f.meta, &laid, 64).expect("decodes"),
+    );
+    report.put(
+        "codec_1000x4k_decode_contiguous_us",
+        us(dec_laid),
+        "decode only, from one buffer holding the frames at the layout's offsets (what a \
+         storage unit and a GET's client do), best of 200",
+    );
     report.put(
         "codec_1000x4k_meta_bytes",
         f.meta.len() as f64,

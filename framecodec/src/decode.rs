@@ -5,7 +5,7 @@ use bytes::Bytes;
 use crate::encode::tag;
 use crate::tensor::Dims;
 use crate::value::tensor_pointer;
-use crate::wire::FrameSpec;
+use crate::wire::{FrameSpec, RecvLayout};
 use crate::{DType, DecodeError, FrameTable, PathSeg, Tensor, Value};
 
 /// Bounds on what a decoder accepts, all checked before the memory they guard is allocated.
@@ -89,7 +89,7 @@ impl Decoder {
     pub fn decode(&self, meta: &[u8], frames: &[Bytes]) -> Result<Value, DecodeError> {
         let table = self.frame_table(meta)?;
         table.check_frames(frames)?;
-        let out = self.body(meta, &table, frames, &[])?;
+        let out = self.body(meta, &table, Payloads::Frames(frames), &[])?;
         Ok(out.unwrap_or(Value::Null))
     }
 
@@ -103,8 +103,18 @@ impl Decoder {
         align: u64,
     ) -> Result<Value, DecodeError> {
         let table = self.frame_table(meta)?;
-        let frames = table.split(buf, align)?;
-        let out = self.body(meta, &table, &frames, &[])?;
+        // Laid out as `split` checks it, but each payload is cut from `buf` directly: no
+        // list of per-frame slices to build and drop.
+        let layout = table.layout_within(buf.len(), align)?;
+        let out = self.body(
+            meta,
+            &table,
+            Payloads::Laid {
+                buf,
+                layout: &layout,
+            },
+            &[],
+        )?;
         Ok(out.unwrap_or(Value::Null))
     }
 
@@ -119,14 +129,14 @@ impl Decoder {
     ) -> Result<Option<Value>, DecodeError> {
         let table = self.frame_table(meta)?;
         table.check_frames(frames)?;
-        self.body(meta, &table, frames, path)
+        self.body(meta, &table, Payloads::Frames(frames), path)
     }
 
     fn body(
         &self,
         meta: &[u8],
         table: &FrameTable,
-        frames: &[Bytes],
+        frames: Payloads<'_>,
         path: &[PathSeg<'_>],
     ) -> Result<Option<Value>, DecodeError> {
         let mut st = State {
@@ -224,6 +234,19 @@ impl<'a> Reader<'a> {
     }
 
     fn uint(&mut self) -> Result<u64, DecodeError> {
+        // The unsigned markers, the encoder's only ones for unsigned values, read directly;
+        // anything else through `integer` (a non-negative signed value is accepted too).
+        match self.peek() {
+            Some(m @ 0x00..=0x7f) => {
+                self.pos += 1;
+                return Ok(u64::from(m));
+            }
+            Some(m @ 0xcc..=0xcf) if self.buf.len() - self.pos > 1 << (m - 0xcc) => {
+                self.pos += 1;
+                return self.be(1 << (m - 0xcc));
+            }
+            _ => {}
+        }
         let v = self.integer()?;
         u64::try_from(v)
             .map_err(|_| self.malformed(format!("unsigned integer expected, found {v}")))
@@ -337,10 +360,41 @@ impl<'a> Reader<'a> {
     }
 }
 
+/// Where payloads are cut from: frames received one by one, or one buffer holding them at
+/// the offsets of a layout.
+#[derive(Clone, Copy)]
+enum Payloads<'f> {
+    Frames(&'f [Bytes]),
+    Laid {
+        buf: &'f Bytes,
+        layout: &'f RecvLayout,
+    },
+}
+
+impl Payloads<'_> {
+    fn count(&self) -> usize {
+        match self {
+            Payloads::Frames(f) => f.len(),
+            Payloads::Laid { layout, .. } => layout.offsets.len(),
+        }
+    }
+
+    /// Frame `i`: the bytes it lies in, and its start and length there.
+    fn frame(&self, i: usize) -> Option<(&Bytes, usize, usize)> {
+        match self {
+            Payloads::Frames(f) => f.get(i).map(|b| (b, 0, b.len())),
+            Payloads::Laid { buf, layout } => {
+                let (&at, &len) = (layout.offsets.get(i)?, layout.lens.get(i)?);
+                Some((*buf, at as usize, len as usize))
+            }
+        }
+    }
+}
+
 /// Decoding state: the reader, the frames payloads are cut from, and the budgets.
 struct State<'a, 'f> {
     rd: Reader<'a>,
-    frames: &'f [Bytes],
+    frames: Payloads<'f>,
     specs: &'f [FrameSpec],
     limits: &'f Limits,
     nodes: u64,
@@ -553,10 +607,10 @@ impl State<'_, '_> {
         let Some((frame, offset, len)) = r else {
             return Ok(Bytes::new());
         };
-        let frames = self.frames.len() as u64;
+        let frames = self.frames.count() as u64;
         let index = usize::try_from(frame).ok();
-        let (Some(data), Some(spec)) = (
-            index.and_then(|f| self.frames.get(f)),
+        let (Some((data, start, frame_len)), Some(spec)) = (
+            index.and_then(|f| self.frames.frame(f)),
             index.and_then(|f| self.specs.get(f)),
         ) else {
             return Err(DecodeError::FrameIndex {
@@ -565,7 +619,7 @@ impl State<'_, '_> {
                 frames,
             });
         };
-        let frame_len = data.len() as u64;
+        let frame_len = frame_len as u64;
         match offset.checked_add(len) {
             Some(end) if end <= frame_len => {}
             _ => {
@@ -587,7 +641,8 @@ impl State<'_, '_> {
                 align,
             });
         }
-        Ok(data.slice(offset as usize..(offset + len) as usize))
+        let at = start + offset as usize;
+        Ok(data.slice(at..at + len as usize))
     }
 }
 
@@ -721,6 +776,46 @@ mod tests {
         crate::wire::write_header(&mut out, frames);
         out.extend_from_slice(body);
         out
+    }
+
+    #[test]
+    fn a_contiguous_buffer_bounds_each_payload_by_its_own_frame() {
+        // Two 16-byte frames laid out back to back in one 64-aligned buffer of 80 bytes.
+        let spec = [
+            FrameSpec { len: 16, align: 4 },
+            FrameSpec { len: 16, align: 4 },
+        ];
+        let buf = Bytes::from(vec![0u8; 80]);
+        // Frame 1, offset 8, 8 bytes: the buffer's bytes 72..80.
+        let m = meta_with(&spec, &[0x95, 9, 11, 0x91, 2, 0xc0, 0x93, 1, 8, 8]);
+        let v = decode_contiguous(&m, &buf, 64).unwrap();
+        let t = v.as_tensor().unwrap();
+        assert_eq!(t.data().as_ptr() as usize - buf.as_ptr() as usize, 72);
+        // Frame 0, offset 12, 8 bytes: inside the buffer, past its frame.
+        let m = meta_with(&spec, &[0x95, 9, 11, 0x91, 2, 0xc0, 0x93, 0, 12, 8]);
+        assert!(matches!(
+            decode_contiguous(&m, &buf, 64),
+            Err(DecodeError::OutOfBounds {
+                frame: 0,
+                frame_len: 16,
+                ..
+            })
+        ));
+        // No frame 2.
+        let m = meta_with(&spec, &[0x95, 9, 11, 0x91, 2, 0xc0, 0x93, 2, 0, 8]);
+        assert!(matches!(
+            decode_contiguous(&m, &buf, 64),
+            Err(DecodeError::FrameIndex {
+                frame: 2,
+                frames: 2,
+                ..
+            })
+        ));
+        // A buffer shorter than the layout.
+        assert!(matches!(
+            decode_contiguous(&m, &buf.slice(..79), 64),
+            Err(DecodeError::BufferTooShort { needed: 80, .. })
+        ));
     }
 
     #[test]

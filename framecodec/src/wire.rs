@@ -191,6 +191,18 @@ impl FrameTable {
     /// Cuts the payload frames out of a contiguous buffer laid out by [`FrameTable::layout`]
     /// with `align`. Each frame is a slice of `buf`: no copy.
     pub fn split(&self, buf: &Bytes, align: u64) -> Result<FrameList, DecodeError> {
+        let layout = self.layout_within(buf.len(), align)?;
+        Ok((0..self.frames.len())
+            .map(|i| buf.slice(layout.range(i)))
+            .collect())
+    }
+
+    /// The layout with `align`, checked to fit a buffer of `available` bytes.
+    pub(crate) fn layout_within(
+        &self,
+        available: usize,
+        align: u64,
+    ) -> Result<RecvLayout, DecodeError> {
         let layout = self.layout(align).map_err(|e| match e {
             LayoutError::InvalidAlignment { align } => DecodeError::InvalidAlignment { align },
             _ => DecodeError::TooLarge {
@@ -198,15 +210,13 @@ impl FrameTable {
                 limit: u64::MAX,
             },
         })?;
-        if layout.size > buf.len() as u64 {
+        if layout.size > available as u64 {
             return Err(DecodeError::BufferTooShort {
                 needed: layout.size,
-                available: buf.len() as u64,
+                available: available as u64,
             });
         }
-        Ok((0..self.frames.len())
-            .map(|i| buf.slice(layout.range(i)))
-            .collect())
+        Ok(layout)
     }
 }
 
