@@ -90,7 +90,7 @@ impl Decoder {
         let table = self.frame_table(meta)?;
         table.check_frames(frames)?;
         let out = self.body(meta, &table, Payloads::Frames(frames), &[])?;
-        Ok(out.unwrap_or(Value::Null))
+        Ok(out.0.unwrap_or(Value::Null))
     }
 
     /// Decodes `meta` with one contiguous buffer into which the frames were written at the
@@ -110,12 +110,36 @@ impl Decoder {
             meta,
             &table,
             Payloads::Laid {
-                buf,
+                buf: Some(buf),
                 layout: &layout,
             },
             &[],
         )?;
-        Ok(out.unwrap_or(Value::Null))
+        Ok(out.0.unwrap_or(Value::Null))
+    }
+
+    /// Decodes `meta` before its payload has landed, for a receiver that has the meta first
+    /// and the frames later, written into one buffer at the offsets of
+    /// [`FrameTable::layout`] with `align`: everything [`Decoder::decode_contiguous`] checks
+    /// is checked now, and [`Unbound::bind`] then cuts the payloads from that buffer, which
+    /// costs a walk over the value and no parsing.
+    pub fn decode_unbound(&self, meta: &[u8], align: u64) -> Result<Unbound, DecodeError> {
+        let table = self.frame_table(meta)?;
+        let layout = table.layout_within(usize::MAX, align)?;
+        let (value, places) = self.body(
+            meta,
+            &table,
+            Payloads::Laid {
+                buf: None,
+                layout: &layout,
+            },
+            &[],
+        )?;
+        Ok(Unbound {
+            value: value.unwrap_or(Value::Null),
+            places,
+            size: layout.size,
+        })
     }
 
     /// Decodes only the value at `path` (map keys, list indexes, tensor rows), skipping the
@@ -129,7 +153,7 @@ impl Decoder {
     ) -> Result<Option<Value>, DecodeError> {
         let table = self.frame_table(meta)?;
         table.check_frames(frames)?;
-        self.body(meta, &table, Payloads::Frames(frames), path)
+        Ok(self.body(meta, &table, Payloads::Frames(frames), path)?.0)
     }
 
     fn body(
@@ -138,7 +162,7 @@ impl Decoder {
         table: &FrameTable,
         frames: Payloads<'_>,
         path: &[PathSeg<'_>],
-    ) -> Result<Option<Value>, DecodeError> {
+    ) -> Result<(Option<Value>, Vec<Place>), DecodeError> {
         let mut st = State {
             rd: Reader {
                 buf: &meta[table.body_start..],
@@ -149,12 +173,13 @@ impl Decoder {
             specs: table.frames(),
             limits: &self.limits,
             nodes: 0,
+            places: Vec::new(),
         };
         let out = st.node(1, path)?;
         if st.rd.pos != st.rd.buf.len() {
             return Err(st.rd.malformed("trailing bytes after the root value"));
         }
-        Ok(out)
+        Ok((out, st.places))
     }
 }
 
@@ -166,6 +191,59 @@ pub fn decode(meta: &[u8], frames: &[Bytes]) -> Result<Value, DecodeError> {
 /// Decodes with [`Decoder::new`]; see [`Decoder::decode_contiguous`].
 pub fn decode_contiguous(meta: &[u8], buf: &Bytes, align: u64) -> Result<Value, DecodeError> {
     Decoder::new().decode_contiguous(meta, buf, align)
+}
+
+/// A value decoded before its payload landed ([`Decoder::decode_unbound`]): its tensors and
+/// byte strings are empty until [`Unbound::bind`] cuts them from the buffer.
+#[derive(Debug)]
+pub struct Unbound {
+    value: Value,
+    places: Vec<Place>,
+    size: u64,
+}
+
+impl Unbound {
+    /// Bytes the buffer must hold: the layout's size.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// The value, each payload a slice of `buf` (the frames written at the layout's offsets),
+    /// as [`Decoder::decode_contiguous`] of the same meta and buffer returns it.
+    pub fn bind(self, buf: &Bytes) -> Result<Value, DecodeError> {
+        if self.size > buf.len() as u64 {
+            return Err(DecodeError::BufferTooShort {
+                needed: self.size,
+                available: buf.len() as u64,
+            });
+        }
+        let Unbound {
+            mut value, places, ..
+        } = self;
+        let mut places = places.into_iter();
+        bind(&mut value, &mut places, buf);
+        Ok(value)
+    }
+}
+
+/// Puts the payloads in, in the order the decoder met them (depth first, in order).
+fn bind(value: &mut Value, places: &mut std::vec::IntoIter<Place>, buf: &Bytes) {
+    let cut = |places: &mut std::vec::IntoIter<Place>| match places.next().flatten() {
+        Some((at, len)) => buf.slice(at..at + len),
+        None => Bytes::new(),
+    };
+    match value {
+        Value::Tensor(t) => t.bind(cut(places)),
+        Value::Bytes(b) => *b = cut(places),
+        Value::List(items) => items.iter_mut().for_each(|v| bind(v, places, buf)),
+        Value::Map(entries) => entries.iter_mut().for_each(|(_, v)| bind(v, places, buf)),
+        Value::Null
+        | Value::Bool(_)
+        | Value::I64(_)
+        | Value::U64(_)
+        | Value::F64(_)
+        | Value::Str(_) => {}
+    }
 }
 
 /// A strict msgpack reader over the meta body: every length is checked against the bytes left.
@@ -365,8 +443,10 @@ impl<'a> Reader<'a> {
 #[derive(Clone, Copy)]
 enum Payloads<'f> {
     Frames(&'f [Bytes]),
+    /// Laid out in one buffer; `None` before the payload landed: each payload's place is
+    /// recorded instead (`Decoder::decode_unbound`).
     Laid {
-        buf: &'f Bytes,
+        buf: Option<&'f Bytes>,
         layout: &'f RecvLayout,
     },
 }
@@ -379,10 +459,11 @@ impl Payloads<'_> {
         }
     }
 
-    /// Frame `i`: the bytes it lies in, and its start and length there.
-    fn frame(&self, i: usize) -> Option<(&Bytes, usize, usize)> {
+    /// Frame `i`: the bytes it lies in (none yet for an unbound decode), and its start and
+    /// length there.
+    fn frame(&self, i: usize) -> Option<(Option<&Bytes>, usize, usize)> {
         match self {
-            Payloads::Frames(f) => f.get(i).map(|b| (b, 0, b.len())),
+            Payloads::Frames(f) => f.get(i).map(|b| (Some(b), 0, b.len())),
             Payloads::Laid { buf, layout } => {
                 let (&at, &len) = (layout.offsets.get(i)?, layout.lens.get(i)?);
                 Some((*buf, at as usize, len as usize))
@@ -398,7 +479,13 @@ struct State<'a, 'f> {
     specs: &'f [FrameSpec],
     limits: &'f Limits,
     nodes: u64,
+    /// Where each payload lies in the buffer, in the order the value's payloads are met,
+    /// while no buffer is bound.
+    places: Vec<Place>,
 }
+
+/// A payload's range in the buffer (`None`: it has no bytes).
+type Place = Option<(usize, usize)>;
 
 /// How many items a node array of each tag has, the tag included.
 const ARITY: [u64; 10] = [1, 2, 2, 2, 2, 2, 2, 2, 2, 5];
@@ -554,6 +641,7 @@ impl State<'_, '_> {
             Some(self.dims(node)?)
         };
         let r = self.reference()?;
+        let len = r.map_or(0, |(_, _, len)| len);
         let data = self.payload(node, r, dtype.align() as u64)?;
         // A broadcast tensor's logical size may exceed its payload: bound it like the payloads,
         // so that a later explicit copy stays within what the limits allow.
@@ -565,7 +653,7 @@ impl State<'_, '_> {
                 });
             }
         }
-        Tensor::from_parts(dtype, shape, strides, data)
+        Tensor::from_parts_of_len(dtype, shape, strides, data, len)
             .map_err(|source| DecodeError::Tensor { node, source })
     }
 
@@ -599,12 +687,16 @@ impl State<'_, '_> {
 
     /// The payload a reference points at, as a slice of its frame.
     fn payload(
-        &self,
+        &mut self,
         node: u64,
         r: Option<(u64, u64, u64)>,
         align: u64,
     ) -> Result<Bytes, DecodeError> {
+        let unbound = matches!(self.frames, Payloads::Laid { buf: None, .. });
         let Some((frame, offset, len)) = r else {
+            if unbound {
+                self.places.push(None);
+            }
             return Ok(Bytes::new());
         };
         let frames = self.frames.count() as u64;
@@ -642,7 +734,13 @@ impl State<'_, '_> {
             });
         }
         let at = start + offset as usize;
-        Ok(data.slice(at..at + len as usize))
+        match data {
+            Some(data) => Ok(data.slice(at..at + len as usize)),
+            None => {
+                self.places.push(Some((at, len as usize)));
+                Ok(Bytes::new())
+            }
+        }
     }
 }
 
@@ -776,6 +874,107 @@ mod tests {
         crate::wire::write_header(&mut out, frames);
         out.extend_from_slice(body);
         out
+    }
+
+    /// `value`'s frames laid out in one buffer with `align`, and its meta.
+    fn laid(value: &Value, align: u64) -> (Bytes, Bytes) {
+        let f = encode(value).unwrap();
+        let l = f.layout(align).unwrap();
+        let mut buf = vec![0u8; l.size as usize];
+        for (i, p) in f.payloads.iter().enumerate() {
+            buf[l.range(i)].copy_from_slice(p);
+        }
+        (f.meta, Bytes::from(buf))
+    }
+
+    /// Every payload's address, depth first.
+    fn addresses(v: &Value, out: &mut Vec<(usize, usize)>) {
+        match v {
+            Value::Tensor(t) => out.push((t.data().as_ptr() as usize, t.data().len())),
+            Value::Bytes(b) => out.push((b.as_ptr() as usize, b.len())),
+            Value::List(items) => items.iter().for_each(|v| addresses(v, out)),
+            Value::Map(e) => e.iter().for_each(|(_, v)| addresses(v, out)),
+            _ => {}
+        }
+    }
+
+    #[test]
+    fn an_unbound_decode_binds_to_what_a_contiguous_decode_returns() {
+        let packed = Tensor::from_slice(&[3], &[1u16, 2, 3]).unwrap();
+        let strided = Tensor::from_parts(
+            DType::I32,
+            [2u64, 2].as_slice().into(),
+            Some([1u64, 2].as_slice().into()),
+            Bytes::from(vec![5u8; 16]),
+        )
+        .unwrap();
+        let empty = Tensor::from_slice::<f32>(&[0], &[]).unwrap();
+        let v = Value::map([
+            ("sample", sample()),
+            ("packed", packed.into()),
+            ("strided", strided.into()),
+            ("empty", empty.into()),
+            ("nothing", Value::Bytes(Bytes::new())),
+            (
+                "rows",
+                Value::List(
+                    (0..50u32)
+                        .map(|i| {
+                            Tensor::from_slice(&[i as u64 + 1], &vec![i; i as usize + 1])
+                                .unwrap()
+                                .into()
+                        })
+                        .collect(),
+                ),
+            ),
+        ]);
+        for align in [64, 4096] {
+            let (meta, buf) = laid(&v, align);
+            let unbound = Decoder::new().decode_unbound(&meta, align).unwrap();
+            assert_eq!(unbound.size(), buf.len() as u64);
+            let bound = unbound.bind(&buf).unwrap();
+            let direct = decode_contiguous(&meta, &buf, align).unwrap();
+            assert_eq!(bound, v);
+            assert_eq!(bound, direct);
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            addresses(&bound, &mut a);
+            addresses(&direct, &mut b);
+            let base = buf.as_ptr() as usize;
+            let inside =
+                |&(p, n): &(usize, usize)| n == 0 || (p >= base && p + n <= base + buf.len());
+            assert_eq!(
+                a.iter().filter(|x| x.1 > 0).collect::<Vec<_>>(),
+                b.iter().filter(|x| x.1 > 0).collect::<Vec<_>>()
+            );
+            assert!(a.iter().all(inside));
+        }
+    }
+
+    #[test]
+    fn an_unbound_decode_refuses_what_a_contiguous_one_does_and_a_short_buffer_at_bind() {
+        let spec = [FrameSpec { len: 16, align: 4 }];
+        let buf = Bytes::from(vec![0u8; 64]);
+        for body in [
+            &[0x95, 9, 11, 0x91, 2, 0xc0, 0x93, 0, 2, 8][..],
+            &[0x95, 9, 11, 0x91, 2, 0xc0, 0x93, 0, 12, 8],
+            &[0x95, 9, 11, 0x91, 2, 0xc0, 0x93, 3, 0, 8],
+            &[0x95, 9, 11, 0x91, 3, 0xc0, 0x93, 0, 0, 8],
+            &[0x95, 9, 11, 0x91, 2, 0xc0, 0x93, 0, 0, 8, 0],
+        ] {
+            let m = meta_with(&spec, body);
+            let unbound = Decoder::new().decode_unbound(&m, 64).unwrap_err();
+            let direct = decode_contiguous(&m, &buf, 64).unwrap_err();
+            assert_eq!(unbound.to_string(), direct.to_string());
+        }
+        let m = meta_with(&spec, &[0x95, 9, 11, 0x91, 2, 0xc0, 0x93, 0, 8, 8]);
+        let unbound = Decoder::new().decode_unbound(&m, 64).unwrap();
+        assert!(matches!(
+            unbound.bind(&buf.slice(..15)),
+            Err(DecodeError::BufferTooShort {
+                needed: 16,
+                available: 15
+            })
+        ));
     }
 
     #[test]

@@ -10,7 +10,7 @@ mod tensor;
 mod value;
 mod wire;
 
-pub use decode::{decode, decode_contiguous, Decoder, Limits};
+pub use decode::{decode, decode_contiguous, Decoder, Limits, Unbound};
 pub use dtype::DType;
 pub use encode::{encode, Encoder, DEFAULT_PACK_BELOW};
 pub use error::{DecodeError, EncodeError, LayoutError, TensorError, ViewError};

@@ -56,6 +56,19 @@ impl Tensor {
         strides: Option<Dims>,
         data: Bytes,
     ) -> Result<Self, TensorError> {
+        let len = data.len() as u64;
+        Self::from_parts_of_len(dtype, shape, strides, data, len)
+    }
+
+    /// [`Tensor::from_parts`] checked against a payload of `actual` bytes, which `data` holds
+    /// or, before the payload landed, will hold once [`Tensor::bind`] puts it in.
+    pub(crate) fn from_parts_of_len(
+        dtype: DType,
+        shape: Dims,
+        strides: Option<Dims>,
+        data: Bytes,
+        actual: u64,
+    ) -> Result<Self, TensorError> {
         let rank = shape.len();
         if rank > Self::MAX_RANK {
             return Err(TensorError::RankTooHigh {
@@ -64,7 +77,6 @@ impl Tensor {
             });
         }
         let overflow = TensorError::SizeOverflow { dtype, rank };
-        let actual = data.len() as u64;
         // Also bounds the element count of broadcast (zero-stride) tensors.
         let expected = contiguous_bytes(dtype, &shape).ok_or(overflow.clone())?;
         match &strides {
@@ -100,6 +112,11 @@ impl Tensor {
             strides,
             data,
         })
+    }
+
+    /// Puts in the payload this tensor was checked against (`from_parts_of_len`).
+    pub(crate) fn bind(&mut self, data: Bytes) {
+        self.data = data;
     }
 
     /// Element type.

@@ -6,7 +6,7 @@
 
 use bytes::Bytes;
 use libfuzzer_sys::fuzz_target;
-use tessera_framecodec::{Decoder, Limits, PathSeg};
+use tessera_framecodec::{DecodeError, Decoder, Limits, PathSeg};
 
 fuzz_target!(|data: &[u8]| {
     // First byte: how many payload frames; next bytes: their lengths; the rest: meta, frames.
@@ -32,8 +32,17 @@ fuzz_target!(|data: &[u8]| {
     small.max_elements = 1000;
     for d in [Decoder::new(), Decoder::with_limits(small)] {
         let _ = d.decode(meta, &frames);
-        let _ = d.decode_contiguous(meta, &buf, 64);
-        let _ = d.decode_contiguous(meta, &buf, 1);
+        for align in [64, 1] {
+            let direct = d.decode_contiguous(meta, &buf, align);
+            let later = d.decode_unbound(meta, align).and_then(|u| u.bind(&buf));
+            match (&direct, &later) {
+                (Ok(a), Ok(b)) => assert_eq!(a, b),
+                // A short buffer is found first by one and last by the other.
+                (Err(DecodeError::BufferTooShort { .. }), Err(_)) => {}
+                (Err(a), Err(b)) => assert_eq!(a.to_string(), b.to_string()),
+                _ => panic!("contiguous {direct:?} but unbound then bound {later:?}"),
+            }
+        }
         let _ = d.select(meta, &frames, &[PathSeg::Index(0), PathSeg::Key("a")]);
         if let Ok(t) = d.frame_table(meta) {
             let _ = t.layout(64);
