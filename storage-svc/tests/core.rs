@@ -1536,6 +1536,76 @@ fn credits_leave_a_sessions_largest_put_alone() {
     );
 }
 
+/// A credited PUT's meta decoded ahead, while its WRITE lands (the driver does so off the
+/// lock), is what the PUT's handling binds to the block; one decoded for another request is
+/// not used, and a decode that failed refuses the PUT, its credit's memory going back.
+#[test]
+fn a_credited_put_binds_the_meta_decoded_ahead_for_it_alone() {
+    let mut h = Harness::new(UnitConfig::default());
+    let zeros = |n: usize| {
+        batch(
+            1,
+            vec![Value::Tensor(
+                Tensor::from_slice(&[n as u64], &vec![0i32; n]).unwrap(),
+            )],
+        )
+    };
+    // The GET's one field of one index: [[tensor]].
+    let shape = |h: &mut Harness, i: u64| match h.get("p", &[i], &["f"]).unwrap() {
+        Value::List(f) => match &f[..] {
+            [Value::List(v)] => v[0].as_tensor().unwrap().shape().to_vec(),
+            other => panic!("{other:?}"),
+        },
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(h.put("p", &[0], &["f"], &zeros(4)), Response::Done);
+    let (decoder, align) = h.unit.meta_decoder();
+    let meta = |n: usize| encode(&zeros(n)).unwrap().meta;
+    let credited = |h: &mut Harness, i: u64, n: usize, ahead: Option<(u64, usize)>| {
+        let credit = h.credits.pop().expect("a credit");
+        if let Some((id, m)) = ahead {
+            let id = if id == 0 { h.next } else { id };
+            let decoded = decoder.decode_unbound(&meta(m), align);
+            h.unit.credit_decoded(S, credit.id, id, decoded);
+        }
+        let (_, r) = h.req(Request::PutCredited {
+            partition: "p".into(),
+            indexes: vec![i],
+            fields: vec!["f".into()],
+            meta: ByteBuf::from(meta(n).to_vec()),
+            credit: credit.id,
+            bytes: 4 * n as u64,
+        });
+        h.keep_credits(r)
+    };
+    // Decoded for request 9999: this request decodes its own meta.
+    assert_eq!(credited(&mut h, 1, 8, Some((9999, 2))), Response::Done);
+    assert_eq!(shape(&mut h, 1), [8]);
+    // Decoded for this request: bound as decoded (here a meta of 2 elements, which fits the
+    // 3 the request's layout has the client write).
+    assert_eq!(credited(&mut h, 2, 3, Some((0, 2))), Response::Done);
+    assert_eq!(shape(&mut h, 2), [2]);
+    // A decode that failed: refused, and the credit's block is back in the pool.
+    let before = h.stats();
+    let credit = h.credits.pop().expect("a credit");
+    let id = h.next;
+    let bad = decoder.decode_unbound(b"not a meta frame", align);
+    assert!(bad.is_err());
+    h.unit.credit_decoded(S, credit.id, id, bad);
+    let (_, r) = h.req(Request::PutCredited {
+        partition: "p".into(),
+        indexes: vec![3],
+        fields: vec!["f".into()],
+        meta: ByteBuf::from(meta(3).to_vec()),
+        credit: credit.id,
+        bytes: 12,
+    });
+    assert_eq!(kind(&r), Some(ErrorKind::Protocol), "{r:?}");
+    let after = h.stats();
+    assert_eq!(after.pool.used, before.pool.used - credit.block.len);
+    assert_eq!(h.get("p", &[3], &["f"]), Err(ErrorKind::Missing));
+}
+
 /// Each limit on credits binds on its own: the session's leased limit (credits count
 /// against it), the unit's credit limit and the unit's leased limit. Every credit granted has
 /// an id of its own.

@@ -20,7 +20,7 @@ use std::collections::HashMap;
 
 use bytes::Bytes;
 use serde_bytes::ByteBuf;
-use tessera_framecodec::{DecodeError, RecvLayout};
+use tessera_framecodec::{DecodeError, Decoder, RecvLayout, Unbound};
 
 use super::put::merged_ranges;
 use super::session::Quarantined;
@@ -36,6 +36,15 @@ pub(super) struct Held<B> {
     block: B,
     landing: Landed,
     len: u64,
+    /// The meta of the PUT naming it, decoded while its WRITE lands.
+    early: Option<Early>,
+}
+
+/// A credited PUT's meta decoded before its payload landed ([`Unit::credit_decoded`]), for
+/// the request `id` alone.
+struct Early {
+    id: u64,
+    decoded: Result<Unbound, DecodeError>,
 }
 
 /// The credits of every session.
@@ -158,6 +167,7 @@ impl<M: Memory> Unit<M> {
                     block,
                     landing,
                     len,
+                    early: None,
                 },
             );
             out.push(Credit { id, block: desc });
@@ -175,15 +185,44 @@ impl<M: Memory> Unit<M> {
             .map(|h| h.landing.clone())
     }
 
+    /// The decoder and alignment a credited PUT's meta is decoded with, for the driver to
+    /// decode it off the lock while the PUT's WRITE lands ([`Decoder::decode_unbound`]).
+    pub fn meta_decoder(&self) -> (Decoder, u64) {
+        (self.decoder.clone(), self.cfg.align)
+    }
+
+    /// What the driver decoded (with [`Unit::meta_decoder`]) of request `id`'s meta, a
+    /// `PutCredited` naming credit `credit` of `session`: that request's handling binds it
+    /// to the block instead of decoding the meta again. Ignored where the session holds no
+    /// such credit.
+    pub fn credit_decoded(
+        &mut self,
+        session: SessionId,
+        credit: u64,
+        id: u64,
+        decoded: Result<Unbound, DecodeError>,
+    ) {
+        if let Some(held) = self
+            .credits
+            .by_session
+            .get_mut(&session)
+            .and_then(|c| c.get_mut(&credit))
+        {
+            held.early = Some(Early { id, decoded });
+        }
+    }
+
     /// `PutCredited`: the payload is in credit `credit`. The credit is used up whatever the
     /// outcome; on success its frames' part of the block holds the values and the rest goes
     /// back to the pool. A refused PUT's block goes back to the pool only when every frame is
     /// recorded as written (the client's WRITE is over: the driver waited for its record
     /// before handing the PUT over); otherwise the WRITE may still be landing, and the block is
     /// quarantined with the session.
+    #[allow(clippy::too_many_arguments)] // the request's fields, as `Unit::handle` has them
     pub(super) fn put_credited(
         &mut self,
         session: SessionId,
+        id: u64,
         partition: &str,
         indexes: &[u64],
         fields: &[String],
@@ -222,18 +261,23 @@ impl<M: Memory> Unit<M> {
             ));
         }
         let Held {
-            mut block, landing, ..
+            mut block,
+            landing,
+            early,
+            ..
         } = held;
         // Withdrawn first, so the block is this unit's alone; its unused end goes back.
         drop(landing);
         M::shrink(&mut block, layout.size);
         let block_len = M::block_len(&block);
         let buf: Bytes = self.mem.freeze(block, layout.size);
-        let meta = Bytes::from(meta.into_vec());
-        let value = self
-            .decoder
-            .decode_contiguous(&meta, &buf, layout.align)
-            .map_err(|e| err(ErrorKind::Protocol, format!("decode: {e}")))?;
+        // Laid out with the unit's alignment, as the client laid the frames out and the
+        // checks above took their ranges.
+        let value = match early.filter(|e| e.id == id) {
+            Some(e) => e.decoded.and_then(|u| u.bind(&buf)),
+            None => self.decoder.decode_contiguous(&meta, &buf, self.cfg.align),
+        }
+        .map_err(|e| err(ErrorKind::Protocol, format!("decode: {e}")))?;
         self.puts.count_in(layout.size);
         let block_id = self.store.new_block(block_len, partition);
         let r = self.store_value(partition, indexes, fields, value, Some(block_id));

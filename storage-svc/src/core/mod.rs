@@ -440,7 +440,7 @@ impl<M: Memory> Unit<M> {
                 meta,
                 credit,
                 bytes: _,
-            } => self.put_credited(session, &partition, &indexes, &fields, meta, credit),
+            } => self.put_credited(session, id, &partition, &indexes, &fields, meta, credit),
             Request::Commit { put } => self.commit(session, put),
             Request::Cancel { of, maybe_written } => self.cancel(session, of, maybe_written),
             Request::Get {

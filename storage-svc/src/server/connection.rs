@@ -378,9 +378,12 @@ async fn session(
                 let span = tracing::debug_span!("request", id, op);
                 match &req {
                     Request::Commit { put } => commit_grace(&shared, sid, *put).await,
-                    Request::PutCredited { credit, bytes, .. } => {
-                        credit_grace(&shared, sid, *credit, *bytes).await
-                    }
+                    Request::PutCredited {
+                        credit,
+                        bytes,
+                        meta,
+                        ..
+                    } => credit_grace(&shared, sid, id, *credit, *bytes, meta).await,
                     _ => {}
                 }
                 let req = match sliced(&shared, sid, id, req).instrument(span.clone()).await {
@@ -667,14 +670,28 @@ async fn commit_grace(shared: &Shared, sid: SessionId, put: u64) {
     let _ = tokio::time::timeout(COMMIT_GRACE, recorded).await;
 }
 
-/// For a credited PUT, whose client sends it while it WRITEs the frames: waits, at most the
-/// unit's `transfer_timeout` (a WRITE's own bound), until the credit records `bytes` written
-/// (what the client says its frames hold; the core then checks each frame's range). Only
-/// this session's requests wait meanwhile.
-async fn credit_grace(shared: &Shared, sid: SessionId, credit: u64, bytes: u64) {
-    let Some(landing) = shared.unit.lock().credit_landing(sid, credit) else {
-        return;
+/// For a credited PUT (request `id`), whose client sends it while it WRITEs the frames:
+/// decodes its meta meanwhile, off the unit's lock, for the PUT's handling to bind to the
+/// block; then waits, at most the unit's `transfer_timeout` (a WRITE's own bound), until the
+/// credit records `bytes` written (what the client says its frames hold; the core then
+/// checks each frame's range). Only this session's requests wait meanwhile.
+async fn credit_grace(
+    shared: &Shared,
+    sid: SessionId,
+    id: u64,
+    credit: u64,
+    bytes: u64,
+    meta: &[u8],
+) {
+    let (landing, (decoder, align)) = {
+        let unit = shared.unit.lock();
+        let Some(landing) = unit.credit_landing(sid, credit) else {
+            return;
+        };
+        (landing, unit.meta_decoder())
     };
+    let decoded = decoder.decode_unbound(meta, align);
+    shared.unit.lock().credit_decoded(sid, credit, id, decoded);
     let recorded = std::future::poll_fn(|cx| landing.poll_bytes(bytes, cx));
     if recorded_now(&landing, bytes) {
         return;
