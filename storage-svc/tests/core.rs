@@ -728,6 +728,70 @@ fn a_meta_that_does_not_decode_is_refused_before_ready() {
     }
 }
 
+/// A frame table may ask for more alignment than the unit's (up to 4096): the block is
+/// leased that aligned, and the frames are where the client lays them out, with the unit's
+/// alignment, for a prepared PUT as for a credited one.
+#[test]
+fn a_frame_asking_for_more_than_the_units_alignment_is_where_the_client_puts_it() {
+    let mut h = Harness::new(UnitConfig::default());
+    let cols = |n: usize| {
+        batch(
+            1,
+            (0..3)
+                .map(|_| Value::Tensor(Tensor::from_slice(&[n as u64], &vec![0u8; n]).unwrap()))
+                .collect(),
+        )
+    };
+    // Three frames of 4,100 bytes (the unit's 64-byte layout puts them at 0, 4,160 and,
+    // asked for 4,096, 12,288; laid out with 4,096 throughout they would need 20,484 bytes).
+    let meta = |n: usize| {
+        let frames = encode(&cols(n)).unwrap();
+        assert_eq!(frames.payloads.len(), 3);
+        let mut meta = frames.meta.to_vec();
+        meta[16 + 2 * 16 + 8..16 + 2 * 16 + 12].copy_from_slice(&4096u32.to_le_bytes());
+        meta
+    };
+    let table = tessera_framecodec::Decoder::new()
+        .frame_table(&meta(4100))
+        .unwrap();
+    let layout = table.layout(h.unit.config().align).unwrap();
+    assert_eq!(
+        (layout.offsets[2], layout.size, layout.align),
+        (12288, 16388, 4096)
+    );
+    for (i, credited) in [(1u64, false), (2, true)] {
+        let idx = vec![10 * i, 10 * i + 1, 10 * i + 2];
+        let req = match credited {
+            false => Request::Put {
+                partition: "p".into(),
+                indexes: idx.clone(),
+                fields: vec!["f".into()],
+                meta: ByteBuf::from(meta(4100)),
+                inline: None,
+                pull: None,
+            },
+            true => Request::PutCredited {
+                partition: "p".into(),
+                indexes: idx.clone(),
+                fields: vec!["f".into()],
+                meta: ByteBuf::from(meta(4100)),
+                credit: h.credits.pop().expect("a credit").id,
+                bytes: 3 * 4100,
+            },
+        };
+        let (id, r) = h.req(req);
+        let r = match r {
+            Response::PutReady { block, .. } => {
+                assert!(block.len >= layout.size);
+                h.req(Request::Commit { put: id }).1
+            }
+            other => other,
+        };
+        assert_eq!(h.keep_credits(r), Response::Done, "credited: {credited}");
+        assert_eq!(h.get("p", &idx, &["f"]).unwrap(), cols(4100));
+    }
+}
+
 #[derive(Debug, Clone)]
 enum Op {
     Put { idx: Vec<u64>, big: bool, tag: u8 },

@@ -568,14 +568,14 @@ impl GetOp {
     /// The landed block's bytes (the first `layout.size` of it), frozen: the values are
     /// views of it.
     pub fn on_landed(&mut self, buf: Bytes) -> GetStep {
-        let GetState::Landing { meta, layout } = std::mem::replace(&mut self.state, GetState::Done)
+        let GetState::Landing { meta, .. } = std::mem::replace(&mut self.state, GetState::Done)
         else {
             return GetStep::Done(Err(ClientError::ApiMisuse(
                 "on_landed without a block landed".into(),
             )));
         };
         GetStep::Done(
-            decode_contiguous(&meta, &buf, layout.align)
+            decode_contiguous(&meta, &buf, self.align)
                 .map_err(Into::into)
                 .and_then(|v| self.columns(v)),
         )

@@ -383,9 +383,11 @@ impl<M: Memory> Unit<M> {
         // back.
         let block_len = M::block_len(&block);
         let buf = self.mem.freeze(block, layout.size);
+        // Laid out with the unit's alignment, as the client lays the frames out (the
+        // layout's own alignment, larger where a frame asks for more, is the block's).
         let value = self
             .decoder
-            .decode_contiguous(&meta, &buf, layout.align)
+            .decode_contiguous(&meta, &buf, self.cfg.align)
             .map_err(|e| err(ErrorKind::Protocol, format!("decode: {e}")))?;
         self.puts.insert(
             (session, id),
