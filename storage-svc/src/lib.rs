@@ -13,6 +13,7 @@ pub mod cluster;
 pub mod core;
 mod error;
 mod metrics;
+mod outbox;
 mod plane;
 pub mod proto;
 mod server;

@@ -17,6 +17,7 @@ use super::ClientConfig;
 use crate::busy_poll::{BusyPoll, Waiting};
 use crate::core::client::PutOp;
 use crate::error::{ClientError, ErrorKind};
+use crate::outbox::{Direct, OutState};
 use crate::plane::BackendExt;
 use crate::proto::{self, Credit, Request, Response};
 use tessera_framecodec::Frames;
@@ -87,9 +88,7 @@ impl Conn {
             let s = tokio::net::UnixStream::connect(path)
                 .await
                 .map_err(unreachable)?;
-            let std = s.into_std().map_err(io)?;
-            direct = Direct::Unix(std.try_clone().map_err(io)?);
-            let s = tokio::net::UnixStream::from_std(std).map_err(io)?;
+            direct = Direct::unix(&s).map_err(io)?;
             let fd = s.as_raw_fd();
             let (r, w) = s.into_split();
             (
@@ -101,9 +100,7 @@ impl Conn {
                 .await
                 .map_err(unreachable)?;
             s.set_nodelay(true).map_err(io)?;
-            let std = s.into_std().map_err(io)?;
-            direct = Direct::Tcp(std.try_clone().map_err(io)?);
-            let s = tokio::net::TcpStream::from_std(std).map_err(io)?;
+            direct = Direct::tcp(&s).map_err(io)?;
             let fd = s.as_raw_fd();
             let (r, w) = s.into_split();
             (
@@ -116,11 +113,7 @@ impl Conn {
             poll: cfg.busy_poll.clone(),
             ..Pending::default()
         }));
-        let state = Arc::new(Mutex::new(OutState {
-            direct,
-            queued: 0,
-            broken: false,
-        }));
+        let state = Arc::new(Mutex::new(OutState::new(Some(direct))));
         tokio::spawn(write_loop(w, rx, state.clone()));
         let out = Outbox { tx, state };
         tokio::spawn(read_loop(unit, r, waiters.clone(), cfg.max_message_bytes));
@@ -421,39 +414,10 @@ pub(super) async fn deadline_or_answer<T>(
         .map(Result::ok)
 }
 
-/// The connection's way out. A request is written to the socket straight from the caller's
-/// thread when nothing is queued ahead of it: no hop to the writer task and back, which costs
-/// a wake-up of another thread each way (tens of microseconds where that thread's core has
-/// halted). What the socket does not take at once (it is non-blocking), and every request
-/// behind it, goes to the writer task, in order.
+/// The connection's way out (see [`crate::outbox`]).
 struct Outbox {
     tx: mpsc::UnboundedSender<Outgoing>,
     state: Arc<Mutex<OutState>>,
-}
-
-struct OutState {
-    /// A second handle on the connection's socket (the same open file, non-blocking).
-    direct: Direct,
-    /// Requests handed to the writer task and not yet wholly written.
-    queued: usize,
-    /// A write from the caller's thread failed, perhaps after part of its request: nothing
-    /// may follow it on the socket.
-    broken: bool,
-}
-
-enum Direct {
-    Tcp(std::net::TcpStream),
-    Unix(std::os::unix::net::UnixStream),
-}
-
-impl Direct {
-    fn write(&self, buf: &[u8]) -> std::io::Result<usize> {
-        use std::io::Write;
-        match self {
-            Direct::Tcp(s) => (&*s).write(buf),
-            Direct::Unix(s) => (&*s).write(buf),
-        }
-    }
 }
 
 impl Outbox {
@@ -462,25 +426,9 @@ impl Outbox {
     /// is gone.
     fn send(&self, buf: Vec<u8>, confirm: bool) -> Result<Option<oneshot::Receiver<()>>, ()> {
         let mut state = self.state.lock();
-        if state.broken {
-            return Err(());
-        }
-        let mut from = 0;
-        if state.queued == 0 {
-            while from < buf.len() {
-                match state.direct.write(&buf[from..]) {
-                    Ok(n) if n > 0 => from += n,
-                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                    _ => {
-                        state.broken = true;
-                        return Err(());
-                    }
-                }
-            }
-            if from == buf.len() {
-                return Ok(None);
-            }
+        let from = state.write_now(&buf)?;
+        if from == buf.len() {
+            return Ok(None);
         }
         let (written, sent) = match confirm {
             true => {
@@ -489,9 +437,9 @@ impl Outbox {
             }
             false => (None, None),
         };
-        state.queued += 1;
+        state.queue();
         if self.tx.send(Outgoing { buf, from, written }).is_err() {
-            state.queued -= 1;
+            state.dequeue();
             return Err(());
         }
         Ok(sent)
@@ -513,9 +461,10 @@ async fn write_loop(
 ) {
     while let Some(out) = rx.recv().await {
         if w.write_all(&out.buf[out.from..]).await.is_err() {
+            state.lock().fail();
             break;
         }
-        state.lock().queued -= 1;
+        state.lock().dequeue();
         if let Some(tx) = out.written {
             let _ = tx.send(());
         }

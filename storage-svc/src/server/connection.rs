@@ -8,7 +8,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
-use tessera_sync::Arc;
+use tessera_sync::{Arc, Mutex};
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, watch};
@@ -22,6 +22,7 @@ use super::{Listener, SessionHandle, Shared};
 use crate::busy_poll::BusyPoll;
 use crate::core::SessionId;
 use crate::error::ErrorKind;
+use crate::outbox::{Direct, OutState};
 use crate::proto::{self, Request, Response};
 use tessera_sync::atomic::{AtomicU64, Ordering};
 use tessera_transport::ConnectError;
@@ -39,26 +40,30 @@ pub(super) async fn accept_loop(
             _ = stop.changed() => break,
             c = async {
                 match &listener {
+                    // Without a second handle (no descriptor left) every answer goes through
+                    // the session's writer task.
                     Listener::Tcp(l) => l.accept().await.map(|(s, a)| {
                         let _ = s.set_nodelay(true);
                         let fd = s.as_raw_fd();
+                        let direct = Direct::tcp(&s).ok();
                         let (r, w) = s.into_split();
                         let r = BusyPoll::watched(shared.cfg.busy_poll.as_ref(), fd, r, true);
                         (Box::new(r) as Box<dyn AsyncRead + Send + Unpin>,
-                         Box::new(w) as Box<dyn AsyncWrite + Send + Unpin>, a.to_string())
+                         Box::new(w) as Box<dyn AsyncWrite + Send + Unpin>, direct, a.to_string())
                     }),
                     Listener::Unix(l, _) => l.accept().await.map(|(s, _)| {
                         let fd = s.as_raw_fd();
+                        let direct = Direct::unix(&s).ok();
                         let (r, w) = s.into_split();
                         let r = BusyPoll::watched(shared.cfg.busy_poll.as_ref(), fd, r, true);
                         (Box::new(r) as Box<dyn AsyncRead + Send + Unpin>,
-                         Box::new(w) as Box<dyn AsyncWrite + Send + Unpin>, "unix".to_string())
+                         Box::new(w) as Box<dyn AsyncWrite + Send + Unpin>, direct, "unix".to_string())
                     }),
                 }
             } => c,
         };
         match conn {
-            Ok((r, w, from)) => {
+            Ok((r, w, direct, from)) => {
                 accept_backoff = Duration::from_millis(10);
                 if shared.connections.load(Ordering::Relaxed) >= shared.connection_cap {
                     let n = shared.refused.fetch_add(1, Ordering::Relaxed) + 1;
@@ -72,7 +77,7 @@ pub(super) async fn accept_loop(
                     }
                     let s = shared.clone();
                     shared.tasks.lock().spawn(refuse(s, w));
-                    drop(r);
+                    drop((r, direct));
                     continue;
                 }
                 shared.connections.fetch_add(1, Ordering::Relaxed);
@@ -82,7 +87,7 @@ pub(super) async fn accept_loop(
                 let span = tracing::info_span!("session", id = sid, %from);
                 shared.tasks.lock().spawn(
                     async move {
-                        guarded_session(s, sid, r, w).await;
+                        guarded_session(s, sid, r, w, direct).await;
                         drop(served);
                     }
                     .instrument(span),
@@ -198,8 +203,9 @@ pub(super) async fn guarded_session(
     sid: SessionId,
     r: Box<dyn AsyncRead + Send + Unpin>,
     w: Box<dyn AsyncWrite + Send + Unpin>,
+    direct: Option<Direct>,
 ) {
-    let run = CatchUnwind(Box::pin(session(shared.clone(), sid, r, w))).await;
+    let run = CatchUnwind(Box::pin(session(shared.clone(), sid, r, w, direct))).await;
     if let Err(what) = run {
         tracing::error!(panic = %what, "session task panicked; closing it and releasing what it held");
         crate::metrics::error(ErrorKind::Internal);
@@ -217,17 +223,22 @@ async fn session(
     sid: SessionId,
     mut r: Box<dyn AsyncRead + Send + Unpin>,
     mut w: Box<dyn AsyncWrite + Send + Unpin>,
+    direct: Option<Direct>,
 ) {
-    let (reply_tx, mut reply_rx) = mpsc::channel::<Vec<u8>>(shared.cfg.reply_queue);
+    let (reply_tx, mut reply_rx) = mpsc::channel::<Reply>(shared.cfg.reply_queue);
+    let state = Arc::new(Mutex::new(OutState::new(direct)));
+    // The loop's own handle on the replies, to wait for room in their queue; dropped before
+    // the writer is awaited (the writer ends once every handle is gone).
+    let gate = Arc::new(Replies {
+        tx: reply_tx,
+        state: state.clone(),
+    });
     let (close_tx, mut close_rx) = watch::channel(false);
     let depth = Arc::new(AtomicU64::new(0));
-    // The loop's own handle on the reply queue, to wait for room; dropped before the writer
-    // is awaited.
-    let gate = reply_tx.clone();
     shared.sessions.lock().insert(
         sid,
         SessionHandle {
-            replies: reply_tx,
+            replies: gate.clone(),
             jobs: None,
             close: close_tx,
             seen: 0,
@@ -237,9 +248,15 @@ async fn session(
     );
     shared.unit.lock().open_session(sid);
     let writer = tokio::spawn(async move {
-        while let Some(buf) = reply_rx.recv().await {
-            if w.write_all(&buf).await.is_err() {
-                break;
+        while let Some(reply) = reply_rx.recv().await {
+            let written = w.write_all(&reply.buf[reply.from..]).await;
+            let mut state = state.lock();
+            match written {
+                Ok(()) => state.dequeue(),
+                Err(_) => {
+                    state.fail();
+                    break;
+                }
             }
         }
         let _ = w.shutdown().await;
@@ -266,7 +283,7 @@ async fn session(
                         return false;
                     }
                 }
-                gate.reserve_many(room).await.is_ok()
+                gate.room(room).await.is_ok()
             } => ok,
         };
         drop(jobs);
@@ -629,24 +646,71 @@ fn op_name(req: &Request) -> &'static str {
 }
 
 pub(super) fn send(shared: &Shared, sid: SessionId, id: u64, resp: &Response) {
-    if let Some(h) = shared.sessions.lock().get(&sid) {
-        match proto::encode_frame(id, resp) {
-            Ok(buf) => {
-                if let Err(mpsc::error::TrySendError::Full(_)) = h.replies.try_send(buf) {
-                    // Only answers the session did not wait room for (a prepared PUT that
-                    // expired) can find the queue full: the client is not reading. An answer
-                    // cannot be dropped silently, so the session ends.
-                    tracing::error!(
-                        session = sid,
-                        id,
-                        "reply queue full (the client does not read its answers); closing the session"
-                    );
-                    crate::metrics::error(ErrorKind::Busy);
-                    let _ = h.close.send(true);
+    let Some(out) = shared.sessions.lock().get(&sid).map(|h| h.replies.clone()) else {
+        return;
+    };
+    let buf = match proto::encode_frame(id, resp) {
+        Ok(buf) => buf,
+        Err(e) => return tracing::error!(error = %e, "cannot encode a response"),
+    };
+    if out.send(buf).is_err() {
+        // Only answers the session did not wait room for (a prepared PUT that expired) can
+        // find the queue full: the client is not reading. An answer cannot be dropped
+        // silently, so the session ends.
+        tracing::error!(
+            session = sid,
+            id,
+            "reply queue full (the client does not read its answers); closing the session"
+        );
+        crate::metrics::error(ErrorKind::Busy);
+        if let Some(h) = shared.sessions.lock().get(&sid) {
+            let _ = h.close.send(true);
+        }
+    }
+}
+
+/// A session's way out (see [`crate::outbox`]): an answer is written from the thread that
+/// makes it when nothing is queued ahead of it, else by the session's writer task.
+pub(super) struct Replies {
+    tx: mpsc::Sender<Reply>,
+    state: Arc<Mutex<OutState>>,
+}
+
+/// An answer for the writer task, from byte `from` on (the bytes before went out directly).
+pub(super) struct Reply {
+    buf: Vec<u8>,
+    from: usize,
+}
+
+impl Replies {
+    /// Writes `buf` or queues what the socket did not take; `Err` when the queue is full.
+    /// After a failed write the answer is dropped: the connection is gone.
+    fn send(&self, buf: Vec<u8>) -> Result<(), ()> {
+        let mut state = self.state.lock();
+        let Ok(from) = state.write_now(&buf) else {
+            return Ok(());
+        };
+        if from == buf.len() {
+            return Ok(());
+        }
+        state.queue();
+        match self.tx.try_send(Reply { buf, from }) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                state.dequeue();
+                match e {
+                    // Nothing is queued when part of it went out directly, so this one was
+                    // not cut.
+                    mpsc::error::TrySendError::Full(_) => Err(()),
+                    mpsc::error::TrySendError::Closed(_) => Ok(()),
                 }
             }
-            Err(e) => tracing::error!(error = %e, "cannot encode a response"),
         }
+    }
+
+    /// Waits until `n` more answers fit in the queue; `Err` once the writer is gone.
+    pub(super) async fn room(&self, n: usize) -> Result<(), ()> {
+        self.tx.reserve_many(n).await.map(drop).map_err(drop)
     }
 }
 

@@ -188,7 +188,7 @@ enum Job {
 }
 
 struct SessionHandle {
-    replies: mpsc::Sender<Vec<u8>>,
+    replies: Arc<connection::Replies>,
     jobs: Option<mpsc::Sender<Job>>,
     close: watch::Sender<bool>,
     /// The registration generation of the unit's metadata this session last got.
@@ -438,7 +438,7 @@ impl Server {
         self.shared
             .tasks
             .lock()
-            .spawn(guarded_session(s, sid, Box::new(r), Box::new(w)));
+            .spawn(guarded_session(s, sid, Box::new(r), Box::new(w), None));
     }
 
     /// Registered memory the unit holds now, in bytes.

@@ -651,6 +651,78 @@ async fn pipelined_requests_beyond_the_socket_buffer_stay_whole_and_in_order() {
     assert_eq!(server.stats().keys, 200);
 }
 
+/// Answers the client's socket cannot take at once (it pipelines GETs and reads nothing
+/// until the last is sent): the unit writes what the socket takes from the session's own
+/// thread and leaves the rest, and every answer behind it, to the session's writer; every
+/// answer arrives whole and in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_beyond_the_socket_buffer_stay_whole_and_in_order() {
+    const N: u64 = 150;
+    let server = unit().await;
+    let agent = Backend::Inproc.role_agent("raw").unwrap();
+    let (mut s, _) = hello(&server, &agent).await;
+    // 64,000 bytes inline per answer: 9.6 MB of answers, far beyond the socket's buffers.
+    let frames = |i: u64| {
+        tessera_framecodec::encode(&Value::List(vec![Value::List(vec![column(
+            16_000, i as i32,
+        )
+        .remove(0)
+        .1
+        .remove(0)])]))
+        .unwrap()
+    };
+    for i in 0..N {
+        let f = frames(i);
+        let put = Request::Put {
+            partition: "p".into(),
+            indexes: vec![i],
+            fields: vec!["x".into()],
+            meta: serde_bytes::ByteBuf::from(f.meta.to_vec()),
+            inline: Some(
+                f.payloads
+                    .iter()
+                    .map(|p| serde_bytes::ByteBuf::from(p.to_vec()))
+                    .collect(),
+            ),
+            pull: None,
+        };
+        assert_eq!(call(&mut s, 2 + i, &put).await, Response::Done, "PUT {i}");
+    }
+    let (mut rd, mut wr) = s.into_split();
+    let sender = tokio::spawn(async move {
+        for i in 0..N {
+            let get = Request::Get {
+                partition: "p".into(),
+                indexes: vec![i],
+                fields: vec!["x".into()],
+            };
+            wr.write_all(&proto::encode_frame(1000 + i, &get).unwrap())
+                .await
+                .unwrap();
+        }
+        wr
+    });
+    let wr = sender.await.unwrap();
+    for i in 0..N {
+        let Some((id, Response::Values { frames, .. })) = read_response(&mut rd).await else {
+            panic!("no values for GET {i}")
+        };
+        assert_eq!(id, 1000 + i, "answers out of order");
+        let want = frames_of(i);
+        assert_eq!(frames.len(), want.len());
+        for (got, want) in frames.iter().zip(&want) {
+            assert!(got.as_slice() == want.as_slice(), "answer {i} is not whole");
+        }
+    }
+    drop((rd, wr));
+    server.shutdown().await;
+
+    fn frames_of(i: u64) -> Vec<Vec<u8>> {
+        let v = vec![i as i32; 16_000];
+        vec![v.iter().flat_map(|x| x.to_le_bytes()).collect()]
+    }
+}
+
 /// Over shm, the second PUT of a session lands in a credit and the second GET of a shape in
 /// the block it offered, each in one round trip: both engines copy into ranges the other
 /// announced as standing, without a grant, and the values read back whole. The offered
