@@ -314,32 +314,73 @@ async fn batch(client: &Client, bare: &Bare, report: &mut Report, pinned: &str) 
 }
 
 async fn small(client: &Client, echo: &str, report: &mut Report, pinned: &str) -> Result<()> {
-    let put = small_put_median_us(client).await?;
-    let echo = echo.to_owned();
-    let rtt = tokio::task::spawn_blocking(move || echo_rtt(&echo)).await??;
+    let m = small_medians(client, echo).await?;
     report.put(
         "small_put_us",
-        put,
+        m.put,
         format!("round trip of a 4-byte PUT (inline), median of {SMALL_N}; {pinned} (goal <= 50)"),
     );
     report.put(
         "rtt_us",
-        rtt,
+        m.rtt,
         format!(
             "round trip of one byte over a loopback TCP connection between the same two \
              processes (a thread of the unit process echoes it, blocking reads), median of \
-             {SMALL_N}: the machine's cross-core round trip when neither end polls"
+             {SMALL_N} taken in turns with small_put_us and small_get_us: the machine's \
+             cross-core round trip when neither end polls"
         ),
     );
-    let get = requests::small_get_median_us(client).await?;
     report.put(
         "small_get_us",
-        get,
+        m.get,
         format!("round trip of a 4-byte GET (inline), median of {SMALL_N}; {pinned}"),
     );
-    rtts(report, "", put, get, rtt);
+    rtts(report, "", m.put, m.get, m.rtt);
+    unpolled(report).await
+}
+
+/// Medians of the 4-byte PUT, the 4-byte GET and the one-byte echo to the unit process
+/// (`echo`), in microseconds.
+struct SmallMedians {
+    put: f64,
+    get: f64,
+    rtt: f64,
+}
+
+/// Samples taken of one kind before turning to the next (see [`small_medians`]).
+const SMALL_TURN: usize = 100;
+
+/// [`SmallMedians`] of `SMALL_N` samples each, after `SMALL_TURN` untimed each, taken in
+/// turns of `SMALL_TURN`: the wake-up cost of this shared machine drifts over seconds, and
+/// taken in turns the requests and their reference see the same moments.
+async fn small_medians(client: &Client, echo: &str) -> Result<SmallMedians> {
+    let cols = four_bytes()?;
+    let mut echo = Echo::connect(echo)?;
+    let (mut put, mut get, mut rtt) = (Vec::new(), Vec::new(), Vec::new());
+    for turn in 0..=SMALL_N / SMALL_TURN {
+        let timed = turn > 0;
+        for _ in 0..SMALL_TURN {
+            let t = Instant::now();
+            client.put("small", &[0], &cols).await?;
+            put.extend(timed.then(|| t.elapsed()));
+        }
+        for _ in 0..SMALL_TURN {
+            let t = Instant::now();
+            let v = client.get("small", &[0], &["x"]).await?;
+            get.extend(timed.then(|| t.elapsed()));
+            drop(v);
+        }
+        for _ in 0..SMALL_TURN {
+            let d = echo.once()?;
+            rtt.extend(timed.then_some(d));
+        }
+    }
     client.drop_partition("small").await?;
-    unpolled(report, rtt).await
+    Ok(SmallMedians {
+        put: median_us(put),
+        get: median_us(get),
+        rtt: median_us(rtt),
+    })
 }
 
 /// The 4-byte PUT's and GET's round trips in units of the unpolled cross-core `rtt`.
@@ -367,26 +408,33 @@ async fn shm_unit(cpu: Option<usize>, poll: Option<Duration>) -> Result<(UnitPro
     Ok((unit, client))
 }
 
-/// The 4-byte PUT across the same two cores with neither process polling: every message
-/// wakes a parked core.
-async fn unpolled(report: &mut Report, rtt: f64) -> Result<()> {
+/// The 4-byte PUT and GET across the same two cores with neither process polling: every
+/// message wakes a parked core.
+async fn unpolled(report: &mut Report) -> Result<()> {
     let (mut unit, client) = shm_unit(Some(UNIT_CPU), None).await?;
-    let put = small_put_median_us(&client).await?;
+    let m = small_medians(&client, &unit.echo).await?;
     report.put(
         "small_put_unpolled_us",
-        put,
+        m.put,
         format!(
             "small_put_us with neither process busy-polling (client cpu {CLIENT_CPU}, unit cpu \
              {UNIT_CPU}), median of {SMALL_N}"
         ),
     );
-    let get = requests::small_get_median_us(&client).await?;
     report.put(
         "small_get_unpolled_us",
-        get,
+        m.get,
         format!("small_get_us with neither process busy-polling, median of {SMALL_N}"),
     );
-    rtts(report, "_unpolled", put, get, rtt);
+    report.put(
+        "rtt_unpolled_us",
+        m.rtt,
+        format!(
+            "rtt_us again, taken in turns with small_put_unpolled_us and \
+             small_get_unpolled_us (their ratios' reference), median of {SMALL_N}"
+        ),
+    );
+    rtts(report, "_unpolled", m.put, m.get, m.rtt);
     drop(client);
     unit.stop();
     Ok(())
@@ -398,7 +446,15 @@ async fn same_core(report: &mut Report) -> Result<()> {
     let (mut unit, client) = shm_unit(Some(CLIENT_CPU), None).await?;
     let put = small_put_median_us(&client).await?;
     let echo = unit.echo.clone();
-    let rtt = tokio::task::spawn_blocking(move || echo_rtt(&echo)).await??;
+    let rtt = tokio::task::spawn_blocking(move || -> Result<f64> {
+        let mut echo = Echo::connect(&echo)?;
+        for _ in 0..SMALL_TURN {
+            echo.once()?;
+        }
+        let runs = (0..SMALL_N).map(|_| echo.once()).collect::<Result<_>>()?;
+        Ok(median_us(runs))
+    })
+    .await??;
     report.put(
         "small_put_same_core_us",
         put,
@@ -443,21 +499,24 @@ pub(super) fn median_us(mut runs: Vec<Duration>) -> f64 {
     runs[runs.len() / 2].as_secs_f64() * 1e6
 }
 
-/// Median round trip of one byte to the unit process's echo thread.
-fn echo_rtt(addr: &str) -> Result<f64> {
-    let mut s = TcpStream::connect(addr)?;
-    s.set_nodelay(true)?;
-    let mut b = [0u8; 1];
-    let mut runs = Vec::with_capacity(SMALL_N);
-    for i in 0..SMALL_N + 100 {
-        let t = Instant::now();
-        s.write_all(&[7])?;
-        s.read_exact(&mut b)?;
-        if i >= 100 {
-            runs.push(t.elapsed());
-        }
+/// A connection to the unit process's echo thread.
+struct Echo(TcpStream);
+
+impl Echo {
+    fn connect(addr: &str) -> Result<Echo> {
+        let s = TcpStream::connect(addr)?;
+        s.set_nodelay(true)?;
+        Ok(Echo(s))
     }
-    Ok(median_us(runs))
+
+    /// One byte's round trip (blocking).
+    fn once(&mut self) -> Result<Duration> {
+        let mut b = [0u8; 1];
+        let t = Instant::now();
+        self.0.write_all(&[7])?;
+        self.0.read_exact(&mut b)?;
+        Ok(t.elapsed())
+    }
 }
 
 /// Echoes every byte back, one connection at a time.

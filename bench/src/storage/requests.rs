@@ -9,7 +9,7 @@ use anyhow::Result;
 use bytes::Bytes;
 use tessera_storage::{Backend, BusyPoll, Client, ClientConfig, DType, Tensor, Value};
 
-use super::{best, gbps, median_us, Bare, SMALL_N};
+use super::{best, gbps, Bare, SMALL_N};
 use crate::hostile_load::{quantile, soak, SoakConfig};
 use crate::Report;
 
@@ -248,23 +248,6 @@ pub(super) async fn put_16m(
     );
     client.drop_partition("p16").await?;
     Ok(())
-}
-
-/// Median round trip of a 4-byte GET (inline), after 100 untimed.
-pub(super) async fn small_get_median_us(client: &Client) -> Result<f64> {
-    client.put("small-get", &[0], &super::four_bytes()?).await?;
-    for _ in 0..100 {
-        drop(client.get("small-get", &[0], &["x"]).await?);
-    }
-    let mut runs = Vec::with_capacity(SMALL_N);
-    for _ in 0..SMALL_N {
-        let t = Instant::now();
-        let v = client.get("small-get", &[0], &["x"]).await?;
-        runs.push(t.elapsed());
-        drop(v);
-    }
-    client.drop_partition("small-get").await?;
-    Ok(median_us(runs))
 }
 
 /// The 4-byte PUT and GET as users run them: neither process pinned, the client with its
