@@ -24,6 +24,11 @@ pub const CLIENT_PROOF: &str = "tessera-storage-client-v4";
 /// Bytes of the length prefix.
 pub const LEN_PREFIX: usize = 4;
 
+/// Bytes each end of a control connection reads at once: a small message and its prefix
+/// (and often those pipelined behind it) in one read; a larger body past what is buffered
+/// goes straight into its own buffer.
+pub(crate) const READ_BUFFER: usize = 16 << 10;
+
 /// A request, client to unit.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[non_exhaustive]

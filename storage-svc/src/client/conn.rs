@@ -471,12 +471,8 @@ async fn write_loop(
     }
 }
 
-async fn read_loop(
-    unit: usize,
-    mut r: Box<dyn AsyncRead + Send + Unpin>,
-    waiters: Waiters,
-    max: u64,
-) {
+async fn read_loop(unit: usize, r: Box<dyn AsyncRead + Send + Unpin>, waiters: Waiters, max: u64) {
+    let mut r = tokio::io::BufReader::with_capacity(proto::READ_BUFFER, r);
     let fail_all = |waiters: &Waiters, why: &str| {
         let mut pending = waiters.lock();
         pending.closed = true;

@@ -221,10 +221,11 @@ pub(super) async fn guarded_session(
 async fn session(
     shared: Arc<Shared>,
     sid: SessionId,
-    mut r: Box<dyn AsyncRead + Send + Unpin>,
+    r: Box<dyn AsyncRead + Send + Unpin>,
     mut w: Box<dyn AsyncWrite + Send + Unpin>,
     direct: Option<Direct>,
 ) {
+    let mut r = tokio::io::BufReader::with_capacity(proto::READ_BUFFER, r);
     let (reply_tx, mut reply_rx) = mpsc::channel::<Reply>(shared.cfg.reply_queue);
     let state = Arc::new(Mutex::new(OutState::new(direct)));
     // The loop's own handle on the replies, to wait for room in their queue; dropped before
