@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use bytes::Bytes;
+use futures_util::StreamExt;
 use tessera_storage::{Backend, BusyPoll, Client, ClientConfig, DType, Tensor, Value};
 
 use super::{best, gbps, Bare, SMALL_N};
@@ -19,6 +20,9 @@ const ROLLOUTS: usize = 16;
 const BATCHES: usize = 8;
 /// Timed rollout PUTs and GETs.
 const ROLLOUT_N: usize = 1000;
+/// PUTs a pipelining rollout worker keeps in flight: the session's credits (two by default),
+/// so that each still takes one round trip.
+const ROLLOUT_DEPTH: usize = 2;
 const MIN_TOKENS: usize = 64;
 const MAX_TOKENS: usize = 4096;
 const IMAGE: [u64; 3] = [64, 64, 3];
@@ -115,6 +119,19 @@ pub(super) async fn rollouts(
         get_bytes += bytes;
         drop(v);
     }
+    // The same PUTs from a worker that does not wait for one before it sends the next (the
+    // keys of requests in flight together differ).
+    let t = Instant::now();
+    let mut pipelined = futures_util::stream::iter(0..ROLLOUT_N)
+        .map(|r| client.put("rollouts", &indexes[r % BATCHES], &batches[r % BATCHES].0))
+        .buffer_unordered(ROLLOUT_DEPTH);
+    while let Some(r) = pipelined.next().await {
+        r?;
+    }
+    let pipelined = gbps(
+        (0..ROLLOUT_N).map(|r| batches[r % BATCHES].1).sum(),
+        t.elapsed(),
+    );
     let sum = |v: &[Duration]| v.iter().sum::<Duration>();
     let (p, g) = (gbps(put_bytes, sum(&put)), gbps(get_bytes, sum(&get)));
     let (p50, p99) = (quantile(&put, 0.5), quantile(&put, 0.99));
@@ -144,6 +161,20 @@ pub(super) async fn rollouts(
         "rollout_put_vs_memcpy",
         p / memcpy,
         "rollout_put_gbps / memcpy_256m_gbps (goal >= 0.3)",
+    );
+    report.put(
+        "rollout_put_pipelined_gbps",
+        pipelined,
+        format!(
+            "the same {ROLLOUT_N} PUTs with {ROLLOUT_DEPTH} in flight at a time (a rollout worker \
+             that does not wait for one PUT's answer before it sends the next; each lands in a \
+             credit), payload bytes over the wall time; {pinned}"
+        ),
+    );
+    report.put(
+        "rollout_put_pipelined_vs_memcpy",
+        pipelined / memcpy,
+        "rollout_put_pipelined_gbps / memcpy_256m_gbps",
     );
     client.drop_partition("rollouts").await?;
     Ok(())
