@@ -287,6 +287,10 @@ impl Client {
                 needed: r.max(1),
             });
         }
+        if n == 1 {
+            // The one unit holds every index: the only placement there is.
+            return Ok(vec![0; indexes.len()]);
+        }
         let mut flat = Vec::with_capacity(indexes.len() * r);
         let mut one = Vec::with_capacity(r);
         for &i in indexes {
