@@ -501,17 +501,15 @@ async fn read_loop(unit: usize, r: Box<dyn AsyncRead + Send + Unpin>, waiters: W
             fail_all(&waiters, "connection closed");
             return;
         }
-        match proto::decode_body::<Response>(&buf) {
-            Ok((id, resp)) => {
-                if let Some(w) = waiters.lock().map.remove(&id) {
-                    let _ = w.send(Ok(resp));
-                }
-            }
-            Err((id, e)) => {
-                if let Some(w) = waiters.lock().map.remove(&id) {
-                    let _ = w.send(Err(ClientError::Wire { unit, source: e }));
-                }
-            }
+        // The waiter is taken out before it is woken: the caller, woken on this thread's
+        // core, must not find the map still locked when it sends its next request.
+        let (id, answer) = match proto::decode_body::<Response>(&buf) {
+            Ok((id, resp)) => (id, Ok(resp)),
+            Err((id, e)) => (id, Err(ClientError::Wire { unit, source: e })),
+        };
+        let waiter = waiters.lock().map.remove(&id);
+        if let Some(w) = waiter {
+            let _ = w.send(answer);
         }
     }
 }
