@@ -192,6 +192,11 @@ impl Conn {
         Some(seen + seen / 8)
     }
 
+    /// A GET of shape `key` ([`shape`]) came back inline: no offer until one is laid out.
+    pub(super) fn answered_inline(&self, key: u64) {
+        self.shapes.lock().remove(&key);
+    }
+
     /// A GET of shape `key` ([`shape`]) laid out to `size` bytes.
     pub(super) fn laid_out(&self, key: u64, size: u64) {
         let mut shapes = self.shapes.lock();

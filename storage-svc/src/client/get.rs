@@ -54,6 +54,12 @@ impl Client {
         loop {
             step = match step {
                 GetStep::Done(r) => {
+                    if r.is_ok() && block.is_none() && offered.is_some() {
+                        // Answered inline: the values were too small for the payload plane,
+                        // so the next GET of this shape offers no block (nor announces one
+                        // to the unit) until one of its shape is laid out again.
+                        conn.answered_inline(shape);
+                    }
                     if op.quarantine_block() {
                         // The unit may still write into the block: keep it out of the pool.
                         if let Some((b, _)) = block.take() {

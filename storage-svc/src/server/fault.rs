@@ -40,8 +40,19 @@ fn armed(req: &Request) -> Option<Fault> {
     armed.iter().find(|(p, _)| p == partition).map(|&(_, f)| f)
 }
 
+/// The partitions of the `GetOffer` requests handled, in order.
+static OFFERS: StaticMutex<Vec<String>> = StaticMutex::new(Vec::new());
+
+/// How many `GetOffer` requests on `partition` were handled.
+pub(crate) fn offers(partition: &str) -> usize {
+    OFFERS.lock().iter().filter(|p| *p == partition).count()
+}
+
 pub(crate) fn before_handle(sid: SessionId, id: u64, req: &Request) {
     watched_handle(req);
+    if let Request::GetOffer { partition, .. } = req {
+        OFFERS.lock().push(partition.clone());
+    }
     match armed(req) {
         Some(Fault::Handle) => panic!("injected fault while handling request {id}"),
         Some(Fault::Session) => SESSION.with(|s| s.set(true)),

@@ -723,6 +723,47 @@ async fn answers_beyond_the_socket_buffer_stay_whole_and_in_order() {
     }
 }
 
+/// A GET of a shape laid out before offers a block for it; when the values under it became
+/// small and come back inline, the next GET of that shape offers none (an offer leases a
+/// receive block and announces it to the unit, for nothing when the answer is inline), until
+/// one of its shape is laid out again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_get_answered_inline_offers_no_block_next_time() {
+    let server = unit().await;
+    let c = client(&server).await;
+    let get = |fill: i32, n: usize| {
+        let c = &c;
+        async move {
+            let got = c.get("shrinks", &[1], &["x"]).await.unwrap();
+            let v = got[0][0].as_tensor().unwrap().as_slice::<i32>().unwrap();
+            assert!(v.len() == n && v.iter().all(|&x| x == fill));
+        }
+    };
+    // 400,000 bytes: through the payload plane; the second GET offers its block.
+    c.put("shrinks", &[1], &column(100_000, 1)).await.unwrap();
+    get(1, 100_000).await;
+    get(1, 100_000).await;
+    assert_eq!(fault::offers("shrinks"), 1);
+    // 16 bytes: inline. The first GET still offers (the shape was laid out), the next not.
+    c.put("shrinks", &[1], &column(4, 2)).await.unwrap();
+    get(2, 4).await;
+    assert_eq!(fault::offers("shrinks"), 2);
+    get(2, 4).await;
+    get(2, 4).await;
+    assert_eq!(
+        fault::offers("shrinks"),
+        2,
+        "an inline shape kept offering blocks"
+    );
+    // Large again: laid out by the next GET, offered by the one after.
+    c.put("shrinks", &[1], &column(100_000, 3)).await.unwrap();
+    get(3, 100_000).await;
+    get(3, 100_000).await;
+    assert_eq!(fault::offers("shrinks"), 3);
+    drop(c);
+    server.shutdown().await;
+}
+
 /// Over shm, the second PUT of a session lands in a credit and the second GET of a shape in
 /// the block it offered, each in one round trip: both engines copy into ranges the other
 /// announced as standing, without a grant, and the values read back whole. The offered
