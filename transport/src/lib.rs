@@ -22,7 +22,7 @@ pub mod testing;
 mod transfer;
 
 pub use agent::Prepared;
-pub use agent::{Agent, AgentReport, LinkState, Peer, Registration};
+pub use agent::{Agent, AgentReport, AnnouncementHold, LinkState, Peer, Registration};
 pub use desc::{coalesce, coalesce_in_place, KeepAlive, Loc, LocalDesc, Pair, RemoteDesc};
 pub use error::{
     AgentError, BackendError, ConnectError, DescError, MetadataError, PoolError, RegionError,

@@ -197,6 +197,53 @@ impl LinkOut {
     }
 }
 
+/// This thread's holds on its announcements ([`crate::Agent::hold_announcements`]): how many
+/// are alive, and per link what waits for the last to end.
+type Held = (usize, Vec<(Replies, Vec<u8>)>);
+
+std::thread_local! {
+    static HELD: std::cell::RefCell<Held> = const { std::cell::RefCell::new((0, Vec::new())) };
+}
+
+/// A hold on this thread's announcements begins.
+pub(crate) fn hold_announcements() {
+    HELD.with(|h| h.borrow_mut().0 += 1);
+}
+
+/// A hold on this thread's announcements ends; with the last, each link's go out together.
+pub(crate) fn release_announcements() {
+    let waiting = HELD.with(|h| {
+        let mut h = h.borrow_mut();
+        h.0 -= 1;
+        match h.0 {
+            0 => std::mem::take(&mut h.1),
+            _ => Vec::new(),
+        }
+    });
+    for (tx, msg) in waiting {
+        tx.send(msg, None);
+    }
+}
+
+/// Sends a STANDING or REVOKE on `tx` now, or, while this thread holds its announcements,
+/// after what it already holds for that link.
+fn announce(tx: &Replies, msg: &[u8]) {
+    let held = HELD.with(|h| {
+        let mut h = h.borrow_mut();
+        if h.0 == 0 {
+            return false;
+        }
+        match h.1.iter_mut().find(|(t, _)| Arc::ptr_eq(t, tx)) {
+            Some((_, waiting)) => waiting.extend_from_slice(msg),
+            None => h.1.push((tx.clone(), msg.to_vec())),
+        }
+        true
+    });
+    if !held {
+        tx.send(msg.to_vec(), None);
+    }
+}
+
 fn standing_msg(out: &mut Vec<u8>, g: &Standing) {
     frame(out, STANDING, |b| {
         for v in [g.key, g.reg, g.offset, g.len] {
@@ -383,7 +430,7 @@ impl Transport for Shm {
         }
         // A link whose writer has gone is being torn down; it drops itself.
         for (_, tx) in &p.links {
-            tx.send(msg.clone(), None);
+            announce(tx, &msg);
         }
         if p.grants.is_empty() && p.links.is_empty() {
             all.remove(peer);
@@ -1495,6 +1542,66 @@ mod tests {
         return crate::testing::hang_guard();
         #[cfg(not(feature = "testing"))]
         Duration::from_secs(60)
+    }
+
+    /// Standing ranges made or withdrawn while this thread holds its announcements reach the
+    /// peer when the hold ends, not before; the target's checks change at once.
+    #[test]
+    fn held_announcements_go_out_when_the_hold_ends() {
+        use crate::{Ops, RegisteredPool, TransferError};
+        let unit = Agent::new("unit", Shm::new()).unwrap();
+        let pool = RegisteredPool::new_scoped(&unit, 1 << 16).unwrap();
+        let reg = pool.registration();
+        let granted = reg.expose("client", 4096, 4096, Ops::WRITE).unwrap();
+        let client = Agent::new("client", Shm::new()).unwrap();
+        let src = Region::new(16384).unwrap();
+        let local = client.register(&src).unwrap();
+        let peer = client.add_remote(&unit.metadata()).unwrap();
+        let write = |offset: u64, len: u64| {
+            peer.write(
+                &[local.desc(0, len).unwrap()],
+                &[reg.remote(offset, len).unwrap()],
+                None,
+            )
+            .unwrap()
+            .wait_timeout(bound())
+        };
+        // Maps the registration and opens the link (through a grant).
+        write(4096, 64).unwrap();
+        let hold = Agent::hold_announcements();
+        let standing = reg.expose_standing("client", 0, 4096).unwrap();
+        // A grant's round trip: an announcement sent at once would have come before it.
+        write(4096, 64).unwrap();
+        write(100, 100).unwrap();
+        assert_eq!(
+            client.report().standing_writes,
+            0,
+            "announced under the hold"
+        );
+        assert_eq!(standing.wait_written(100, bound()), 100);
+        drop(hold);
+        write(4096, 64).unwrap();
+        write(200, 100).unwrap();
+        assert_eq!(
+            client.report().standing_writes,
+            1,
+            "not announced after the hold"
+        );
+        // Withdrawn under a hold: the peer has not heard, so it still copies without asking
+        // (and the target records nothing of it); once the hold ends it asks, and is refused.
+        let hold = Agent::hold_announcements();
+        drop(standing);
+        write(300, 100).unwrap();
+        assert_eq!(client.report().standing_writes, 2);
+        drop(hold);
+        write(4096, 64).unwrap();
+        let refused = write(300, 100);
+        assert!(
+            matches!(refused, Err(TransferError::Rejected { .. })),
+            "{refused:?}"
+        );
+        assert_eq!(client.report().standing_writes, 2);
+        drop(granted);
     }
 
     /// A WRITE inside a standing range is copied at once, with no grant: it is done when

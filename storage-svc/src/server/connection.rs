@@ -25,7 +25,7 @@ use crate::error::ErrorKind;
 use crate::outbox::{Direct, OutState};
 use crate::proto::{self, Request, Response};
 use tessera_sync::atomic::{AtomicU64, Ordering};
-use tessera_transport::ConnectError;
+use tessera_transport::{Agent, ConnectError};
 
 pub(super) async fn accept_loop(
     shared: Arc<Shared>,
@@ -413,6 +413,10 @@ async fn session(
                 };
                 let _g = span.enter();
                 let started = Instant::now();
+                // The standing ranges the handling withdraws or grants (a used credit, the
+                // next one) are announced to the client's engine after the answer has left,
+                // in one message, and not under the unit's lock.
+                let announcements = Agent::hold_announcements();
                 let handled = {
                     let mut unit = shared.unit.lock();
                     // Caught inside the lock's scope: the lock is not poisoned, and the
@@ -460,6 +464,7 @@ async fn session(
                 fault::after_handle(op);
                 crate::metrics::request(op, started.elapsed(), &out);
                 dispatch(&shared, out);
+                drop(announcements);
             }
             Err((id, e)) => {
                 tracing::debug!(id, error = %e, "bad message");

@@ -113,7 +113,31 @@ const _: () = {
     assert_send_sync::<LocalDesc>();
 };
 
+/// Holds back this thread's announcements of standing exposures while it lives (see
+/// [`Agent::hold_announcements`]). Not `Send`: it ends on the thread that took it.
+#[must_use = "the announcements go out when the hold is dropped"]
+pub struct AnnouncementHold(std::marker::PhantomData<*const ()>);
+
+impl Drop for AnnouncementHold {
+    fn drop(&mut self) {
+        crate::shm::release_announcements();
+    }
+}
+
 impl Agent {
+    /// Holds back the announcements that standing exposures made or withdrawn on this thread
+    /// send to their peers ([`Registration::expose_standing`], `shm`'s `STANDING` and
+    /// `REVOKE`) until the returned hold is dropped; then each peer link's go out in one
+    /// message, in the order they were made. The target's own checks change at once: a
+    /// withdrawn range records no WRITE from then on, whether or not its peer has heard.
+    /// A server takes it around a request's handling so that the answer leaves before the
+    /// announcements the handling made (each a system call, and a wake-up of the peer's engine
+    /// thread). Holds nest; engines that announce nothing ignore them.
+    pub fn hold_announcements() -> AnnouncementHold {
+        crate::shm::hold_announcements();
+        AnnouncementHold(std::marker::PhantomData)
+    }
+
     /// An agent named `name` (1 to 255 bytes) on `transport`.
     pub fn new(name: &str, transport: impl Transport) -> Result<Self, AgentError> {
         Self::with_transport(name, Arc::new(transport))
