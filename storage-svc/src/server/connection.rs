@@ -704,9 +704,12 @@ impl Replies {
             Ok(()) => Ok(()),
             Err(e) => {
                 state.dequeue();
+                if from > 0 {
+                    // Part of it is on the socket and the rest has nowhere to go: nothing
+                    // may follow (the session closes).
+                    state.fail();
+                }
                 match e {
-                    // Nothing is queued when part of it went out directly, so this one was
-                    // not cut.
                     mpsc::error::TrySendError::Full(_) => Err(()),
                     mpsc::error::TrySendError::Closed(_) => Ok(()),
                 }
