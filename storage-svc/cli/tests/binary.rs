@@ -191,7 +191,12 @@ async fn session_lost_after_prepare_releases_its_block() {
 /// the default filter prints none.
 #[test]
 fn debug_log_level_prints_request_spans() {
-    let serve = |extra: &[&str]| {
+    // A span closes once its request is handled and answered, so it may be printed after
+    // the answer reached the client: the unit is stopped once the line is there (or a while
+    // has passed, where none is expected).
+    let stats_span =
+        |l: &str| l.contains("request{") && l.contains("op=\"stats\"") && l.contains("close");
+    let serve = |extra: &[&str], wait: bool| {
         let mut child = exe()
             .args([
                 "serve",
@@ -213,25 +218,36 @@ fn debug_log_level_prints_request_spans() {
             .output()
             .unwrap();
         assert!(stats.status.success(), "{stats:?}");
+        let (tx, rx) = std::sync::mpsc::channel();
+        let stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+        let reader = std::thread::spawn(move || {
+            let mut err = String::new();
+            for line in std::io::BufRead::lines(stderr).map_while(Result::ok) {
+                if stats_span(&line) {
+                    let _ = tx.send(());
+                }
+                err.push_str(&line);
+                err.push('\n');
+            }
+            err
+        });
+        let _ = rx.recv_timeout(if wait {
+            Duration::from_secs(30)
+        } else {
+            Duration::from_millis(200)
+        });
         child.kill().unwrap();
-        let mut err = String::new();
-        child
-            .stderr
-            .take()
-            .unwrap()
-            .read_to_string(&mut err)
-            .unwrap();
         child.wait().unwrap();
-        err
+        reader.join().unwrap()
     };
-    let err = serve(&["--log-level", "debug"]);
+    let err = serve(&["--log-level", "debug"], true);
     let request = err
         .lines()
-        .find(|l| l.contains("request{") && l.contains("op=\"stats\"") && l.contains("close"))
+        .find(|l| stats_span(l))
         .unwrap_or_else(|| panic!("no span of the STATS request in:\n{err}"));
     assert!(request.contains("session{"), "{request}");
     assert!(request.contains("DEBUG"), "{request}");
-    let quiet = serve(&[]);
+    let quiet = serve(&[], false);
     assert!(!quiet.contains("request{"), "{quiet}");
     assert!(exe()
         .args(["serve", "--log-level", "no=such=filter", "--print-config"])
