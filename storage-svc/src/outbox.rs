@@ -86,9 +86,18 @@ impl OutState {
         self.queued += 1;
     }
 
-    /// The writer wrote one, or a hand-over to it failed.
+    /// The writer wrote one.
     pub(crate) fn dequeue(&mut self) {
         self.queued -= 1;
+    }
+
+    /// A message queued after its first `from` bytes went out could not be handed to the
+    /// writer: if any did go out, the message is cut and nothing may follow it.
+    pub(crate) fn not_handed_over(&mut self, from: usize) {
+        self.queued -= 1;
+        if from > 0 {
+            self.broken = true;
+        }
     }
 
     /// The writer's write failed.
@@ -127,6 +136,24 @@ mod tests {
         assert!(
             out.write_now(b"").is_err(),
             "a broken connection takes nothing more"
+        );
+    }
+
+    /// A message whose rest the writer could not take: nothing follows it once part of it went
+    /// out; when none did, the connection goes on.
+    #[test]
+    fn a_message_cut_short_is_the_last() {
+        let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
+        a.set_nonblocking(true).unwrap();
+        let mut out = OutState::new(Some(Direct::Unix(a)));
+        out.queue();
+        out.not_handed_over(0);
+        assert_eq!(out.write_now(b"next").unwrap(), 4);
+        out.queue();
+        out.not_handed_over(4);
+        assert!(
+            out.write_now(b"after").is_err(),
+            "written behind a cut message"
         );
     }
 

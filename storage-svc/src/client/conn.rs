@@ -444,7 +444,7 @@ impl Outbox {
         };
         state.queue();
         if self.tx.send(Outgoing { buf, from, written }).is_err() {
-            state.dequeue();
+            state.not_handed_over(from);
             return Err(());
         }
         Ok(sent)

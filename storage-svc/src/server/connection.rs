@@ -703,12 +703,8 @@ impl Replies {
         match self.tx.try_send(Reply { buf, from }) {
             Ok(()) => Ok(()),
             Err(e) => {
-                state.dequeue();
-                if from > 0 {
-                    // Part of it is on the socket and the rest has nowhere to go: nothing
-                    // may follow (the session closes).
-                    state.fail();
-                }
+                // On a full queue the session closes, after whatever part went out.
+                state.not_handed_over(from);
                 match e {
                     mpsc::error::TrySendError::Full(_) => Err(()),
                     mpsc::error::TrySendError::Closed(_) => Ok(()),
