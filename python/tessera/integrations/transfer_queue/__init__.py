@@ -39,6 +39,7 @@ import atexit
 import pickle
 import subprocess
 import threading
+import time
 from collections import defaultdict
 from typing import Any
 
@@ -206,6 +207,8 @@ class TesseraStorageManager(KVStorageManager):
 
 # Units this process started: (Popen or Ray actor handle), stopped by `stop_units`.
 _STARTED: list[Any] = []
+# How long stopping waits for a killed unit actor to be gone.
+_ACTOR_EXIT_S = 30.0
 _LOCK = threading.Lock()
 
 
@@ -297,11 +300,26 @@ def _stop_locked() -> None:
                 handle.wait()
         else:
             try:
-                import ray
-
-                ray.kill(handle)
+                _kill_actor(handle)
             except Exception:  # Ray already shut down: the actor is gone with it
                 pass
+
+
+def _kill_actor(handle: Any) -> None:
+    """Kills a unit's actor and returns once it is gone: ``ray.kill`` only asks for it, and a
+    call made right after may still be answered (for at most ``_ACTOR_EXIT_S``)."""
+    import ray
+
+    ray.kill(handle)
+    deadline = time.monotonic() + _ACTOR_EXIT_S
+    while time.monotonic() < deadline:
+        try:
+            ray.get(handle.address.remote(), timeout=_ACTOR_EXIT_S)
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            return
+        time.sleep(0.02)
 
 
 def stop_units() -> None:
