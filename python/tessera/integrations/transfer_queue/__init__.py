@@ -312,12 +312,10 @@ def _kill_actor(handle: Any) -> None:
 
     ray.kill(handle)
     deadline = time.monotonic() + _ACTOR_EXIT_S
-    while time.monotonic() < deadline:
+    while (left := deadline - time.monotonic()) > 0:
         try:
-            ray.get(handle.address.remote(), timeout=_ACTOR_EXIT_S)
-        except ray.exceptions.RayActorError:
-            return
-        except ray.exceptions.GetTimeoutError:
+            ray.get(handle.address.remote(), timeout=left)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             return
         time.sleep(0.02)
 
