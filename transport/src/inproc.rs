@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use tessera_sync::unchecked::OnceLock;
 
+use crate::copy::Copier;
 use crate::engine::wire::{u32_at, u64_at};
 use crate::engine::{Connection, Grant, Host, Op, PeerInfo, RegInfo, Transport, Xfer};
 use crate::error::{BackendError, RegisterError, RejectReason, TransferError};
@@ -164,6 +165,7 @@ impl InprocConnection {
                     reason,
                 },
             })?;
+        let mut copier = Copier::default();
         for (i, seg) in segments.iter().enumerate() {
             let (remote, len) = grant.span(i);
             let (src, dst) = match xfer.plan().op() {
@@ -173,8 +175,10 @@ impl InprocConnection {
             // SAFETY: `src` and `dst` each lie inside a registration pinned for this copy (the
             // plan pins the local one, the grant the remote one), `len` bytes long, so both
             // stay mapped; `copy` tolerates overlap (two registrations may map the same pages).
-            unsafe { std::ptr::copy(src, dst, len as usize) };
+            unsafe { copier.copy(src, dst, len as usize) };
         }
+        // Its stores are ordered before the record below.
+        drop(copier);
         grant.mark_written();
         self.local.count_copied(xfer.plan().op(), grant.bytes());
         drop(grant);

@@ -3,6 +3,7 @@
 
 mod agent;
 pub mod auth;
+mod copy;
 mod desc;
 pub mod engine;
 mod error;

@@ -44,6 +44,7 @@ use std::time::{Duration, Instant};
 use tessera_sync::unchecked::OnceLock;
 
 use crate::auth::{Token, NONCE_LEN};
+use crate::copy::Copier;
 use crate::handshake::{self, PRE_AUTH_DEADLINE, PRE_AUTH_MAX};
 
 use crate::engine::wire::{u32_at, u64_at};
@@ -1209,6 +1210,7 @@ impl ShmConnection {
         // The mapping of the current registration, held (not cloned) across its segments: an
         // atomic per segment would wait for the previous copy's stores to drain.
         let mut current: Option<(u64, Arc<Mapped>)> = None;
+        let mut copier = Copier::default();
         for seg in plan.segments() {
             let m: &Mapped = match &mut current {
                 Some((reg, m)) if *reg == seg.remote_reg => m,
@@ -1248,8 +1250,8 @@ impl ShmConnection {
             };
             // SAFETY: the local range lies in a registration the plan pins; the remote range
             // was checked against the mapping (sealed, so never truncated) and the target
-            // pinned its registration for this transfer. `copy` tolerates overlap.
-            unsafe { std::ptr::copy(src, dst, seg.len as usize) };
+            // pinned its registration for this transfer.
+            unsafe { copier.copy(src, dst, seg.len as usize) };
             copied += seg.len;
         }
         self.local.count_copied(plan.op(), copied);

@@ -131,6 +131,10 @@ macro_rules! conformance_suite {
                 $crate::testing::write_then_read(&make);
             }
             #[test]
+            fn large_unaligned() {
+                $crate::testing::large_unaligned(&make);
+            }
+            #[test]
             fn scatter_gather_1000() {
                 $crate::testing::scatter_gather_1000(&make);
             }

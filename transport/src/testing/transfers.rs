@@ -47,6 +47,45 @@ pub fn write_then_read_with(a: &Agent, b: &mut dyn Target) {
     assert_eq!(a.report().in_flight, 0);
 }
 
+/// A WRITE and a READ of 9 MiB and some bytes at offsets off any alignment, each one segment
+/// (engines may copy segments this large by other means than small ones): every byte lands,
+/// none beside.
+pub fn large_unaligned(make: Factory<'_>) {
+    let (a, b, a_to_b, _b_to_a) = pair(make);
+    const LEN: usize = (9 << 20) + 123;
+    let ra = Region::new(24 << 20).unwrap();
+    let rb = Region::new(16 << 20).unwrap();
+    let ga = a.register(&ra).unwrap();
+    let gb = b.register(&rb).unwrap();
+    let a_to_b = a.add_remote(&b.metadata()).unwrap_or(a_to_b);
+    let data = pattern(7, LEN);
+    let n = LEN as u64;
+    ra.write_at(3, &data).unwrap();
+    let t = a_to_b
+        .write(
+            &[ga.desc(3, n).unwrap()],
+            &[RemoteDesc::new(gb.id(), 61, n)],
+            None,
+        )
+        .unwrap();
+    finish(t).unwrap();
+    assert!(read(&rb, 61, LEN) == data, "the WRITE landed whole");
+    assert_eq!(read(&rb, 0, 61), vec![0; 61], "nothing before the WRITE");
+    assert_eq!(read(&rb, 61 + n, 7), vec![0; 7], "nothing after the WRITE");
+    let at = (12 << 20) + 1;
+    let t = a_to_b
+        .read(
+            &[ga.desc(at, n).unwrap()],
+            &[RemoteDesc::new(gb.id(), 61, n)],
+            None,
+        )
+        .unwrap();
+    finish(t).unwrap();
+    assert!(read(&ra, at, LEN) == data, "the READ landed whole");
+    assert_eq!(read(&ra, at - 5, 5), vec![0; 5], "nothing before the READ");
+    assert_eq!(read(&ra, at + n, 5), vec![0; 5], "nothing after the READ");
+}
+
 /// The agents' copy counters (`AgentReport::copied_write_bytes`, `copied_read_bytes`), for
 /// engines that count their copies: a WRITE and a READ of `n` bytes each add exactly `n` to
 /// the two agents together, once; a rejected transfer adds nothing.
