@@ -1,4 +1,6 @@
-//! The copy the memory engines (`shm`, `inproc`) run between mapped ranges.
+//! The copy the memory engines (`shm`, `inproc`) run between mapped ranges, and
+//! [`Region::write_at`](crate::Region::write_at) and [`Region::read_at`](crate::Region::read_at)
+//! between a region and a caller's buffer.
 //!
 //! Two things set it apart from a plain `memcpy`, both for large segments (from
 //! [`STREAM_MIN`] bytes on) alone; smaller ones are copied as before:

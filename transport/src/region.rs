@@ -9,6 +9,7 @@ use std::fmt;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;
 
+use crate::copy::Copier;
 use crate::error::RegionError;
 use tessera_sync::Arc;
 
@@ -323,14 +324,15 @@ impl Region {
         }
     }
 
-    /// Copies `data` into the region at `offset`.
+    /// Copies `data` into the region at `offset` (as the memory engines copy: see the crate
+    /// README).
     pub fn write_at(&self, offset: u64, data: &[u8]) -> Result<(), RegionError> {
         self.check(offset, data.len())?;
         // SAFETY: the range was checked to lie inside the region; our own mappings are valid
         // for writes throughout, and foreign memory wherever it is written (the contract of
-        // `from_raw_parts`). `data` is a separate Rust slice, so the ranges cannot overlap.
+        // `from_raw_parts`). `data` is a separate Rust slice.
         unsafe {
-            std::ptr::copy_nonoverlapping(
+            Copier::default().copy(
                 data.as_ptr(),
                 self.as_ptr().add(offset as usize),
                 data.len(),
@@ -339,14 +341,14 @@ impl Region {
         Ok(())
     }
 
-    /// Copies bytes at `offset` out of the region into `out`.
+    /// Copies bytes at `offset` out of the region into `out` (as the memory engines copy).
     pub fn read_at(&self, offset: u64, out: &mut [u8]) -> Result<(), RegionError> {
         self.check(offset, out.len())?;
         // SAFETY: the range was checked to lie inside the region; our own mappings are valid
         // for reads throughout, and foreign memory wherever it is read (the contract of
-        // `from_raw_parts`). `out` is an exclusive Rust slice, so the ranges cannot overlap.
+        // `from_raw_parts`). `out` is an exclusive Rust slice.
         unsafe {
-            std::ptr::copy_nonoverlapping(
+            Copier::default().copy(
                 self.as_ptr().add(offset as usize),
                 out.as_mut_ptr(),
                 out.len(),
@@ -484,6 +486,20 @@ mod tests {
         // SAFETY: ftruncate on a valid fd; it must be refused because of the seals.
         let grow = unsafe { libc::ftruncate(r.fd().unwrap().as_raw_fd(), 1 << 30) };
         assert_ne!(grow, 0);
+    }
+
+    #[test]
+    fn large_writes_and_reads_at_any_offset_move_every_byte() {
+        let r = Region::new(16 << 20).unwrap();
+        let data: Vec<u8> = (0..(9 << 20) + 77).map(|i: usize| (i % 251) as u8).collect();
+        r.write_at(3, &data).unwrap();
+        let mut out = vec![0u8; data.len() + 8];
+        r.read_at(0, &mut out[5..]).unwrap();
+        assert!(out[8..] == data[..], "every byte, in place");
+        assert_eq!(out[5..8], [0, 0, 0], "nothing before");
+        let mut after = [1u8; 4];
+        r.read_at(3 + data.len() as u64, &mut after).unwrap();
+        assert_eq!(after, [0; 4], "nothing after");
     }
 
     #[test]
