@@ -196,6 +196,7 @@ mod tests {
             c.streamed
         };
         assert!(streamed(0, STREAM_MIN, STREAM_MIN), "adjacent ranges");
+        assert!(streamed(STREAM_MIN, 0, STREAM_MIN), "adjacent, backward");
         assert!(streamed(2 * STREAM_MIN, 0, STREAM_MIN), "backward, apart");
         assert!(!streamed(0, STREAM_MIN, STREAM_MIN - 1), "small");
         assert!(

@@ -491,7 +491,9 @@ mod tests {
     #[test]
     fn large_writes_and_reads_at_any_offset_move_every_byte() {
         let r = Region::new(16 << 20).unwrap();
-        let data: Vec<u8> = (0..(9 << 20) + 77).map(|i: usize| (i % 251) as u8).collect();
+        let data: Vec<u8> = (0..(9 << 20) + 77)
+            .map(|i: usize| (i % 251) as u8)
+            .collect();
         r.write_at(3, &data).unwrap();
         let mut out = vec![0u8; data.len() + 8];
         r.read_at(0, &mut out[5..]).unwrap();
