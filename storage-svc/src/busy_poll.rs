@@ -14,9 +14,11 @@
 //! A worker polls only while something is awaited, and stops as soon as nothing is: a
 //! client's poller while one of its requests waits for its answer, a server's while it has
 //! a session open (the next request). It spins without `sched_yield`: a thread woken on the
-//! same core (the caller an answer is for) preempts the spin as it would an idle core,
-//! where a yielding spin kept it waiting for the whole window about half the time (EEVDF,
-//! Linux 6.x).
+//! same core that has slept more than it ran (the caller of a small request) preempts the
+//! spin as it would an idle core, where a yielding spin kept it waiting for the whole window
+//! about half the time (EEVDF, Linux 6.x). One that has used its share (the caller of a
+//! large PUT, after its copy) does not preempt it, so a client's reader yields its core once
+//! after it handed an answer over, before its worker goes on to poll.
 //!
 //! It is off unless asked for: build the runtime with [`BusyPoll::on_park`] and hand the
 //! same `BusyPoll` to the server (`ServerConfig::busy_poll`) or the client

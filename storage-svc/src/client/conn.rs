@@ -512,9 +512,19 @@ async fn read_loop(unit: usize, r: Box<dyn AsyncRead + Send + Unpin>, waiters: W
             Ok((id, resp)) => (id, Ok(resp)),
             Err((id, e)) => (id, Err(ClientError::Wire { unit, source: e })),
         };
-        let waiter = waiters.lock().map.remove(&id);
+        let (waiter, polled) = {
+            let mut pending = waiters.lock();
+            (pending.map.remove(&id), pending.poll.is_some())
+        };
         if let Some(w) = waiter {
             let _ = w.send(answer);
+            // The caller may sleep on this thread's core (a `block_on` thread). Woken there
+            // after it used its share of the core (a large PUT's copy), it does not preempt
+            // this worker, whose busy poll would then hold the core for the whole window
+            // before the caller gets its answer: the core goes to it now instead.
+            if polled {
+                std::thread::yield_now();
+            }
         }
     }
 }
