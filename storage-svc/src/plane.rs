@@ -290,6 +290,10 @@ impl Landing for CreditExposed {
     fn poll_bytes(&self, bytes: u64, cx: &mut std::task::Context<'_>) -> std::task::Poll<()> {
         self.0.poll_written(bytes, cx)
     }
+
+    fn spin_bytes(&self, bytes: u64, window: std::time::Duration) -> bool {
+        self.0.spin_written(bytes, window)
+    }
 }
 
 /// Local descriptors of `frames` for a WRITE, in the order of `frames`: memory that already

@@ -30,7 +30,7 @@ pub use imp::MutexGuard;
 
 /// Atomics: std's or loom's.
 pub mod atomic {
-    pub use super::imp::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+    pub use super::imp::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 }
 
 /// A mutual exclusion lock that ignores poisoning (see the crate's contract).

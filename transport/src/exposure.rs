@@ -350,6 +350,22 @@ impl Exposure {
         c.bytes
     }
 
+    /// Spins for up to `window` until completed WRITEs covered at least `bytes` of it; returns
+    /// whether they did. A standing exposure's engine records meanwhile, on this thread, the
+    /// WRITEs it can see without its own thread (`shm`: its peer's copies into standing
+    /// ranges), so a WRITE that completes within the window counts here within about a
+    /// cache-line transfer instead of after the engine's thread was woken. For a caller that
+    /// knows the WRITE is under way and has its core to spare (a busy-polling server); others
+    /// wait with [`Exposure::poll_written`].
+    pub fn spin_written(&self, bytes: u64, window: Duration) -> bool {
+        let enough = bytes.min(self.state.len);
+        let mut done = || self.state.written.lock().bytes >= enough;
+        match &self.standing {
+            Some((engine, _)) => engine.spin_for_writes(&self.peer, window, &mut done),
+            None => done(),
+        }
+    }
+
     /// [`Exposure::wait_written`] for async callers: ready once completed WRITEs covered at
     /// least `bytes` of it; otherwise the task is woken when the coverage grows.
     pub fn poll_written(&self, bytes: u64, cx: &mut Context<'_>) -> Poll<()> {

@@ -17,6 +17,7 @@ mod pool;
 mod region;
 mod registry;
 pub mod shm;
+mod shm_ring;
 pub mod tcp;
 #[cfg(feature = "testing")]
 pub mod testing;

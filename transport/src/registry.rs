@@ -228,6 +228,12 @@ pub(crate) struct Listed {
 pub(crate) trait ListedEngine: Send + Sync {
     fn deregister(&self, id: u64);
     fn standing(&self, peer: &str, grant: crate::engine::Standing, live: bool);
+    fn spin_for_writes(
+        &self,
+        peer: &str,
+        window: std::time::Duration,
+        done: &mut dyn FnMut() -> bool,
+    ) -> bool;
 }
 
 impl RegEntry {

@@ -16,7 +16,12 @@
 //! at once, on the caller's thread, and sends `WROTE` with the spans (and the notification);
 //! the target checks them against its exposures as it would a grant and records what landed.
 //! A peer that keeps a landing block ready for a client this way costs that client no round
-//! trip per WRITE.
+//! trip per WRITE. Without a notification the spans go instead into the link's ring of
+//! records, a memfd the target maps into the initiator when the link opens (`RING`): a
+//! target thread spinning for the WRITE ([`Transport::spin_for_writes`]) takes them from there
+//! itself, and the socket carries only a doorbell (`RECORDS`) when none spins, for the
+//! serving thread to take them (see `shm_ring`). A record the ring has no room for goes as a
+//! `WROTE`.
 //!
 //! Each connection has one progress thread per side, blocked in `recvmsg` while idle.
 //!
@@ -46,6 +51,7 @@ use tessera_sync::unchecked::OnceLock;
 use crate::auth::{Token, NONCE_LEN};
 use crate::copy::Copier;
 use crate::handshake::{self, PRE_AUTH_DEADLINE, PRE_AUTH_MAX};
+use crate::shm_ring::{Pushed, Ring, RING_BYTES};
 
 use crate::engine::wire::{u32_at, u64_at};
 use crate::engine::{Connection, Grant, Host, Op, PeerInfo, RegInfo, Standing, Transport, Xfer};
@@ -73,6 +79,10 @@ pub(crate) const REFUSED: u8 = 13;
 pub(crate) const STANDING: u8 = 14;
 pub(crate) const REVOKE: u8 = 15;
 pub(crate) const WROTE: u8 = 16;
+/// Target → initiator, with the memfd of the link's ring of WRITE records: its length.
+pub(crate) const RING: u8 = 17;
+/// Initiator → target: records wait in the ring and no target thread watches it.
+pub(crate) const RECORDS: u8 = 18;
 
 /// How long `connect` waits for the target to accept and answer the handshake.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -108,11 +118,102 @@ struct Inner {
 /// Standing exposures by peer name, shared with the links' serving threads.
 type StandingTable = Mutex<HashMap<String, PeerStanding>>;
 
-/// One peer's standing exposures and the reply queues of its inbound links.
+/// One peer's standing exposures and its inbound links to announce them to.
 #[derive(Default)]
 struct PeerStanding {
     grants: HashMap<u64, Standing>,
-    links: Vec<(u64, Replies)>,
+    links: Vec<Link>,
+}
+
+/// An inbound link, as its peer's standing exposures reach it.
+struct Link {
+    id: u64,
+    tx: Replies,
+    /// Its ring of WRITE records, where one could be made.
+    records: Option<Arc<Records>>,
+}
+
+/// The target's side of a link's ring of WRITE records (see `shm_ring`).
+struct Records {
+    ring: Ring,
+    /// The ring's memory, mapped while the ring is used.
+    _memory: Region,
+    host: Host,
+    peer: String,
+    /// Ended when the ring is found malformed.
+    stream: Arc<UnixStream>,
+    taken: Mutex<Taken>,
+    /// Doorbells the serving thread answered.
+    #[cfg(test)]
+    doorbells: tessera_sync::unchecked::AtomicU64,
+}
+
+/// Where the target's taking of a ring stands.
+#[derive(Default)]
+struct Taken {
+    head: u64,
+    scratch: Vec<u8>,
+    grant: Grant,
+}
+
+impl Records {
+    /// A new ring for the link from `peer` on `stream`; `None` when no memory could be had
+    /// for it (the link's records then all travel on the socket).
+    fn create(host: &Host, peer: &str, stream: &Arc<UnixStream>) -> Option<Arc<Self>> {
+        let memory = Region::memfd("tessera-shm-records", RING_BYTES).ok()?;
+        let base = std::ptr::NonNull::new(memory.as_ptr())?;
+        // SAFETY: a fresh memfd mapping of `RING_BYTES` (zeroed, page-aligned) that
+        // `_memory` keeps mapped for as long as the ring is used.
+        let ring = unsafe { Ring::over(base, RING_BYTES) }?;
+        Some(Arc::new(Self {
+            ring,
+            _memory: memory,
+            host: host.clone(),
+            peer: peer.to_owned(),
+            stream: stream.clone(),
+            taken: Mutex::new(Taken::default()),
+            #[cfg(test)]
+            doorbells: Default::default(),
+        }))
+    }
+
+    /// Records what the ring holds, each span checked against this peer's exposures as a
+    /// `WROTE`'s are. A malformed ring or record ends the link.
+    fn take(&self) {
+        let mut t = self.taken.lock();
+        let Taken {
+            head,
+            scratch,
+            grant,
+        } = &mut *t;
+        let mut good = true;
+        let taken = self.ring.take(head, scratch, |rec| {
+            good &= mark_wrote(&self.host, &self.peer, grant, rec, 0) == Some(rec.len());
+        });
+        if taken.is_err() || !good {
+            let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+/// Marks as written the spans of a `WROTE` body from byte `at` on (their count, then each
+/// span) that lie inside `peer`'s exposures: a WRITE that raced the withdrawal of its
+/// standing range records nothing (its memory is the exposure owner's to keep out of reuse
+/// until the peer is done with it). Returns where the spans end; `None` when malformed.
+fn mark_wrote(host: &Host, peer: &str, grant: &mut Grant, b: &[u8], at: usize) -> Option<usize> {
+    let n = u32_at(b, at)? as usize;
+    let end = n.checked_mul(24)?.checked_add(at + 4)?;
+    if b.len() < end {
+        return None;
+    }
+    if host
+        .grant_for(grant, peer, Op::Write, spans_at(b, at + 4, n))
+        .is_ok()
+    {
+        grant.mark_written();
+    }
+    grant.clear();
+    Some(end)
 }
 
 /// A link's replies as the target sends them.
@@ -399,6 +500,7 @@ impl Transport for Shm {
             writer: Mutex::new(Vec::with_capacity(4096)),
             stream: stream.clone(),
             state: Mutex::new(State::default()),
+            records: OnceLock::new(),
         });
         let reader = conn.clone();
         std::thread::Builder::new()
@@ -410,6 +512,49 @@ impl Transport for Shm {
 
     fn tracks_links(&self) -> bool {
         true
+    }
+
+    /// Spins on the rings of `peer`'s inbound links, taking their records, until `done` or
+    /// the window's end. Their initiators ring no doorbell meanwhile.
+    fn spin_for_writes(
+        &self,
+        peer: &str,
+        window: Duration,
+        done: &mut dyn FnMut() -> bool,
+    ) -> bool {
+        let rings: Vec<Arc<Records>> = self
+            .inner
+            .standing
+            .lock()
+            .get(peer)
+            .map(|p| p.links.iter().filter_map(|l| l.records.clone()).collect())
+            .unwrap_or_default();
+        if rings.is_empty() {
+            return done();
+        }
+        for r in &rings {
+            r.ring.watch();
+        }
+        let until = Instant::now() + window;
+        let met = loop {
+            for r in &rings {
+                r.take();
+            }
+            if done() {
+                break true;
+            }
+            if Instant::now() >= until {
+                break false;
+            }
+            std::hint::spin_loop();
+        };
+        // What was pushed while this thread still counted as watching came without a
+        // doorbell: taken here.
+        for r in &rings {
+            r.ring.unwatch();
+            r.take();
+        }
+        met || done()
     }
 
     /// Tells every inbound link of `peer` (and any it opens later) that it may WRITE the
@@ -430,8 +575,8 @@ impl Transport for Shm {
             });
         }
         // A link whose writer has gone is being torn down; it drops itself.
-        for (_, tx) in &p.links {
-            announce(tx, &msg);
+        for l in &p.links {
+            announce(&l.tx, &msg);
         }
         if p.grants.is_empty() && p.links.is_empty() {
             all.remove(peer);
@@ -1030,6 +1175,39 @@ struct ShmConnection {
     stream: Arc<UnixStream>,
     writer: Mutex<Vec<u8>>,
     state: Mutex<State>,
+    /// The link's ring of WRITE records, once the target sent it.
+    records: OnceLock<Producer>,
+}
+
+/// The initiator's side of a link's ring of WRITE records (see `shm_ring`).
+struct Producer {
+    ring: Ring,
+    /// The target's memfd, mapped while the ring is used.
+    _memory: Region,
+    /// Bytes pushed so far, and a record's buffer.
+    tail: Mutex<(u64, Vec<u8>)>,
+}
+
+impl Producer {
+    /// Maps the ring the target sent (`len` bytes of `fd`); `None` when it cannot be used
+    /// (its records then travel on the socket).
+    fn map(fd: OwnedFd, len: u64) -> Option<Self> {
+        if len != RING_BYTES {
+            return None;
+        }
+        let memory = Region::map_sealed(fd, len).ok()?;
+        let base = std::ptr::NonNull::new(memory.as_ptr())?;
+        // SAFETY: a shared mapping of `len` bytes of a sealed memfd (never truncated under
+        // it), page-aligned, that `_memory` keeps mapped for as long as the ring is used; the
+        // target created it zeroed. What the target stores there bounds nothing here: every
+        // store is bounded by the ring's capacity.
+        let ring = unsafe { Ring::over(base, len) }?;
+        Some(Self {
+            ring,
+            _memory: memory,
+            tail: Mutex::new((0, Vec::new())),
+        })
+    }
 }
 
 impl ShmConnection {
@@ -1089,6 +1267,18 @@ impl ShmConnection {
                     if let Ok(region) = mapped {
                         st.mapped
                             .insert(reg, Arc::new(Mapped { region, base, len }));
+                    }
+                }
+                RING => {
+                    let Some(len) = u64_at(b, 0) else {
+                        break "malformed RING".to_owned();
+                    };
+                    let Some(fd) = reader.fds.pop_front() else {
+                        break "RING without a file descriptor".to_owned();
+                    };
+                    // A ring that cannot be mapped leaves every record on the socket.
+                    if let Some(p) = Producer::map(fd, len) {
+                        let _ = self.records.set(p);
                     }
                 }
                 MAP_ERR => {
@@ -1168,9 +1358,21 @@ impl ShmConnection {
         xfer.done.complete(result);
     }
 
-    /// A WRITE inside the target's standing ranges: copied here and now, then `WROTE` tells
-    /// the target which spans landed (with the notification), and the transfer completes on
-    /// the caller's thread. No round trip.
+    /// Pushes the record of a WRITE of `segments` into the link's ring (after its copy
+    /// completed: the copy's stores are fenced); `None` without a ring.
+    fn push_record(&self, segments: &[crate::engine::Segment]) -> Option<Pushed> {
+        let p = self.records.get()?;
+        let mut t = p.tail.lock();
+        let (tail, record) = &mut *t;
+        record.clear();
+        put_spans(record, segments);
+        Some(p.ring.push(tail, record))
+    }
+
+    /// A WRITE inside the target's standing ranges: copied here and now, then the record of
+    /// which spans landed goes into the link's ring (with a doorbell when no target thread
+    /// watches it), or as `WROTE` when it carries a notification or the ring has no room,
+    /// and the transfer completes on the caller's thread. No round trip.
     fn write_standing(&self, xfer: Xfer) {
         if let Some(why) = self.state.lock().dead.clone() {
             xfer.done.complete(Err(self.gone(&why)));
@@ -1178,10 +1380,16 @@ impl ShmConnection {
         }
         let copied = self.copy(&xfer);
         let notify = xfer.notify.as_deref().filter(|_| copied.is_ok());
-        let sent = match &copied {
+        let pushed = match (&copied, notify) {
+            (Ok(()), None) => self.push_record(xfer.plan().segments()),
+            _ => None,
+        };
+        let sent = match (&copied, pushed) {
             // Nothing landed: the target has nothing to record.
-            Err(_) => Ok(()),
-            Ok(()) => self.send(|out| {
+            (Err(_), _) => Ok(()),
+            (Ok(()), Some(Pushed::Watched)) => Ok(()),
+            (Ok(()), Some(Pushed::Unwatched)) => self.send(|out| frame(out, RECORDS, |_| {})),
+            (Ok(()), Some(Pushed::NoRoom) | None) => self.send(|out| {
                 frame(out, WROTE, |b| {
                     let segments = xfer.plan().segments();
                     b.push(u8::from(notify.is_some()));
@@ -1393,6 +1601,16 @@ fn serve(
         let _ = stream.shutdown(std::net::Shutdown::Both);
         return;
     };
+    // The link's ring of WRITE records goes to the initiator first (a link without one
+    // sends every record on the socket).
+    let records = Records::create(&host, &peer, &stream);
+    if let Some(r) = &records {
+        let mut msg = Vec::new();
+        frame(&mut msg, RING, |b| {
+            b.extend_from_slice(&RING_BYTES.to_le_bytes())
+        });
+        tx.send(msg, Some(r._memory.clone()));
+    }
     // The peer's standing exposures reach it through this link from now on, those made
     // before it first.
     let link = next_id();
@@ -1404,7 +1622,11 @@ fn serve(
             standing_msg(&mut msg, g);
             tx.send(msg, None);
         }
-        p.links.push((link, tx.clone()));
+        p.links.push(Link {
+            id: link,
+            tx: tx.clone(),
+            records: records.clone(),
+        });
     }
     let mut reader = Reader::new();
     let mut grants: HashMap<u64, Grant> = HashMap::new();
@@ -1485,28 +1707,23 @@ fn serve(
                 true
             }
             WROTE => {
-                let (Some(&has_note), Some(n)) = (b.first(), u32_at(b, 1)) else {
-                    break;
-                };
-                let Some(end) = (n as usize).checked_mul(24).and_then(|x| x.checked_add(5)) else {
-                    break;
-                };
-                if b.len() < end {
-                    break;
-                }
-                let spans = spans_at(b, 5, n as usize);
+                let Some(&has_note) = b.first() else { break };
                 // Checked as a grant would have been: only spans inside this peer's exposures
-                // count as written. A WRITE that raced the withdrawal of its standing range
-                // records nothing (its memory is the exposure owner's to keep out of reuse
-                // until the peer is done with it).
+                // count as written.
                 let mut grant = spare.pop().unwrap_or_default();
-                if host.grant_for(&mut grant, &peer, Op::Write, spans).is_ok() {
-                    grant.mark_written();
-                }
-                grant.clear();
+                let end = mark_wrote(&host, &peer, &mut grant, b, 1);
                 spare.push(grant);
+                let Some(end) = end else { break };
                 if has_note != 0 {
                     host.notify(&peer, b[end..].to_vec());
+                }
+                true
+            }
+            RECORDS => {
+                if let Some(r) = &records {
+                    #[cfg(test)]
+                    r.doorbells.fetch_add(1, Ordering::Relaxed);
+                    r.take();
                 }
                 true
             }
@@ -1516,10 +1733,14 @@ fn serve(
             break;
         }
     }
+    // Records the initiator left before its socket closed count as its WROTEs would have.
+    if let Some(r) = &records {
+        r.take();
+    }
     {
         let mut all = standing.lock();
         if let Some(p) = all.get_mut(&peer) {
-            p.links.retain(|(l, _)| *l != link);
+            p.links.retain(|l| l.id != link);
             if p.grants.is_empty() && p.links.is_empty() {
                 all.remove(&peer);
             }
@@ -1677,6 +1898,136 @@ mod tests {
         assert_eq!(client.report().standing_writes, 2);
         assert_eq!(now.wait_written(512, bound()), 512);
         drop((now, wider));
+    }
+
+    /// The ring of WRITE records of `peer`'s first inbound link to `engine`, once the
+    /// initiator has it too (a STANDING sent after it reached `client`'s side).
+    fn ring_of(engine: &Arc<Inner>, peer: &str) -> Arc<Records> {
+        let deadline = Instant::now() + bound();
+        loop {
+            let r = engine
+                .standing
+                .lock()
+                .get(peer)
+                .and_then(|p| p.links.first().and_then(|l| l.records.clone()));
+            if let Some(r) = r {
+                return r;
+            }
+            assert!(Instant::now() < deadline, "no ring");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    /// A standing WRITE's record goes through the link's ring: taken by a target thread that
+    /// spins for it with no message on the socket, or by the serving thread after a doorbell
+    /// when none spins. A notification still goes as `WROTE`.
+    #[test]
+    fn standing_writes_are_recorded_through_the_ring() {
+        use crate::RegisteredPool;
+        let shm = Shm::new();
+        let engine = shm.inner.clone();
+        let unit = Agent::new("unit", shm).unwrap();
+        let pool = RegisteredPool::new_scoped(&unit, 1 << 16).unwrap();
+        let reg = pool.registration();
+        let client = Agent::new("client", Shm::new()).unwrap();
+        let src = Region::new(8192).unwrap();
+        src.fill(0, 8192, 0x3C).unwrap();
+        let local = client.register(&src).unwrap();
+        let peer = client.add_remote(&unit.metadata()).unwrap();
+        let write = |offset: u64, len: u64, note: Option<&[u8]>| {
+            peer.write(
+                &[local.desc(0, len).unwrap()],
+                &[reg.remote(offset, len).unwrap()],
+                note,
+            )
+            .unwrap()
+            .wait_timeout(bound())
+        };
+        let first = reg.expose_standing("client", 0, 4096).unwrap();
+        // Maps the registration through a grant; the RING and the STANDING came before it.
+        write(8192, 64, None).unwrap_err();
+        let ring = ring_of(&engine, "client");
+
+        // A spinning target thread: no doorbell.
+        std::thread::scope(|s| {
+            let spinner = s.spawn(|| first.spin_written(1000, bound()));
+            let deadline = Instant::now() + bound();
+            while ring.ring.watchers() == 0 {
+                assert!(Instant::now() < deadline, "never watched");
+                std::hint::spin_loop();
+            }
+            write(0, 1000, None).unwrap();
+            assert!(spinner.join().unwrap(), "the spinner saw the WRITE");
+        });
+        assert_eq!(ring.ring.watchers(), 0);
+        assert_eq!(ring.doorbells.load(Ordering::Relaxed), 0);
+        assert_eq!(first.written(), 1000);
+
+        // Nobody spins: the doorbell wakes the serving thread, which takes the record.
+        write(1000, 500, None).unwrap();
+        assert_eq!(first.wait_written(1500, bound()), 1500);
+        assert_eq!(ring.doorbells.load(Ordering::Relaxed), 1);
+
+        // With a notification: a WROTE, which records as well.
+        write(1500, 100, Some(b"n")).unwrap();
+        assert_eq!(first.wait_written(1600, bound()), 1600);
+        assert!(unit.wait_notification(bound()).is_some());
+        assert_eq!(ring.doorbells.load(Ordering::Relaxed), 1);
+
+        // Outside every exposure the ring records nothing, as a WROTE would not.
+        let second = reg.expose_standing("client", 4096, 4096).unwrap();
+        // A round trip after the announcement: the client has it.
+        write(8192, 64, None).unwrap_err();
+        write(4096, 64, None).unwrap();
+        assert_eq!(second.wait_written(64, bound()), 64);
+        drop(second);
+        assert!(!first.spin_written(4096, Duration::from_millis(1)));
+        assert_eq!(client.report().standing_writes, 4);
+        let mut got = vec![0u8; 1600];
+        reg.region().read_at(0, &mut got).unwrap();
+        assert!(got.iter().all(|b| *b == 0x3C));
+    }
+
+    /// A ring whose producer stored what no honest one would ends the link at the next take.
+    #[test]
+    fn a_malformed_ring_ends_the_link() {
+        use crate::{RegisteredPool, TransferError};
+        let shm = Shm::new();
+        let engine = shm.inner.clone();
+        let unit = Agent::new("unit", shm).unwrap();
+        let pool = RegisteredPool::new_scoped(&unit, 1 << 16).unwrap();
+        let reg = pool.registration();
+        let standing = reg.expose_standing("client", 0, 4096).unwrap();
+        let client = Agent::new("client", Shm::new()).unwrap();
+        let src = Region::new(4096).unwrap();
+        let local = client.register(&src).unwrap();
+        let peer = client.add_remote(&unit.metadata()).unwrap();
+        let write = |offset: u64| {
+            peer.write(
+                &[local.desc(0, 64).unwrap()],
+                &[reg.remote(offset, 64).unwrap()],
+                None,
+            )
+            .unwrap()
+            .wait_timeout(bound())
+        };
+        write(8192).unwrap_err();
+        let ring = ring_of(&engine, "client");
+        write(0).unwrap();
+        assert_eq!(standing.wait_written(64, bound()), 64);
+        ring.ring.set_tail(u64::MAX / 2);
+        ring.take();
+        let deadline = Instant::now() + bound();
+        while unit.peer_link("client") != LinkState::Closed {
+            assert!(Instant::now() < deadline, "the link stayed open");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let after = write(0);
+        assert!(
+            matches!(after, Err(TransferError::PeerGone { .. })),
+            "{after:?}"
+        );
+        assert_eq!(standing.written(), 64);
     }
 
     /// The target sees a peer's link open from its HELLO on, and closed once the peer's agent
@@ -1991,6 +2342,11 @@ mod tests {
         let region = Region::new(1 << 16).unwrap();
         let g = unit.register(&region).unwrap();
         let mut raw = RawShm::authenticated(&unit.metadata(), "raw", None).unwrap();
+        assert_eq!(
+            raw.read_frame().unwrap(),
+            (RING, RING_BYTES.to_le_bytes().to_vec()),
+            "the link's ring first"
+        );
         raw.send_frame(MAP_REQ, &g.id().to_le_bytes()).unwrap();
         let (ty, body) = raw.read_frame().unwrap();
         assert_eq!(ty, MAP_OK);

@@ -129,6 +129,13 @@ pub trait Landing: Send + Sync {
         let _ = (bytes, cx);
         std::task::Poll::Ready(())
     }
+    /// Spins for up to `window` until completed WRITEs covered at least `bytes` of the block,
+    /// recording meanwhile those the engine lets a spinning thread see
+    /// (`Exposure::spin_written`); whether they did. The default spins on nothing.
+    fn spin_bytes(&self, bytes: u64, window: std::time::Duration) -> bool {
+        let _ = (bytes, window);
+        false
+    }
 }
 
 /// A shared [`Landing`]: the driver clones it to wait for a credited PUT's WRITE off the

@@ -765,7 +765,15 @@ async fn credit_grace(
     if recorded_now(&landing, bytes) {
         return;
     }
-    // The record comes from the engine's thread of this process: no spin in its way.
+    // A busy-polling unit spins for the record where the client's engine leaves it for a
+    // spinning thread to take (`shm`'s ring): the client is copying as this request travels.
+    if let Some(p) = &shared.cfg.busy_poll {
+        if landing.spin_bytes(bytes, p.window()) {
+            return;
+        }
+    }
+    // Otherwise the record comes from the engine's thread of this process: no spin in its
+    // way.
     let _quiet = shared.cfg.busy_poll.as_ref().map(BusyPoll::quiet);
     let _ = tokio::time::timeout(shared.cfg.transfer_timeout, recorded).await;
 }

@@ -62,6 +62,15 @@ impl ListedEngine for EngineDeregister {
     fn standing(&self, peer: &str, grant: crate::engine::Standing, live: bool) {
         self.0.standing(peer, grant, live);
     }
+
+    fn spin_for_writes(
+        &self,
+        peer: &str,
+        window: Duration,
+        done: &mut dyn FnMut() -> bool,
+    ) -> bool {
+        self.0.spin_for_writes(peer, window, done)
+    }
 }
 
 /// Whether a peer can still reach this agent's memory, as far as its engine can tell.

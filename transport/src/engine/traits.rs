@@ -106,6 +106,22 @@ pub trait Transport: Send + Sync + 'static {
         let _ = (peer, grant, live);
     }
 
+    /// Spins for up to `window` until `done` holds, recording meanwhile the WRITEs of
+    /// `peer` that this engine learns of where a spinning thread can see them (`shm`: the
+    /// rings of records its initiators copy into standing ranges with); returns whether
+    /// `done` held. For a waiter that expects a WRITE within microseconds and would
+    /// otherwise sleep until the engine's own thread records it. The default spins on
+    /// nothing: it returns `done()`.
+    fn spin_for_writes(
+        &self,
+        peer: &str,
+        window: std::time::Duration,
+        done: &mut dyn FnMut() -> bool,
+    ) -> bool {
+        let _ = (peer, window);
+        done()
+    }
+
     /// Stops progress, fails every pending transfer with a peer-gone or shutdown error, and
     /// releases the engine's resources. Called once, when the agent is dropped.
     fn shutdown(&self);

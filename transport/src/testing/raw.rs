@@ -338,6 +338,11 @@ impl RawShm {
     pub const AUTH: u8 = shm::AUTH;
     /// The target's refusal of a handshake (reason in the body).
     pub const REFUSED: u8 = shm::REFUSED;
+    /// The target's first message after the handshake: the memfd of the link's ring of WRITE
+    /// records (its length in the body).
+    pub const RING: u8 = shm::RING;
+    /// The initiator's doorbell: records wait in the ring.
+    pub const RECORDS: u8 = shm::RECORDS;
 
     /// The next frame the target sends: its type and body (a body over the engine's limit
     /// is an error, before anything is allocated for it). File descriptors passed with it
