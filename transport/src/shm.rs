@@ -536,25 +536,22 @@ impl Transport for Shm {
             r.ring.watch();
         }
         let until = Instant::now() + window;
-        let met = loop {
+        loop {
             for r in &rings {
                 r.take();
             }
-            if done() {
-                break true;
-            }
-            if Instant::now() >= until {
-                break false;
+            if done() || Instant::now() >= until {
+                break;
             }
             std::hint::spin_loop();
-        };
+        }
         // What was pushed while this thread still counted as watching came without a
         // doorbell: taken here.
         for r in &rings {
             r.ring.unwatch();
             r.take();
         }
-        met || done()
+        done()
     }
 
     /// Tells every inbound link of `peer` (and any it opens later) that it may WRITE the
@@ -1981,53 +1978,74 @@ mod tests {
         write(4096, 64, None).unwrap();
         assert_eq!(second.wait_written(64, bound()), 64);
         drop(second);
-        assert!(!first.spin_written(4096, Duration::from_millis(1)));
+        // A spin for a WRITE that does not come ends with its window.
+        let spin = || first.spin_written(4096, Duration::from_millis(1));
+        #[cfg(feature = "testing")]
+        let spun = crate::testing::finish_or_exit("a spin past its window", spin, || {});
+        #[cfg(not(feature = "testing"))]
+        let spun = spin();
+        assert!(!spun);
         assert_eq!(client.report().standing_writes, 4);
         let mut got = vec![0u8; 1600];
         reg.region().read_at(0, &mut got).unwrap();
         assert!(got.iter().all(|b| *b == 0x3C));
     }
 
-    /// A ring whose producer stored what no honest one would ends the link at the next take.
+    /// A ring whose producer stored what no honest one would ends the link at the next take:
+    /// a tail beyond what it can hold, a record whose spans run past its end, a record with
+    /// bytes after its spans.
     #[test]
     fn a_malformed_ring_ends_the_link() {
         use crate::{RegisteredPool, TransferError};
-        let shm = Shm::new();
-        let engine = shm.inner.clone();
-        let unit = Agent::new("unit", shm).unwrap();
-        let pool = RegisteredPool::new_scoped(&unit, 1 << 16).unwrap();
-        let reg = pool.registration();
-        let standing = reg.expose_standing("client", 0, 4096).unwrap();
-        let client = Agent::new("client", Shm::new()).unwrap();
-        let src = Region::new(4096).unwrap();
-        let local = client.register(&src).unwrap();
-        let peer = client.add_remote(&unit.metadata()).unwrap();
-        let write = |offset: u64| {
-            peer.write(
-                &[local.desc(0, 64).unwrap()],
-                &[reg.remote(offset, 64).unwrap()],
-                None,
-            )
-            .unwrap()
-            .wait_timeout(bound())
-        };
-        write(8192).unwrap_err();
-        let ring = ring_of(&engine, "client");
-        write(0).unwrap();
-        assert_eq!(standing.wait_written(64, bound()), 64);
-        ring.ring.set_tail(u64::MAX / 2);
-        ring.take();
-        let deadline = Instant::now() + bound();
-        while unit.peer_link("client") != LinkState::Closed {
-            assert!(Instant::now() < deadline, "the link stayed open");
-            std::thread::sleep(Duration::from_millis(2));
+        type Corrupt = fn(&Ring);
+        let cases: [(&str, Corrupt); 3] = [
+            ("tail", |r| r.set_tail(u64::MAX / 2)),
+            ("spans past the record", |r| {
+                assert_eq!(r.push_as_producer(&5u32.to_le_bytes()), Pushed::Unwatched);
+            }),
+            ("bytes after the spans", |r| {
+                let record = [0, 0, 0, 0, 1, 2, 3, 4];
+                assert_eq!(r.push_as_producer(&record), Pushed::Unwatched);
+            }),
+        ];
+        for (what, corrupt) in cases {
+            let shm = Shm::new();
+            let engine = shm.inner.clone();
+            let unit = Agent::new("unit", shm).unwrap();
+            let pool = RegisteredPool::new_scoped(&unit, 1 << 16).unwrap();
+            let reg = pool.registration();
+            let standing = reg.expose_standing("client", 0, 4096).unwrap();
+            let client = Agent::new("client", Shm::new()).unwrap();
+            let src = Region::new(4096).unwrap();
+            let local = client.register(&src).unwrap();
+            let peer = client.add_remote(&unit.metadata()).unwrap();
+            let write = |offset: u64| {
+                peer.write(
+                    &[local.desc(0, 64).unwrap()],
+                    &[reg.remote(offset, 64).unwrap()],
+                    None,
+                )
+                .unwrap()
+                .wait_timeout(bound())
+            };
+            write(8192).unwrap_err();
+            let ring = ring_of(&engine, "client");
+            write(0).unwrap();
+            assert_eq!(standing.wait_written(64, bound()), 64, "{what}");
+            corrupt(&ring.ring);
+            ring.take();
+            let deadline = Instant::now() + bound();
+            while unit.peer_link("client") != LinkState::Closed {
+                assert!(Instant::now() < deadline, "the link stayed open: {what}");
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            let after = write(0);
+            assert!(
+                matches!(after, Err(TransferError::PeerGone { .. })),
+                "{what}: {after:?}"
+            );
+            assert_eq!(standing.written(), 64, "{what}");
         }
-        let after = write(0);
-        assert!(
-            matches!(after, Err(TransferError::PeerGone { .. })),
-            "{after:?}"
-        );
-        assert_eq!(standing.written(), 64);
     }
 
     /// The target sees a peer's link open from its HELLO on, and closed once the peer's agent
