@@ -1945,6 +1945,15 @@ mod tests {
         write(8192, 64, None).unwrap_err();
         let ring = ring_of(&engine, "client");
 
+        // A spin for a WRITE that does not come ends with its window.
+        let spin = || first.spin_written(1000, Duration::from_millis(1));
+        #[cfg(feature = "testing")]
+        let spun = crate::testing::finish_or_exit("a spin past its window", spin, || {});
+        #[cfg(not(feature = "testing"))]
+        let spun = spin();
+        assert!(!spun);
+        assert_eq!(ring.ring.watchers(), 0);
+
         // A spinning target thread: no doorbell.
         std::thread::scope(|s| {
             let spinner = s.spawn(|| first.spin_written(1000, bound()));
@@ -1978,13 +1987,6 @@ mod tests {
         write(4096, 64, None).unwrap();
         assert_eq!(second.wait_written(64, bound()), 64);
         drop(second);
-        // A spin for a WRITE that does not come ends with its window.
-        let spin = || first.spin_written(4096, Duration::from_millis(1));
-        #[cfg(feature = "testing")]
-        let spun = crate::testing::finish_or_exit("a spin past its window", spin, || {});
-        #[cfg(not(feature = "testing"))]
-        let spun = spin();
-        assert!(!spun);
         assert_eq!(client.report().standing_writes, 4);
         let mut got = vec![0u8; 1600];
         reg.region().read_at(0, &mut got).unwrap();
