@@ -30,9 +30,17 @@ struct Pending {
     /// outcome is unknown, an internal failure): the client opens a new session for the
     /// next request.
     failed: bool,
-    map: HashMap<u64, oneshot::Sender<Result<Response, ClientError>>>,
+    map: HashMap<u64, Waiter>,
     /// Polled for answers while one is awaited (`ClientConfig::busy_poll`).
     poll: Option<BusyPoll>,
+}
+
+/// Where a request's answer goes.
+struct Waiter {
+    tx: oneshot::Sender<Result<Response, ClientError>>,
+    /// The request was sent outside the runtime's tasks (from `block_on`, as Python's threads
+    /// call): its caller sleeps on a thread of its own.
+    from_thread: bool,
 }
 
 type Waiters = Arc<Mutex<Pending>>;
@@ -296,7 +304,11 @@ fn send_raw<'a>(
         if w.closed {
             return Err(connection_closed(unit));
         }
-        w.map.insert(id, otx);
+        let waiter = Waiter {
+            tx: otx,
+            from_thread: tokio::task::try_id().is_none(),
+        };
+        w.map.insert(id, waiter);
         w.poll.as_ref().map(BusyPoll::waiting)
     };
     let sent = match out.send(buf, confirm) {
@@ -482,7 +494,7 @@ async fn read_loop(unit: usize, r: Box<dyn AsyncRead + Send + Unpin>, waiters: W
         let mut pending = waiters.lock();
         pending.closed = true;
         for (_, w) in pending.map.drain() {
-            let _ = w.send(Err(ClientError::Io {
+            let _ = w.tx.send(Err(ClientError::Io {
                 unit,
                 source: std::io::Error::new(std::io::ErrorKind::ConnectionAborted, why.to_owned()),
             }));
@@ -517,12 +529,14 @@ async fn read_loop(unit: usize, r: Box<dyn AsyncRead + Send + Unpin>, waiters: W
             (pending.map.remove(&id), pending.poll.is_some())
         };
         if let Some(w) = waiter {
-            let _ = w.send(answer);
-            // The caller may sleep on this thread's core (a `block_on` thread). Woken there
+            let _ = w.tx.send(answer);
+            // A caller on a thread of its own may sleep on this thread's core. Woken there
             // after it used its share of the core (a large PUT's copy), it does not preempt
             // this worker, whose busy poll would then hold the core for the whole window
-            // before the caller gets its answer: the core goes to it now instead.
-            if polled {
+            // before the caller gets its answer: the core goes to it now instead. (A caller
+            // that is a task runs on a worker; yielding for it would hand the core to
+            // whatever else waits for it, a large copy under load.)
+            if polled && w.from_thread {
                 std::thread::yield_now();
             }
         }
