@@ -18,7 +18,8 @@
 //! spin as it would an idle core, where a yielding spin kept it waiting for the whole window
 //! about half the time (EEVDF, Linux 6.x). One that has used its share (the caller of a
 //! large PUT, after its copy) does not preempt it, so a client's reader yields its core once
-//! after it handed an answer over, before its worker goes on to poll.
+//! after it handed an answer to a caller on a thread of its own (`block_on`), before its
+//! worker goes on to poll.
 //!
 //! It is off unless asked for: build the runtime with [`BusyPoll::on_park`] and hand the
 //! same `BusyPoll` to the server (`ServerConfig::busy_poll`) or the client
