@@ -1824,6 +1824,70 @@ mod tests {
         drop(granted);
     }
 
+    /// A unit agent with a scoped pool of 64 KiB: the target of the standing-range tests.
+    struct UnitSide {
+        /// Its engine, to reach the links' rings.
+        engine: Arc<Inner>,
+        unit: Agent,
+        pool: crate::RegisteredPool,
+    }
+
+    impl UnitSide {
+        fn new() -> Self {
+            let shm = Shm::new();
+            let engine = shm.inner.clone();
+            let unit = Agent::new("unit", shm).unwrap();
+            let pool = crate::RegisteredPool::new_scoped(&unit, 1 << 16).unwrap();
+            Self { engine, unit, pool }
+        }
+
+        fn reg(&self) -> &crate::Registration {
+            self.pool.registration()
+        }
+    }
+
+    /// An agent named `client` connected to a [`UnitSide`], WRITEing from `len` bytes of
+    /// `fill`.
+    struct ClientSide {
+        client: Agent,
+        local: crate::Registration,
+        peer: crate::Peer,
+        _src: Region,
+    }
+
+    impl ClientSide {
+        fn new(unit: &UnitSide, len: u64, fill: u8) -> Self {
+            let client = Agent::new("client", Shm::new()).unwrap();
+            let src = Region::new(len).unwrap();
+            src.fill(0, len, fill).unwrap();
+            let local = client.register(&src).unwrap();
+            let peer = client.add_remote(&unit.unit.metadata()).unwrap();
+            Self {
+                client,
+                local,
+                peer,
+                _src: src,
+            }
+        }
+
+        /// A WRITE of `len` bytes from the start of the source to `offset` in the unit's pool.
+        fn write(
+            &self,
+            unit: &UnitSide,
+            offset: u64,
+            len: u64,
+            note: Option<&[u8]>,
+        ) -> crate::Transfer {
+            self.peer
+                .write(
+                    &[self.local.desc(0, len).unwrap()],
+                    &[unit.reg().remote(offset, len).unwrap()],
+                    note,
+                )
+                .unwrap()
+        }
+    }
+
     /// A WRITE inside a standing range is copied at once, with no grant: it is done when
     /// `write` returns, the initiator counts it, the target records it as written and its
     /// notification arrives after the data. A WRITE reaching past the range, or into it once
@@ -1831,26 +1895,15 @@ mod tests {
     /// outside every exposure. Standing ranges made before the link opened reach it too.
     #[test]
     fn writes_inside_standing_ranges_need_no_grant() {
-        use crate::{Ops, RegisteredPool, Status, TransferError};
-        let unit = Agent::new("unit", Shm::new()).unwrap();
-        let pool = RegisteredPool::new_scoped(&unit, 1 << 16).unwrap();
-        let reg = pool.registration();
+        use crate::{Ops, Status, TransferError};
+        let side = UnitSide::new();
+        let (unit, reg) = (&side.unit, side.reg());
         // Made before the client connects: announced when its link opens.
         let early = reg.expose_standing("client", 0, 4096).unwrap();
         let wider = reg.expose("client", 4096, 8192, Ops::WRITE).unwrap();
-        let client = Agent::new("client", Shm::new()).unwrap();
-        let src = Region::new(16384).unwrap();
-        src.fill(0, 16384, 0x5A).unwrap();
-        let local = client.register(&src).unwrap();
-        let peer = client.add_remote(&unit.metadata()).unwrap();
-        let write = |offset: u64, len: u64, note: Option<&[u8]>| {
-            peer.write(
-                &[local.desc(0, len).unwrap()],
-                &[reg.remote(offset, len).unwrap()],
-                note,
-            )
-            .unwrap()
-        };
+        let sender = ClientSide::new(&side, 16384, 0x5A);
+        let client = &sender.client;
+        let write = |offset, len, note| sender.write(&side, offset, len, note);
         // The first WRITE maps the registration (through a grant); the announcement came
         // before its GRANT on the same socket.
         write(4096, 64, None).wait_timeout(bound()).unwrap();
@@ -1868,7 +1921,7 @@ mod tests {
             ("client", &b"landed"[..])
         );
         let mut got = vec![0u8; 1000];
-        pool.registration().region().read_at(100, &mut got).unwrap();
+        reg.region().read_at(100, &mut got).unwrap();
         assert!(got.iter().all(|b| *b == 0x5A));
         // Past the standing range's end, into the next exposure: no one exposure holds it,
         // so it asks for a grant, which is refused.
@@ -1920,30 +1973,15 @@ mod tests {
     /// when none spins. A notification still goes as `WROTE`.
     #[test]
     fn standing_writes_are_recorded_through_the_ring() {
-        use crate::RegisteredPool;
-        let shm = Shm::new();
-        let engine = shm.inner.clone();
-        let unit = Agent::new("unit", shm).unwrap();
-        let pool = RegisteredPool::new_scoped(&unit, 1 << 16).unwrap();
-        let reg = pool.registration();
-        let client = Agent::new("client", Shm::new()).unwrap();
-        let src = Region::new(8192).unwrap();
-        src.fill(0, 8192, 0x3C).unwrap();
-        let local = client.register(&src).unwrap();
-        let peer = client.add_remote(&unit.metadata()).unwrap();
-        let write = |offset: u64, len: u64, note: Option<&[u8]>| {
-            peer.write(
-                &[local.desc(0, len).unwrap()],
-                &[reg.remote(offset, len).unwrap()],
-                note,
-            )
-            .unwrap()
-            .wait_timeout(bound())
-        };
+        let side = UnitSide::new();
+        let (unit, reg) = (&side.unit, side.reg());
+        let sender = ClientSide::new(&side, 8192, 0x3C);
+        let write =
+            |offset, len, note| sender.write(&side, offset, len, note).wait_timeout(bound());
         let first = reg.expose_standing("client", 0, 4096).unwrap();
         // Maps the registration through a grant; the RING and the STANDING came before it.
         write(8192, 64, None).unwrap_err();
-        let ring = ring_of(&engine, "client");
+        let ring = ring_of(&side.engine, "client");
 
         // A spin for a WRITE that does not come ends with its window.
         let spin = || first.spin_written(1000, Duration::from_millis(1));
@@ -1987,7 +2025,7 @@ mod tests {
         write(4096, 64, None).unwrap();
         assert_eq!(second.wait_written(64, bound()), 64);
         drop(second);
-        assert_eq!(client.report().standing_writes, 4);
+        assert_eq!(sender.client.report().standing_writes, 4);
         let mut got = vec![0u8; 1600];
         reg.region().read_at(0, &mut got).unwrap();
         assert!(got.iter().all(|b| *b == 0x3C));
@@ -1998,7 +2036,7 @@ mod tests {
     /// bytes after its spans.
     #[test]
     fn a_malformed_ring_ends_the_link() {
-        use crate::{RegisteredPool, TransferError};
+        use crate::TransferError;
         type Corrupt = fn(&Ring);
         let cases: [(&str, Corrupt); 3] = [
             ("tail", |r| r.set_tail(u64::MAX / 2)),
@@ -2011,27 +2049,13 @@ mod tests {
             }),
         ];
         for (what, corrupt) in cases {
-            let shm = Shm::new();
-            let engine = shm.inner.clone();
-            let unit = Agent::new("unit", shm).unwrap();
-            let pool = RegisteredPool::new_scoped(&unit, 1 << 16).unwrap();
-            let reg = pool.registration();
-            let standing = reg.expose_standing("client", 0, 4096).unwrap();
-            let client = Agent::new("client", Shm::new()).unwrap();
-            let src = Region::new(4096).unwrap();
-            let local = client.register(&src).unwrap();
-            let peer = client.add_remote(&unit.metadata()).unwrap();
-            let write = |offset: u64| {
-                peer.write(
-                    &[local.desc(0, 64).unwrap()],
-                    &[reg.remote(offset, 64).unwrap()],
-                    None,
-                )
-                .unwrap()
-                .wait_timeout(bound())
-            };
+            let side = UnitSide::new();
+            let unit = &side.unit;
+            let standing = side.reg().expose_standing("client", 0, 4096).unwrap();
+            let sender = ClientSide::new(&side, 4096, 0);
+            let write = |offset| sender.write(&side, offset, 64, None).wait_timeout(bound());
             write(8192).unwrap_err();
-            let ring = ring_of(&engine, "client");
+            let ring = ring_of(&side.engine, "client");
             write(0).unwrap();
             assert_eq!(standing.wait_written(64, bound()), 64, "{what}");
             corrupt(&ring.ring);
