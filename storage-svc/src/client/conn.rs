@@ -524,19 +524,17 @@ async fn read_loop(unit: usize, r: Box<dyn AsyncRead + Send + Unpin>, waiters: W
             Ok((id, resp)) => (id, Ok(resp)),
             Err((id, e)) => (id, Err(ClientError::Wire { unit, source: e })),
         };
-        let (waiter, polled) = {
-            let mut pending = waiters.lock();
-            (pending.map.remove(&id), pending.poll.is_some())
-        };
+        let waiter = waiters.lock().map.remove(&id);
         if let Some(w) = waiter {
             let _ = w.tx.send(answer);
-            // A caller on a thread of its own may sleep on this thread's core. Woken there
-            // after it used its share of the core (a large PUT's copy), it does not preempt
-            // this worker, whose busy poll would then hold the core for the whole window
-            // before the caller gets its answer: the core goes to it now instead. (A caller
-            // that is a task runs on a worker; yielding for it would hand the core to
+            // A caller on a thread of its own may sleep on this thread's core. Woken there,
+            // it runs only once this worker stops: after its busy poll's whole window when
+            // the caller has used its share of the core (a large PUT's copy: it does not
+            // preempt the spin), and after the worker's way to its park otherwise (about 3 us
+            // of a 4-byte PUT's unpolled round trip). The core goes to it now instead. (A
+            // caller that is a task runs on a worker; yielding for it would hand the core to
             // whatever else waits for it, a large copy under load.)
-            if polled && w.from_thread {
+            if w.from_thread {
                 std::thread::yield_now();
             }
         }
