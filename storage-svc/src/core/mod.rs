@@ -129,6 +129,7 @@ pub trait Landing: Send + Sync {
         let _ = (bytes, cx);
         std::task::Poll::Ready(())
     }
+
     /// Spins for up to `window` until completed WRITEs covered at least `bytes` of the block,
     /// recording meanwhile those the engine lets a spinning thread see
     /// (`Exposure::spin_written`); whether they did. The default spins on nothing.
