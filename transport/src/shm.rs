@@ -51,7 +51,7 @@ use tessera_sync::unchecked::OnceLock;
 use crate::auth::{Token, NONCE_LEN};
 use crate::copy::Copier;
 use crate::handshake::{self, PRE_AUTH_DEADLINE, PRE_AUTH_MAX};
-use crate::shm_ring::{Pushed, Ring, RING_BYTES};
+use crate::shm_ring::{MappedRing, Pushed, RING_BYTES};
 
 use crate::engine::wire::{u32_at, u64_at};
 use crate::engine::{Connection, Grant, Host, Op, PeerInfo, RegInfo, Standing, Transport, Xfer};
@@ -135,9 +135,7 @@ struct Link {
 
 /// The target's side of a link's ring of WRITE records (see `shm_ring`).
 struct Records {
-    ring: Ring,
-    /// The ring's memory, mapped while the ring is used.
-    _memory: Region,
+    ring: MappedRing,
     host: Host,
     peer: String,
     /// Ended when the ring is found malformed.
@@ -160,14 +158,8 @@ impl Records {
     /// A new ring for the link from `peer` on `stream`; `None` when no memory could be had
     /// for it (the link's records then all travel on the socket).
     fn create(host: &Host, peer: &str, stream: &Arc<UnixStream>) -> Option<Arc<Self>> {
-        let memory = Region::memfd("tessera-shm-records", RING_BYTES).ok()?;
-        let base = std::ptr::NonNull::new(memory.as_ptr())?;
-        // SAFETY: a fresh memfd mapping of `RING_BYTES` (zeroed, page-aligned) that
-        // `_memory` keeps mapped for as long as the ring is used.
-        let ring = unsafe { Ring::over(base, RING_BYTES) }?;
         Some(Arc::new(Self {
-            ring,
-            _memory: memory,
+            ring: MappedRing::create()?,
             host: host.clone(),
             peer: peer.to_owned(),
             stream: stream.clone(),
@@ -1178,33 +1170,9 @@ struct ShmConnection {
 
 /// The initiator's side of a link's ring of WRITE records (see `shm_ring`).
 struct Producer {
-    ring: Ring,
-    /// The target's memfd, mapped while the ring is used.
-    _memory: Region,
+    ring: MappedRing,
     /// Bytes pushed so far, and a record's buffer.
     tail: Mutex<(u64, Vec<u8>)>,
-}
-
-impl Producer {
-    /// Maps the ring the target sent (`len` bytes of `fd`); `None` when it cannot be used
-    /// (its records then travel on the socket).
-    fn map(fd: OwnedFd, len: u64) -> Option<Self> {
-        if len != RING_BYTES {
-            return None;
-        }
-        let memory = Region::map_sealed(fd, len).ok()?;
-        let base = std::ptr::NonNull::new(memory.as_ptr())?;
-        // SAFETY: a shared mapping of `len` bytes of a sealed memfd (never truncated under
-        // it), page-aligned, that `_memory` keeps mapped for as long as the ring is used; the
-        // target created it zeroed. What the target stores there bounds nothing here: every
-        // store is bounded by the ring's capacity.
-        let ring = unsafe { Ring::over(base, len) }?;
-        Some(Self {
-            ring,
-            _memory: memory,
-            tail: Mutex::new((0, Vec::new())),
-        })
-    }
 }
 
 impl ShmConnection {
@@ -1274,8 +1242,11 @@ impl ShmConnection {
                         break "RING without a file descriptor".to_owned();
                     };
                     // A ring that cannot be mapped leaves every record on the socket.
-                    if let Some(p) = Producer::map(fd, len) {
-                        let _ = self.records.set(p);
+                    if let Some(ring) = MappedRing::map(fd, len) {
+                        let _ = self.records.set(Producer {
+                            ring,
+                            tail: Mutex::new((0, Vec::new())),
+                        });
                     }
                 }
                 MAP_ERR => {
@@ -1606,7 +1577,7 @@ fn serve(
         frame(&mut msg, RING, |b| {
             b.extend_from_slice(&RING_BYTES.to_le_bytes())
         });
-        tx.send(msg, Some(r._memory.clone()));
+        tx.send(msg, Some(r.ring.memory().clone()));
     }
     // The peer's standing exposures reach it through this link from now on, those made
     // before it first.
@@ -2037,7 +2008,7 @@ mod tests {
     #[test]
     fn a_malformed_ring_ends_the_link() {
         use crate::TransferError;
-        type Corrupt = fn(&Ring);
+        type Corrupt = fn(&crate::shm_ring::Ring);
         let cases: [(&str, Corrupt); 3] = [
             ("tail", |r| r.set_tail(u64::MAX / 2)),
             ("spans past the record", |r| {

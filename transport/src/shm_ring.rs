@@ -22,8 +22,11 @@
 //! would a `WROTE`'s. A target can corrupt its own ring only: the producer bounds every store
 //! by the capacity and treats a head it cannot believe as a full ring.
 
+use std::os::fd::OwnedFd;
 use std::ptr::NonNull;
 use tessera_sync::atomic::{fence, AtomicU64, Ordering};
+
+use crate::Region;
 
 /// Where the data area starts in the ring's memory: the header has its own page.
 pub(crate) const DATA_AT: usize = 4096;
@@ -75,6 +78,51 @@ pub(crate) enum Pushed {
     NoRoom,
 }
 
+/// A ring and the memfd it lies in, mapped for as long as it lives: the target's (which
+/// creates it) or the initiator's (which maps what the target sent).
+pub(crate) struct MappedRing {
+    ring: Ring,
+    memory: Region,
+}
+
+impl MappedRing {
+    /// A new ring in a fresh memfd of [`RING_BYTES`], for the target of a link.
+    pub(crate) fn create() -> Option<Self> {
+        Self::over(Region::memfd("tessera-shm-records", RING_BYTES).ok()?)
+    }
+
+    /// The ring the target sent: its memfd, of `len` bytes. `None` when it cannot be used.
+    pub(crate) fn map(fd: OwnedFd, len: u64) -> Option<Self> {
+        if len != RING_BYTES {
+            return None;
+        }
+        Self::over(Region::map_sealed(fd, len).ok()?)
+    }
+
+    fn over(memory: Region) -> Option<Self> {
+        let base = NonNull::new(memory.as_ptr())?;
+        // SAFETY: a shared mapping of `RING_BYTES` of a memfd, page-aligned, that `memory`
+        // keeps mapped for as long as the ring lives: a fresh one (zeroed), or one the target
+        // sealed against shrinking, so it is never truncated under the mapping. What the other
+        // side stores there bounds nothing here (see `Ring`).
+        let ring = unsafe { Ring::over(base, RING_BYTES) }?;
+        Some(Self { ring, memory })
+    }
+
+    /// The memfd, to send to the initiator.
+    pub(crate) fn memory(&self) -> &Region {
+        &self.memory
+    }
+}
+
+impl std::ops::Deref for MappedRing {
+    type Target = Ring;
+
+    fn deref(&self) -> &Ring {
+        &self.ring
+    }
+}
+
 /// One side's view of a ring (see the module docs). The memory it lies in is kept alive by
 /// its owner for as long as the view is used.
 pub(crate) struct Ring {
@@ -99,7 +147,7 @@ impl Ring {
     /// `base` must be page-aligned and valid for reads and writes of `len` bytes for as long
     /// as the view is used, and the header's bytes must be zero or a header's (a fresh memfd,
     /// or one the other side laid out).
-    pub(crate) unsafe fn over(base: NonNull<u8>, len: u64) -> Option<Self> {
+    unsafe fn over(base: NonNull<u8>, len: u64) -> Option<Self> {
         let cap = len.checked_sub(DATA_AT as u64)? / ALIGN * ALIGN;
         if cap < 64 {
             return None;
