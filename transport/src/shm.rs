@@ -23,6 +23,15 @@
 //! serving thread to take them (see `shm_ring`). A record the ring has no room for goes as a
 //! `WROTE`.
 //!
+//! The announcements travel the other way through a second ring (`ANNOUNCE_RING`): the target
+//! stores each `STANDING` and `REVOKE` there, and the initiator takes the ring before it
+//! posts any transfer, so a storage unit that grants a client its next landing block with
+//! every answer wakes none of the client's threads for it. The target rings a doorbell
+//! (`ANNOUNCED`) when the ring is half full, for an initiator that posts nothing. An
+//! announcement that finds the ring full goes on the socket, and so does every later one of
+//! that link; the initiator takes the ring before it applies any from the socket, so none
+//! overtakes an earlier one.
+//!
 //! Each connection has one progress thread per side, blocked in `recvmsg` while idle.
 //!
 //! **Trust.** Before anything else, the dialer and the target run the challenge-response in
@@ -83,6 +92,11 @@ pub(crate) const WROTE: u8 = 16;
 pub(crate) const RING: u8 = 17;
 /// Initiator → target: records wait in the ring and no target thread watches it.
 pub(crate) const RECORDS: u8 = 18;
+/// Target → initiator, with the memfd of the link's ring of announcements (`STANDING` and
+/// `REVOKE`, framed as on the socket): its length.
+pub(crate) const ANNOUNCE_RING: u8 = 19;
+/// Target → initiator: the ring of announcements is half full; take it.
+pub(crate) const ANNOUNCED: u8 = 20;
 
 /// How long `connect` waits for the target to accept and answer the handshake.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -131,6 +145,41 @@ struct Link {
     tx: Replies,
     /// Its ring of WRITE records, where one could be made.
     records: Option<Arc<Records>>,
+    /// Its ring of announcements, until the first that found no room in it: from then on
+    /// every announcement goes on the socket, so that none overtakes one before it.
+    notices: Option<Notices>,
+}
+
+/// The target's side of a link's ring of announcements (see [`Link::announce`]).
+struct Notices {
+    ring: MappedRing,
+    /// Bytes pushed so far.
+    tail: u64,
+}
+
+impl Link {
+    /// Tells the initiator `msg` (one framed `STANDING` or `REVOKE`): through the link's ring
+    /// of announcements while it has room, which costs no system call and wakes no thread
+    /// (the initiator takes the ring before each transfer it posts, and when its doorbell
+    /// rings at half full); on the socket otherwise.
+    fn announce(&mut self, msg: &[u8]) {
+        if let Some(n) = &mut self.notices {
+            let half = n.ring.capacity() / 2;
+            let before = n.ring.backlog(n.tail);
+            match n.ring.push(&mut n.tail, msg) {
+                Pushed::NoRoom => self.notices = None,
+                Pushed::Watched | Pushed::Unwatched => {
+                    if before < half && n.ring.backlog(n.tail) >= half {
+                        let mut bell = Vec::new();
+                        frame(&mut bell, ANNOUNCED, |_| {});
+                        announce(&self.tx, &bell);
+                    }
+                    return;
+                }
+            }
+        }
+        announce(&self.tx, msg);
+    }
 }
 
 /// The target's side of a link's ring of WRITE records (see `shm_ring`).
@@ -159,7 +208,7 @@ impl Records {
     /// for it (the link's records then all travel on the socket).
     fn create(host: &Host, peer: &str, stream: &Arc<UnixStream>) -> Option<Arc<Self>> {
         Some(Arc::new(Self {
-            ring: MappedRing::create()?,
+            ring: MappedRing::create("tessera-shm-records")?,
             host: host.clone(),
             peer: peer.to_owned(),
             stream: stream.clone(),
@@ -493,6 +542,7 @@ impl Transport for Shm {
             stream: stream.clone(),
             state: Mutex::new(State::default()),
             records: OnceLock::new(),
+            notices: OnceLock::new(),
         });
         let reader = conn.clone();
         std::thread::Builder::new()
@@ -564,8 +614,8 @@ impl Transport for Shm {
             });
         }
         // A link whose writer has gone is being torn down; it drops itself.
-        for l in &p.links {
-            announce(&l.tx, &msg);
+        for l in &mut p.links {
+            l.announce(&msg);
         }
         if p.grants.is_empty() && p.links.is_empty() {
             all.remove(peer);
@@ -1128,10 +1178,56 @@ struct State {
     requested: HashSet<u64>,
     pending: HashMap<u64, Xfer>,
     dead: Option<String>,
-    /// The target's standing exposures to us: `(registration, offset)` to `(len, key)`, and
-    /// the key's place there.
-    standing: std::collections::BTreeMap<(u64, u64), (u64, u64)>,
-    standing_keys: HashMap<u64, (u64, u64)>,
+    standing: Standings,
+    /// Bytes taken from the ring of announcements, and a record's buffer.
+    notices: (u64, Vec<u8>),
+}
+
+/// The target's standing exposures to us, as its announcements told them.
+#[derive(Default)]
+struct Standings {
+    /// `(registration, offset)` to `(len, key)`.
+    ranges: std::collections::BTreeMap<(u64, u64), (u64, u64)>,
+    /// Each key's place in `ranges`.
+    keys: HashMap<u64, (u64, u64)>,
+}
+
+impl Standings {
+    /// Applies the body `b` of a `STANDING` or `REVOKE`; `Err` names what is malformed.
+    fn apply(&mut self, ty: u8, b: &[u8]) -> Result<(), &'static str> {
+        if ty == REVOKE {
+            let key = u64_at(b, 0).ok_or("malformed REVOKE")?;
+            if let Some(at) = self.keys.remove(&key) {
+                self.ranges.remove(&at);
+            }
+            return Ok(());
+        }
+        let (Some(key), Some(reg), Some(off), Some(len)) =
+            (u64_at(b, 0), u64_at(b, 8), u64_at(b, 16), u64_at(b, 24))
+        else {
+            return Err("malformed STANDING");
+        };
+        if off.checked_add(len).is_none() {
+            return Err("malformed STANDING");
+        }
+        if let Some(old) = self.keys.insert(key, (reg, off)) {
+            self.ranges.remove(&old);
+        }
+        self.ranges.insert((reg, off), (len, key));
+        Ok(())
+    }
+}
+
+/// The type and body of a record of the ring of announcements: one framed `STANDING` or
+/// `REVOKE`.
+fn announcement(rec: &[u8]) -> Result<(u8, &[u8]), &'static str> {
+    let bad = "malformed announcement";
+    let (head, body) = rec.split_at_checked(HEADER).ok_or(bad)?;
+    let len = u32_at(head, 4).ok_or(bad)? as usize;
+    match head[0] {
+        STANDING | REVOKE if len == body.len() => Ok((head[0], body)),
+        _ => Err(bad),
+    }
 }
 
 impl State {
@@ -1139,11 +1235,12 @@ impl State {
     /// that registration is mapped: then it needs no grant.
     fn standing_covers(&self, plan: &crate::engine::Plan) -> bool {
         plan.op() == Op::Write
-            && !self.standing.is_empty()
+            && !self.standing.ranges.is_empty()
             && plan.segments().iter().all(|seg| {
                 self.mapped.contains_key(&seg.remote_reg)
                     && self
                         .standing
+                        .ranges
                         .range(..=(seg.remote_reg, seg.remote_offset))
                         .next_back()
                         .is_some_and(|(&(reg, off), &(len, _))| {
@@ -1166,6 +1263,8 @@ struct ShmConnection {
     state: Mutex<State>,
     /// The link's ring of WRITE records, once the target sent it.
     records: OnceLock<Producer>,
+    /// The link's ring of announcements, once the target sent it (its head is in `state`).
+    notices: OnceLock<MappedRing>,
 }
 
 /// The initiator's side of a link's ring of WRITE records (see `shm_ring`).
@@ -1193,6 +1292,26 @@ impl ShmConnection {
         for x in pending {
             x.done.complete(Err(self.gone(why)));
         }
+    }
+
+    /// Applies what the link's ring of announcements holds, in order (under the state's lock,
+    /// on whichever thread needs them now). `Err`, and the link must end, when it is
+    /// malformed.
+    fn take_notices(&self, st: &mut State) -> Result<(), &'static str> {
+        let Some(ring) = self.notices.get() else {
+            return Ok(());
+        };
+        let State {
+            standing, notices, ..
+        } = st;
+        let mut applied = Ok(());
+        let taken = ring.take(&mut notices.0, &mut notices.1, |rec| {
+            if applied.is_ok() {
+                applied = announcement(rec).and_then(|(ty, b)| standing.apply(ty, b));
+            }
+        });
+        taken.map_err(|_| "malformed ring of announcements")?;
+        applied
     }
 
     fn send(&self, build: impl FnOnce(&mut Vec<u8>)) -> io::Result<()> {
@@ -1255,28 +1374,35 @@ impl ShmConnection {
                     };
                     self.state.lock().requested.remove(&reg);
                 }
-                STANDING => {
-                    let (Some(key), Some(reg), Some(off), Some(len)) =
-                        (u64_at(b, 0), u64_at(b, 8), u64_at(b, 16), u64_at(b, 24))
-                    else {
-                        break "malformed STANDING".to_owned();
+                ANNOUNCE_RING => {
+                    let Some(len) = u64_at(b, 0) else {
+                        break "malformed ANNOUNCE_RING".to_owned();
                     };
-                    if off.checked_add(len).is_none() {
-                        break "malformed STANDING".to_owned();
+                    let Some(fd) = reader.fds.pop_front() else {
+                        break "ANNOUNCE_RING without a file descriptor".to_owned();
+                    };
+                    // The target announces through it from now on: announcements this side
+                    // cannot read would be lost, so the link cannot go on without it.
+                    let Some(ring) = MappedRing::map(fd, len) else {
+                        break "the ring of announcements could not be mapped".to_owned();
+                    };
+                    if self.notices.set(ring).is_err() {
+                        break "a second ring of announcements".to_owned();
                     }
-                    let mut st = self.state.lock();
-                    if let Some(old) = st.standing_keys.insert(key, (reg, off)) {
-                        st.standing.remove(&old);
-                    }
-                    st.standing.insert((reg, off), (len, key));
                 }
-                REVOKE => {
-                    let Some(key) = u64_at(b, 0) else {
-                        break "malformed REVOKE".to_owned();
-                    };
+                ANNOUNCED => {
+                    if let Err(why) = self.take_notices(&mut self.state.lock()) {
+                        break why.to_owned();
+                    }
+                }
+                STANDING | REVOKE => {
+                    // What the ring holds was announced before anything on the socket.
                     let mut st = self.state.lock();
-                    if let Some(at) = st.standing_keys.remove(&key) {
-                        st.standing.remove(&at);
+                    let applied = self
+                        .take_notices(&mut st)
+                        .and_then(|()| st.standing.apply(ty, b));
+                    if let Err(why) = applied {
+                        break why.to_owned();
                     }
                 }
                 GRANT | REJECT => {
@@ -1448,9 +1574,19 @@ impl Connection for ShmConnection {
             xfer.done.complete(result);
             return;
         }
-        if self.state.lock().standing_covers(xfer.plan()) {
-            self.write_standing(xfer);
-            return;
+        let standing = {
+            let mut st = self.state.lock();
+            self.take_notices(&mut st)
+                .map(|()| st.standing_covers(xfer.plan()))
+        };
+        match standing {
+            Ok(true) => return self.write_standing(xfer),
+            Ok(false) => {}
+            Err(why) => {
+                self.die(why);
+                let _ = self.stream.shutdown(std::net::Shutdown::Both);
+                return xfer.done.complete(Err(self.gone(why)));
+            }
         }
         let id = next_id();
         // Lock order: writer, then state. The progress thread never holds both, and the
@@ -1579,22 +1715,34 @@ fn serve(
         });
         tx.send(msg, Some(r.ring.memory().clone()));
     }
+    // Then its ring of announcements, before any announcement (a link without one sends
+    // them all on the socket).
+    let notices = MappedRing::create("tessera-shm-announcements").map(|ring| {
+        let mut msg = Vec::new();
+        frame(&mut msg, ANNOUNCE_RING, |b| {
+            b.extend_from_slice(&RING_BYTES.to_le_bytes())
+        });
+        tx.send(msg, Some(ring.memory().clone()));
+        Notices { ring, tail: 0 }
+    });
     // The peer's standing exposures reach it through this link from now on, those made
     // before it first.
     let link = next_id();
     {
         let mut all = standing.lock();
         let p = all.entry(peer.clone()).or_default();
-        for g in p.grants.values() {
-            let mut msg = Vec::new();
-            standing_msg(&mut msg, g);
-            tx.send(msg, None);
-        }
-        p.links.push(Link {
+        let mut l = Link {
             id: link,
             tx: tx.clone(),
             records: records.clone(),
-        });
+            notices,
+        };
+        for g in p.grants.values() {
+            let mut msg = Vec::new();
+            standing_msg(&mut msg, g);
+            l.announce(&msg);
+        }
+        p.links.push(l);
     }
     let mut reader = Reader::new();
     let mut grants: HashMap<u64, Grant> = HashMap::new();
@@ -1735,64 +1883,176 @@ mod tests {
         Duration::from_secs(60)
     }
 
-    /// Standing ranges made or withdrawn while this thread holds its announcements reach the
-    /// peer when the hold ends, not before; the target's checks change at once.
+    /// Standing ranges made or withdrawn reach the peer through the link's ring of
+    /// announcements at once, under a hold on announcements too (it holds back only what
+    /// goes on the socket); the target's checks change at once as well.
     #[test]
-    fn held_announcements_go_out_when_the_hold_ends() {
-        use crate::{Ops, RegisteredPool, TransferError};
-        let unit = Agent::new("unit", Shm::new()).unwrap();
-        let pool = RegisteredPool::new_scoped(&unit, 1 << 16).unwrap();
-        let reg = pool.registration();
+    fn announcements_reach_the_peer_through_the_ring_at_once() {
+        use crate::{Ops, Status, TransferError};
+        let side = UnitSide::new();
+        let reg = side.reg();
         let granted = reg.expose("client", 4096, 4096, Ops::WRITE).unwrap();
-        let client = Agent::new("client", Shm::new()).unwrap();
-        let src = Region::new(16384).unwrap();
-        let local = client.register(&src).unwrap();
-        let peer = client.add_remote(&unit.metadata()).unwrap();
-        let write = |offset: u64, len: u64| {
-            peer.write(
-                &[local.desc(0, len).unwrap()],
-                &[reg.remote(offset, len).unwrap()],
-                None,
-            )
-            .unwrap()
-            .wait_timeout(bound())
-        };
+        let sender = ClientSide::new(&side, 8192, 0x11);
+        let write = |offset, len| sender.write(&side, offset, len, None).wait_timeout(bound());
         // Maps the registration and opens the link (through a grant).
         write(4096, 64).unwrap();
         let hold = Agent::hold_announcements();
         let standing = reg.expose_standing("client", 0, 4096).unwrap();
-        // A grant's round trip: an announcement sent at once would have come before it.
-        write(4096, 64).unwrap();
-        write(100, 100).unwrap();
-        assert_eq!(
-            client.report().standing_writes,
-            0,
-            "announced under the hold"
+        let t = sender.write(&side, 100, 100, None);
+        assert!(
+            matches!(t.status(), Status::Done),
+            "no round trip to wait for"
         );
+        assert_eq!(sender.client.report().standing_writes, 1);
         assert_eq!(standing.wait_written(100, bound()), 100);
-        drop(hold);
-        write(4096, 64).unwrap();
-        write(200, 100).unwrap();
-        assert_eq!(
-            client.report().standing_writes,
-            1,
-            "not announced after the hold"
-        );
-        // Withdrawn under a hold: the peer has not heard, so it still copies without asking
-        // (and the target records nothing of it); once the hold ends it asks, and is refused.
-        let hold = Agent::hold_announcements();
+        // Withdrawn: the next WRITE there asks, and is refused.
         drop(standing);
-        write(300, 100).unwrap();
-        assert_eq!(client.report().standing_writes, 2);
-        drop(hold);
-        write(4096, 64).unwrap();
         let refused = write(300, 100);
         assert!(
             matches!(refused, Err(TransferError::Rejected { .. })),
             "{refused:?}"
         );
-        assert_eq!(client.report().standing_writes, 2);
+        assert_eq!(sender.client.report().standing_writes, 1);
+        drop(hold);
         drop(granted);
+    }
+
+    /// Whether `peer`'s first inbound link still announces through its ring, and the bytes
+    /// waiting there.
+    fn notices_of(engine: &Arc<Inner>, peer: &str) -> Option<u64> {
+        let all = engine.standing.lock();
+        let link = all.get(peer)?.links.first()?;
+        link.notices.as_ref().map(|n| n.ring.backlog(n.tail))
+    }
+
+    /// Announcements the initiator does not take (it posts no transfer) ring its doorbell
+    /// once the ring is half full: its serving thread then takes them, and the ring never
+    /// fills.
+    #[test]
+    fn a_half_full_ring_of_announcements_rings_the_initiators_doorbell() {
+        let side = UnitSide::new();
+        let reg = side.reg();
+        let sender = ClientSide::new(&side, 4096, 0);
+        // Opens the link (refused: nothing is exposed).
+        sender
+            .write(&side, 0, 64, None)
+            .wait_timeout(bound())
+            .unwrap_err();
+        // Ranges kept, each one STANDING: the push that reaches half is the last.
+        let half = (RING_BYTES - crate::shm_ring::DATA_AT as u64) / 2;
+        let mut made = Vec::new();
+        while notices_of(&side.engine, "client").expect("the ring") < half {
+            made.push(reg.expose_standing("client", 0, 64).unwrap());
+            assert!(made.len() < 10_000, "the ring never reached half");
+        }
+        let deadline = Instant::now() + bound();
+        while notices_of(&side.engine, "client") != Some(0) {
+            assert!(
+                Instant::now() < deadline,
+                "the initiator never took the ring"
+            );
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    /// Announcements that find the ring full (its doorbell held back here) go on the socket
+    /// from then on, and the initiator applies them after everything the ring holds: a range
+    /// the ring announced and the socket withdrew stays withdrawn. Held, they go out when the
+    /// hold ends.
+    #[test]
+    fn announcements_past_a_full_ring_follow_it_on_the_socket() {
+        use crate::{Ops, TransferError};
+        let side = UnitSide::new();
+        let reg = side.reg();
+        let granted = reg.expose("client", 4096, 4096, Ops::WRITE).unwrap();
+        let sender = ClientSide::new(&side, 4096, 0x22);
+        let write = |offset, len| sender.write(&side, offset, len, None).wait_timeout(bound());
+        write(4096, 64).unwrap();
+        let hold = Agent::hold_announcements();
+        let early = reg.expose_standing("client", 0, 1024).unwrap();
+        let mut made = 0;
+        while notices_of(&side.engine, "client").is_some() {
+            drop(reg.expose_standing("client", 8192, 64).unwrap());
+            made += 1;
+            assert!(made < 10_000, "the ring never filled");
+        }
+        drop(early);
+        let late = reg.expose_standing("client", 2048, 1024).unwrap();
+        // The ring's announcements reach it, the held ones not yet: `early` still stands to
+        // it (the target records nothing of the copy), `late` needs a grant.
+        write(0, 100).unwrap();
+        write(2048, 100).unwrap();
+        assert_eq!(sender.client.report().standing_writes, 1);
+        drop(hold);
+        // A grant's round trip: the GRANT comes after the held announcements.
+        write(4096, 64).unwrap();
+        let refused = write(0, 100);
+        assert!(
+            matches!(refused, Err(TransferError::Rejected { .. })),
+            "{refused:?}"
+        );
+        write(2048, 100).unwrap();
+        assert_eq!(sender.client.report().standing_writes, 2);
+        drop((late, granted));
+    }
+
+    /// A ring of announcements holding what no honest target stores ends the link at the
+    /// initiator's next transfer: a record that is not one framed announcement, a STANDING
+    /// whose range overflows.
+    #[test]
+    fn a_malformed_ring_of_announcements_ends_the_link() {
+        use crate::TransferError;
+        let mut overflowing = Vec::new();
+        standing_msg(
+            &mut overflowing,
+            &Standing {
+                key: 1,
+                reg: 1,
+                offset: u64::MAX,
+                len: 2,
+            },
+        );
+        let mut short = Vec::new();
+        frame(&mut short, REVOKE, |b| b.extend_from_slice(&[1, 2, 3]));
+        let mut wrong_type = Vec::new();
+        frame(&mut wrong_type, GRANT, |b| b.extend_from_slice(&[0; 8]));
+        let cases = [
+            ("a bare body", vec![0u8; 8]),
+            ("a length past the record", {
+                let mut m = overflowing.clone();
+                m.truncate(HEADER + 8);
+                m
+            }),
+            ("an overflowing range", overflowing),
+            ("a short REVOKE", short),
+            ("another message type", wrong_type),
+        ];
+        for (what, record) in cases {
+            let side = UnitSide::new();
+            let standing = side.reg().expose_standing("client", 0, 4096).unwrap();
+            let sender = ClientSide::new(&side, 4096, 0);
+            let write = |offset| sender.write(&side, offset, 64, None).wait_timeout(bound());
+            write(8192).unwrap_err();
+            write(0).unwrap();
+            assert_eq!(standing.wait_written(64, bound()), 64, "{what}");
+            {
+                let mut all = side.engine.standing.lock();
+                let link = &mut all.get_mut("client").unwrap().links[0];
+                let n = link.notices.as_mut().unwrap();
+                assert_eq!(n.ring.push(&mut n.tail, &record), Pushed::Unwatched);
+            }
+            let after = write(0);
+            assert!(
+                matches!(after, Err(TransferError::PeerGone { .. })),
+                "{what}: {after:?}"
+            );
+            let deadline = Instant::now() + bound();
+            while side.unit.peer_link("client") != LinkState::Closed {
+                assert!(Instant::now() < deadline, "the link stayed open: {what}");
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            assert_eq!(standing.written(), 64, "{what}");
+        }
     }
 
     /// A unit agent with a scoped pool of 64 KiB: the target of the standing-range tests.
@@ -2360,7 +2620,12 @@ mod tests {
         assert_eq!(
             raw.read_frame().unwrap(),
             (RING, RING_BYTES.to_le_bytes().to_vec()),
-            "the link's ring first"
+            "the link's ring of records first"
+        );
+        assert_eq!(
+            raw.read_frame().unwrap(),
+            (ANNOUNCE_RING, RING_BYTES.to_le_bytes().to_vec()),
+            "then its ring of announcements"
         );
         raw.send_frame(MAP_REQ, &g.id().to_le_bytes()).unwrap();
         let (ty, body) = raw.read_frame().unwrap();

@@ -1,5 +1,7 @@
-//! The `shm` engine's ring of WRITE records: a single-producer, single-consumer byte ring in a
-//! memfd that the target of a link creates and maps into the initiator.
+//! The `shm` engine's rings: single-producer, single-consumer byte rings in memfds that the
+//! target of a link creates and maps into the initiator. One carries the initiator's WRITE
+//! records to the target (below); the other the target's announcements of standing ranges to
+//! the initiator, which takes it before every transfer it posts (see `shm`).
 //!
 //! A WRITE into a standing range is a copy the initiator runs itself; the target learns that
 //! it landed from a record. Sent over the link's socket (`WROTE`), that record costs a system
@@ -20,7 +22,9 @@
 //! ends the link ([`Malformed`]). The consumer copies each record out of the shared memory
 //! before it parses it, and the target checks every span it names against its exposures as it
 //! would a `WROTE`'s. A target can corrupt its own ring only: the producer bounds every store
-//! by the capacity and treats a head it cannot believe as a full ring.
+//! by the capacity and treats a head it cannot believe as a full ring. In the ring of
+//! announcements the roles swap: the target produces, and the initiator parses each record as
+//! the `STANDING` or `REVOKE` it would read on the socket.
 
 use std::os::fd::OwnedFd;
 use std::ptr::NonNull;
@@ -86,9 +90,9 @@ pub(crate) struct MappedRing {
 }
 
 impl MappedRing {
-    /// A new ring in a fresh memfd of [`RING_BYTES`], for the target of a link.
-    pub(crate) fn create() -> Option<Self> {
-        Self::over(Region::memfd("tessera-shm-records", RING_BYTES).ok()?)
+    /// A new ring in a fresh memfd of [`RING_BYTES`] named `name`, for the target of a link.
+    pub(crate) fn create(name: &str) -> Option<Self> {
+        Self::over(Region::memfd(name, RING_BYTES).ok()?)
     }
 
     /// The ring the target sent: its memfd, of `len` bytes. `None` when it cannot be used.
@@ -234,6 +238,10 @@ impl Ring {
     ) -> Result<(), Malformed> {
         let h = self.header();
         let tail = h.tail.load(Ordering::Acquire);
+        // Nothing new: the head's line stays as it is, in the producer's cache too.
+        if tail == *head {
+            return Ok(());
+        }
         if tail.wrapping_sub(*head) > self.cap {
             return Err(Malformed);
         }
@@ -267,6 +275,18 @@ impl Ring {
         *head = at_head;
         h.head.store(*head, Ordering::Release);
         Ok(())
+    }
+
+    /// Producer: the bytes pushed (up to `tail`) that the consumer has not taken yet; the
+    /// whole capacity when its head cannot be believed.
+    pub(crate) fn backlog(&self, tail: u64) -> u64 {
+        let head = self.header().head.load(Ordering::Acquire);
+        tail.wrapping_sub(head).min(self.cap)
+    }
+
+    /// The data area's size.
+    pub(crate) fn capacity(&self) -> u64 {
+        self.cap
     }
 
     /// Consumer: one more thread spins on the ring; the producer rings no doorbell meanwhile.

@@ -414,8 +414,10 @@ async fn session(
                 let _g = span.enter();
                 let started = Instant::now();
                 // The standing ranges the handling withdraws or grants (a used credit, the
-                // next one) are announced to the client's engine after the answer has left,
-                // in one message, and not under the unit's lock.
+                // next one) are announced to the client's engine at once where the engine
+                // does so through shared memory (shm's ring: a few stores, under the unit's
+                // lock too), else after the answer has left, in one message, and not under
+                // the unit's lock.
                 let announcements = Agent::hold_announcements();
                 let handled = {
                     let mut unit = shared.unit.lock();

@@ -135,13 +135,15 @@ impl Drop for AnnouncementHold {
 
 impl Agent {
     /// Holds back the announcements that standing exposures made or withdrawn on this thread
-    /// send to their peers ([`Registration::expose_standing`], `shm`'s `STANDING` and
-    /// `REVOKE`) until the returned hold is dropped; then each peer link's go out in one
+    /// send to their peers on a socket ([`Registration::expose_standing`], `shm`'s `STANDING`
+    /// and `REVOKE`) until the returned hold is dropped; then each peer link's go out in one
     /// message, in the order they were made. The target's own checks change at once: a
     /// withdrawn range records no WRITE from then on, whether or not its peer has heard.
     /// A server takes it around a request's handling so that the answer leaves before the
     /// announcements the handling made (each a system call, and a wake-up of the peer's engine
-    /// thread). Holds nest; engines that announce nothing ignore them.
+    /// thread). Announcements that travel through shared memory instead (`shm`'s ring of
+    /// announcements, while it has room) cost neither and are not held: the peer has them
+    /// before the answer. Holds nest; engines that announce nothing ignore them.
     pub fn hold_announcements() -> AnnouncementHold {
         crate::shm::hold_announcements();
         AnnouncementHold(std::marker::PhantomData)
