@@ -366,6 +366,19 @@ impl Exposure {
         }
     }
 
+    /// Keeps the peer's WRITEs into this agent's standing ranges from waking its engine's
+    /// thread until the returned watch drops; they are recorded then
+    /// ([`Transport::watch_writes`](crate::engine::Transport::watch_writes)). For a standing
+    /// exposure whose caller learns from the peer itself that its WRITE landed (a client's
+    /// GET block, which the server's answer follows) and never waits on the record. Other
+    /// exposures watch nothing.
+    pub fn watch_written(&self) -> crate::engine::WriteWatch {
+        match &self.standing {
+            Some((engine, _)) => engine.watch_writes(&self.peer),
+            None => crate::engine::WriteWatch::default(),
+        }
+    }
+
     /// [`Exposure::wait_written`] for async callers: ready once completed WRITEs covered at
     /// least `bytes` of it; otherwise the task is woken when the coverage grows.
     pub fn poll_written(&self, bytes: u64, cx: &mut Context<'_>) -> Poll<()> {

@@ -234,6 +234,7 @@ pub(crate) trait ListedEngine: Send + Sync {
         window: std::time::Duration,
         done: &mut dyn FnMut() -> bool,
     ) -> bool;
+    fn watch_writes(&self, peer: &str) -> crate::engine::WriteWatch;
 }
 
 impl RegEntry {

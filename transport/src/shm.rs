@@ -63,7 +63,9 @@ use crate::handshake::{self, PRE_AUTH_DEADLINE, PRE_AUTH_MAX};
 use crate::shm_ring::{MappedRing, Pushed, RING_BYTES};
 
 use crate::engine::wire::{u32_at, u64_at};
-use crate::engine::{Connection, Grant, Host, Op, PeerInfo, RegInfo, Standing, Transport, Xfer};
+use crate::engine::{
+    Connection, Grant, Host, Op, PeerInfo, RegInfo, Standing, Transport, WriteWatch, Xfer,
+};
 use crate::error::{BackendError, RegisterError, RejectReason, TransferError};
 use crate::region::next_id;
 use crate::Region;
@@ -396,6 +398,16 @@ fn standing_msg(out: &mut Vec<u8>, g: &Standing) {
 }
 
 impl Shm {
+    /// The rings of records of `peer`'s inbound links.
+    fn rings_of(&self, peer: &str) -> Vec<Arc<Records>> {
+        self.inner
+            .standing
+            .lock()
+            .get(peer)
+            .map(|p| p.links.iter().filter_map(|l| l.records.clone()).collect())
+            .unwrap_or_default()
+    }
+
     /// A new engine listening on an abstract Unix socket named after the process.
     pub fn new() -> Self {
         Self {
@@ -564,13 +576,7 @@ impl Transport for Shm {
         window: Duration,
         done: &mut dyn FnMut() -> bool,
     ) -> bool {
-        let rings: Vec<Arc<Records>> = self
-            .inner
-            .standing
-            .lock()
-            .get(peer)
-            .map(|p| p.links.iter().filter_map(|l| l.records.clone()).collect())
-            .unwrap_or_default();
+        let rings = self.rings_of(peer);
         if rings.is_empty() {
             return done();
         }
@@ -594,6 +600,24 @@ impl Transport for Shm {
             r.take();
         }
         done()
+    }
+
+    /// Counts as a watcher of the rings of `peer`'s inbound links until the watch drops, then
+    /// takes what they hold (a link opened meanwhile rings its doorbells as before).
+    fn watch_writes(&self, peer: &str) -> WriteWatch {
+        let rings = self.rings_of(peer);
+        if rings.is_empty() {
+            return WriteWatch::default();
+        }
+        for r in &rings {
+            r.ring.watch();
+        }
+        WriteWatch::new(move || {
+            for r in &rings {
+                r.ring.unwatch();
+                r.take();
+            }
+        })
     }
 
     /// Tells every inbound link of `peer` (and any it opens later) that it may WRITE the
@@ -2260,6 +2284,44 @@ mod tests {
         let mut got = vec![0u8; 1600];
         reg.region().read_at(0, &mut got).unwrap();
         assert!(got.iter().all(|b| *b == 0x3C));
+    }
+
+    /// While a watch of the peer's WRITEs lives, a standing WRITE of that peer rings no
+    /// doorbell and is not recorded; the watch's end records it, and the next WRITE rings
+    /// again.
+    #[test]
+    fn a_watch_keeps_standing_writes_quiet_until_it_ends() {
+        let side = UnitSide::new();
+        let sender = ClientSide::new(&side, 4096, 0x5C);
+        let standing = side.reg().expose_standing("client", 0, 4096).unwrap();
+        // Maps the registration through a grant (refused: outside every exposure).
+        sender
+            .write(&side, 8192, 64, None)
+            .wait_timeout(bound())
+            .unwrap_err();
+        let ring = ring_of(&side.engine, "client");
+        let doorbells = || ring.doorbells.load(Ordering::Relaxed);
+        let watch = standing.watch_written();
+        assert_eq!(ring.ring.watchers(), 1);
+        sender
+            .write(&side, 0, 1000, None)
+            .wait_timeout(bound())
+            .unwrap();
+        assert_eq!(sender.client.report().standing_writes, 1);
+        std::thread::sleep(Duration::from_millis(20));
+        assert_eq!((doorbells(), standing.written()), (0, 0));
+        drop(watch);
+        assert_eq!((ring.ring.watchers(), standing.written()), (0, 1000));
+        sender
+            .write(&side, 1000, 100, None)
+            .wait_timeout(bound())
+            .unwrap();
+        assert_eq!(standing.wait_written(1100, bound()), 1100);
+        assert_eq!(doorbells(), 1);
+        // A peer with no link watches nothing.
+        let elsewhere = side.reg().expose_standing("nobody", 2048, 64).unwrap();
+        drop(elsewhere.watch_written());
+        assert_eq!(ring.ring.watchers(), 0);
     }
 
     /// A ring whose producer stored what no honest one would ends the link at the next take:

@@ -9,6 +9,7 @@ use crate::core::client::{GetOp, GetStep};
 use crate::error::ClientError;
 use crate::plane::freeze_written;
 use crate::proto::Request;
+use tessera_transport::engine::WriteWatch;
 use tessera_transport::{Exposure, RemoteDesc};
 
 impl Client {
@@ -25,12 +26,13 @@ impl Client {
         let shape = shape(&fields, indexes.len());
         // A GET of a shape seen before offers a block of about its size up front: one round
         // trip when the values fit it. The block is a standing exposure to the unit's agent,
-        // which can then WRITE into it without asking first (`shm`).
+        // which can then WRITE into it without asking first (`shm`), and its WRITE wakes no
+        // thread here: the answer, which follows it, says it landed.
         let offered = conn
             .offer_for(shape)
             .and_then(|size| self.offer(conn, size));
         let (mut op, mut step) = match &offered {
-            Some((_, _, desc)) => GetOp::offered(
+            Some((_, _, _, desc)) => GetOp::offered(
                 unit,
                 partition,
                 indexes,
@@ -48,7 +50,7 @@ impl Client {
                 self.decoder.clone(),
             ),
         };
-        let mut offered = offered.map(|(b, e, _)| (b, e));
+        let mut offered = offered.map(|(b, e, w, _)| (b, (w, e)));
         // The receive block and the bytes of it the frames occupy.
         let mut block: Option<(tessera_transport::PoolBlock, u64)> = None;
         loop {
@@ -102,8 +104,9 @@ impl Client {
                     let landed = match (block.take(), offered.take()) {
                         (Some(b), _) => Some(b),
                         // Written into the offered block: laid out as its meta says.
-                        (None, Some((b, exposure))) => {
-                            drop(exposure);
+                        (None, Some((b, watched))) => {
+                            // The watch ends (taking the WRITE's record), then the exposure.
+                            drop(watched);
                             let size = op.landed_size().unwrap_or(0);
                             conn.laid_out(shape, size);
                             Some((b, size))
@@ -122,19 +125,26 @@ impl Client {
     }
 
     /// A block of `size` bytes of the receive pool offered to `conn`'s unit, standing: the
-    /// block, its exposure and its descriptor. `None` when the pool has no room for it now
-    /// (the GET then asks first, as a plain GET does).
+    /// block, its exposure, the watch that keeps the unit's WRITE from waking this agent's
+    /// engine (its record is taken when the watch ends) and its descriptor. `None` when the
+    /// pool has no room for it now (the GET then asks first, as a plain GET does).
     fn offer(
         &self,
         conn: &Conn,
         size: u64,
-    ) -> Option<(tessera_transport::PoolBlock, Exposure, RemoteDesc)> {
+    ) -> Option<(
+        tessera_transport::PoolBlock,
+        Exposure,
+        WriteWatch,
+        RemoteDesc,
+    )> {
         let b = self.pool.lease(size.max(1), conn.align).ok()?;
         let exposure = b
             .registration()
             .expose_standing(conn.peer.name(), b.offset(), b.len())
             .ok()?;
         let desc = b.remote().ok()?;
-        Some((b, exposure, desc))
+        let watch = exposure.watch_written();
+        Some((b, exposure, watch, desc))
     }
 }

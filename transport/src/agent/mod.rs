@@ -71,6 +71,10 @@ impl ListedEngine for EngineDeregister {
     ) -> bool {
         self.0.spin_for_writes(peer, window, done)
     }
+
+    fn watch_writes(&self, peer: &str) -> crate::engine::WriteWatch {
+        self.0.watch_writes(peer)
+    }
 }
 
 /// Whether a peer can still reach this agent's memory, as far as its engine can tell.

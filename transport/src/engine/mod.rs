@@ -24,4 +24,4 @@ pub mod wire;
 pub use crate::transfer::{Completion, Op, Plan, Segment};
 pub(crate) use host::HostShared;
 pub use host::{Grant, Host, LinkGuard};
-pub use traits::{Connection, PeerInfo, RegInfo, RemoteReg, Standing, Transport, Xfer};
+pub use traits::{Connection, PeerInfo, RegInfo, RemoteReg, Standing, Transport, WriteWatch, Xfer};

@@ -122,9 +122,49 @@ pub trait Transport: Send + Sync + 'static {
         done()
     }
 
+    /// Keeps `peer`'s WRITEs into standing ranges from waking this engine's thread until the
+    /// returned watch drops, and records them then (`shm`: the rings of records of `peer`'s
+    /// inbound links count as watched, so their initiators ring no doorbell; the watch's end
+    /// takes what they hold). For a target that learns from elsewhere that such a WRITE
+    /// landed (a server's answer, sent after its WRITE) and needs no wake-up for its record;
+    /// a WRITE of `peer` that something waits for meanwhile is recorded only once the watch
+    /// ends, or by a spin. The default watches nothing.
+    fn watch_writes(&self, peer: &str) -> WriteWatch {
+        let _ = peer;
+        WriteWatch::default()
+    }
+
     /// Stops progress, fails every pending transfer with a peer-gone or shutdown error, and
     /// releases the engine's resources. Called once, when the agent is dropped.
     fn shutdown(&self);
+}
+
+/// What [`Transport::watch_writes`] returns: runs its end when dropped.
+#[derive(Default)]
+#[must_use = "the watch ends when it is dropped"]
+pub struct WriteWatch(Option<Box<dyn FnOnce() + Send>>);
+
+impl WriteWatch {
+    /// A watch that ends with `end`.
+    pub fn new(end: impl FnOnce() + Send + 'static) -> Self {
+        Self(Some(Box::new(end)))
+    }
+}
+
+impl Drop for WriteWatch {
+    fn drop(&mut self) {
+        if let Some(end) = self.0.take() {
+            end();
+        }
+    }
+}
+
+impl fmt::Debug for WriteWatch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("WriteWatch")
+            .field("watching", &self.0.is_some())
+            .finish()
+    }
 }
 
 /// A range of a registration one peer may WRITE until it is withdrawn
