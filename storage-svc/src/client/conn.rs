@@ -60,11 +60,48 @@ pub(super) struct Conn {
     credits: Mutex<Vec<Credit>>,
     /// What GETs of one shape (their fields and count of indexes) laid out to lately, to size
     /// the block the next such GET offers.
-    shapes: Mutex<HashMap<u64, u64>>,
+    shapes: Mutex<OfferSizes>,
 }
 
 /// Shapes of GETs remembered per session, at most (the map is emptied beyond).
 const SHAPES: usize = 256;
+
+/// GETs of one shape whose sizes an offer covers: the last this many.
+const RECENT: usize = 16;
+
+/// How large a block the next GET of each shape offers: an eighth above the largest of the
+/// last [`RECENT`] GETs of that shape. Values of one shape vary from GET to GET (a rollout
+/// micro-batch's token counts); an offer that followed the latest sizes missed the larger
+/// ones, which then took a second round trip (a quarter of the benchmark's rollout GETs).
+#[derive(Default)]
+struct OfferSizes(HashMap<u64, Recent>);
+
+/// The sizes the last [`RECENT`] GETs of one shape laid out to, in a ring.
+#[derive(Default)]
+struct Recent {
+    sizes: [u64; RECENT],
+    next: usize,
+}
+
+impl OfferSizes {
+    fn offer_for(&self, key: u64) -> Option<u64> {
+        let largest = self.0.get(&key)?.sizes.iter().copied().max()?;
+        Some(largest + largest / 8)
+    }
+
+    fn forget(&mut self, key: u64) {
+        self.0.remove(&key);
+    }
+
+    fn laid_out(&mut self, key: u64, size: u64) {
+        if self.0.len() >= SHAPES && !self.0.contains_key(&key) {
+            self.0.clear();
+        }
+        let r = self.0.entry(key).or_default();
+        r.sizes[r.next] = size;
+        r.next = (r.next + 1) % RECENT;
+    }
+}
 
 /// A GET's shape: its fields and how many indexes it names, as the key of `Conn::shapes`.
 pub(super) fn shape(fields: &[String], indexes: usize) -> u64 {
@@ -188,31 +225,24 @@ impl Conn {
             timeout: cfg.timeout,
             pull: cfg.backend.pulls_puts(),
             credits: Mutex::new(Vec::new()),
-            shapes: Mutex::new(HashMap::new()),
+            shapes: Mutex::new(OfferSizes::default()),
         })
     }
 
     /// How large a block a GET of shape `key` ([`shape`]) should offer, from what GETs of its
-    /// shape laid out to lately (an eighth above the largest, which shrinks slowly); `None`
-    /// before any did.
+    /// shape laid out to lately ([`OfferSizes`]); `None` before any did.
     pub(super) fn offer_for(&self, key: u64) -> Option<u64> {
-        let seen = *self.shapes.lock().get(&key)?;
-        Some(seen + seen / 8)
+        self.shapes.lock().offer_for(key)
     }
 
     /// A GET of shape `key` ([`shape`]) came back inline: no offer until one is laid out.
     pub(super) fn answered_inline(&self, key: u64) {
-        self.shapes.lock().remove(&key);
+        self.shapes.lock().forget(key);
     }
 
     /// A GET of shape `key` ([`shape`]) laid out to `size` bytes.
     pub(super) fn laid_out(&self, key: u64, size: u64) {
-        let mut shapes = self.shapes.lock();
-        if shapes.len() >= SHAPES {
-            shapes.clear();
-        }
-        let seen = shapes.entry(key).or_insert(0);
-        *seen = size.max(*seen - *seen / 8);
+        self.shapes.lock().laid_out(key, size);
     }
 
     /// Takes a credit whose block holds `frames` laid out with the unit's alignment, if the
@@ -538,5 +568,37 @@ async fn read_loop(unit: usize, r: Box<dyn AsyncRead + Send + Unpin>, waiters: W
                 std::thread::yield_now();
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An offer covers the largest of the last [`RECENT`] GETs of its shape, an eighth
+    /// above, whatever came between; older sizes age out, an inline answer forgets the
+    /// shape, and shapes past [`SHAPES`] start the map over.
+    #[test]
+    fn offers_cover_the_largest_recent_get_of_their_shape() {
+        let mut o = OfferSizes::default();
+        assert_eq!(o.offer_for(1), None);
+        o.laid_out(1, 800);
+        for _ in 0..RECENT - 1 {
+            o.laid_out(1, 80);
+        }
+        assert_eq!(o.offer_for(1), Some(900));
+        o.laid_out(1, 80);
+        assert_eq!(o.offer_for(1), Some(90));
+        o.laid_out(2, 16);
+        assert_eq!((o.offer_for(1), o.offer_for(2)), (Some(90), Some(18)));
+        o.forget(1);
+        assert_eq!(o.offer_for(1), None);
+        for key in 3..=SHAPES as u64 + 1 {
+            o.laid_out(key, 8);
+        }
+        o.laid_out(2, 16);
+        assert_eq!(o.offer_for(2), Some(18), "a shape it holds keeps the map");
+        o.laid_out(0, 8);
+        assert_eq!((o.offer_for(0), o.offer_for(2)), (Some(9), None));
     }
 }
