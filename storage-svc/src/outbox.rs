@@ -104,6 +104,11 @@ impl OutState {
     pub(crate) fn fail(&mut self) {
         self.broken = true;
     }
+
+    /// Whether a write failed: the connection carries nothing more.
+    pub(crate) fn broken(&self) -> bool {
+        self.broken
+    }
 }
 
 #[cfg(test)]

@@ -13,7 +13,7 @@ use tessera_storage::testing::VecMem;
 use tessera_storage::{
     Backend, BackendExt, Client, ClientConfig, ClientError, ErrorKind, Server, ServerConfig, Token,
 };
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 const GUARD: Duration = Duration::from_secs(60);
@@ -580,7 +580,6 @@ async fn peers_that_cannot_be_reached_fail_only_their_session() {
 /// answers just after the client's deadline.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_answer_that_came_is_not_a_timeout() {
-    use tessera_transport::auth;
     let timeout = Duration::from_millis(300);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();
@@ -588,26 +587,7 @@ async fn an_answer_that_came_is_not_a_timeout() {
     let md = unit_agent.metadata();
     let unit = tokio::spawn(async move {
         let (mut s, _) = listener.accept().await.unwrap();
-        let (id, req) = read_request(&mut s).await;
-        let Request::Hello { nonce, agent } = req else {
-            panic!("{req:?}")
-        };
-        let ours = auth::nonce();
-        let parts = proto::handshake_parts(&nonce, &ours, &agent);
-        let proof = auth::prove(None, proto::UNIT_PROOF, &parts);
-        let challenge = Response::Challenge {
-            nonce: ByteBuf::from(ours.to_vec()),
-            proof: ByteBuf::from(proof.to_vec()),
-        };
-        send(&mut s, id, &challenge).await;
-        let (id, _) = read_request(&mut s).await;
-        let welcome = Response::Welcome {
-            agent: md,
-            backend: "inproc".into(),
-            inline_max: 1024,
-            align: 64,
-        };
-        send(&mut s, id, &welcome).await;
+        fake_welcome(&mut s, md).await;
         // STATS is answered just after the client's deadline.
         let (id, _) = read_request(&mut s).await;
         tokio::time::sleep(timeout + Duration::from_millis(20)).await;
@@ -631,7 +611,80 @@ async fn an_answer_that_came_is_not_a_timeout() {
     unit.await.unwrap();
 }
 
-async fn read_request(s: &mut TcpStream) -> (u64, Request) {
+/// A fake unit's side of the handshake (Hello, Challenge, Auth, Welcome), with no token and
+/// `md` as the unit's agent.
+async fn fake_welcome(s: &mut (impl AsyncRead + AsyncWrite + Unpin), md: Vec<u8>) {
+    use tessera_transport::auth;
+    let (id, req) = read_request(s).await;
+    let Request::Hello { nonce, agent } = req else {
+        panic!("{req:?}")
+    };
+    let ours = auth::nonce();
+    let parts = proto::handshake_parts(&nonce, &ours, &agent);
+    let proof = auth::prove(None, proto::UNIT_PROOF, &parts);
+    let challenge = Response::Challenge {
+        nonce: ByteBuf::from(ours.to_vec()),
+        proof: ByteBuf::from(proof.to_vec()),
+    };
+    send(s, id, &challenge).await;
+    let (id, _) = read_request(s).await;
+    let welcome = Response::Welcome {
+        agent: md,
+        backend: "inproc".into(),
+        inline_max: 1024,
+        align: 64,
+    };
+    send(s, id, &welcome).await;
+}
+
+/// Finding: a client whose write to the unit failed (the unit had closed) sent its next
+/// request on the same session and failed again: the session counted as ended only once the
+/// connection's reader had heard the close, a race on a busy machine. Here the unit shuts
+/// only its reading side, so the reader hears nothing ever: the failed write alone must end
+/// the session, and the next request opens a new one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_write_ends_the_session() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("unit.sock");
+    let listener = tokio::net::UnixListener::bind(&path).unwrap();
+    let unit_agent = Backend::Inproc.role_agent("fake-unit").unwrap();
+    let md = unit_agent.metadata();
+    let (shut_tx, shut) = tokio::sync::oneshot::channel();
+    let unit = tokio::spawn(async move {
+        let (mut first, _) = listener.accept().await.unwrap();
+        fake_welcome(&mut first, md.clone()).await;
+        let first = first.into_std().unwrap();
+        first.shutdown(std::net::Shutdown::Read).unwrap();
+        shut_tx.send(()).unwrap();
+        let (mut second, _) = listener.accept().await.unwrap();
+        fake_welcome(&mut second, md).await;
+        let (id, req) = read_request(&mut second).await;
+        assert!(matches!(req, Request::Stats), "{req:?}");
+        send(&mut second, id, &Response::Stats(Default::default())).await;
+        let mut rest = Vec::new();
+        let _ = second.read_to_end(&mut rest).await;
+        drop(first);
+    });
+    let c = Client::connect(ClientConfig {
+        units: vec![format!("unix:{}", path.display())],
+        backend: Backend::Inproc,
+        recv_pool_bytes: 1 << 20,
+        timeout: GUARD,
+        ..ClientConfig::default()
+    })
+    .await
+    .unwrap();
+    shut.await.unwrap();
+    let err = c.stats().await.expect_err("the unit reads nothing");
+    assert!(matches!(err, ClientError::Io { .. }), "{err:?}");
+    let st = c.stats().await.expect("no new session was opened");
+    assert_eq!(st.len(), 1);
+    drop(c);
+    drop(unit_agent);
+    unit.await.unwrap();
+}
+
+async fn read_request(s: &mut (impl AsyncRead + Unpin)) -> (u64, Request) {
     let mut prefix = [0u8; proto::LEN_PREFIX];
     s.read_exact(&mut prefix).await.unwrap();
     let mut buf = vec![0u8; proto::frame_len(prefix, 1 << 20).unwrap()];
@@ -639,7 +692,7 @@ async fn read_request(s: &mut TcpStream) -> (u64, Request) {
     proto::decode_body::<Request>(&buf).unwrap()
 }
 
-async fn send(s: &mut TcpStream, id: u64, r: &Response) {
+async fn send(s: &mut (impl AsyncWrite + Unpin), id: u64, r: &Response) {
     s.write_all(&proto::encode_frame(id, r).unwrap())
         .await
         .unwrap();

@@ -270,10 +270,15 @@ impl Conn {
         self.waiters.lock().failed = true;
     }
 
-    /// Whether this session is over (its connection closed, or the unit failed it).
+    /// Whether this session is over: its connection closed, a write to it failed, or the
+    /// unit failed it. A failed write ends it before the reader hears the close, which may
+    /// be never (a unit that shut its reading side only).
     pub(super) fn ended(&self) -> bool {
-        let w = self.waiters.lock();
-        w.closed || w.failed
+        let ended = {
+            let w = self.waiters.lock();
+            w.closed || w.failed
+        };
+        ended || self.out.state.lock().broken()
     }
 
     pub(super) async fn call(&self, req: Request) -> Result<(u64, Response), ClientError> {
