@@ -1,10 +1,7 @@
 //! Value -> meta frame + payload frames.
 
-use std::cell::Cell;
-
 use bytes::Bytes;
-use serde::ser::{SerializeMap, SerializeSeq, SerializeTuple, Serializer};
-use serde::Serialize;
+use rmp::encode as mp;
 use tessera_alloc::{pack, Layout};
 
 use crate::wire::{write_header, FrameSpec, ENTRY_LEN, HEADER_LEN};
@@ -119,15 +116,11 @@ impl Encoder {
         }
         let mut meta = Vec::with_capacity(HEADER_LEN + ENTRY_LEN * walk.specs.len() + 64);
         write_header(&mut meta, &walk.specs);
-        let next = Cell::new(0);
-        let node = Node {
-            value,
-            refs: &walk.refs,
-            next: &next,
-        };
-        rmp_serde::encode::write(&mut meta, &node).map_err(|e| EncodeError::Msgpack {
-            reason: e.to_string(),
-        })?;
+        Body {
+            out: &mut meta,
+            refs: walk.refs.iter(),
+        }
+        .node(value)?;
         if meta.len() as u64 > self.limits.max_meta_bytes {
             return Err(EncodeError::MetaTooLarge {
                 bytes: meta.len() as u64,
@@ -246,104 +239,122 @@ impl Walk<'_> {
     }
 }
 
-/// A value node serialized with the payload references the walk assigned, in the same
-/// depth-first order.
-struct Node<'a> {
-    value: &'a Value,
-    refs: &'a [Ref],
-    next: &'a Cell<usize>,
+/// Writes the meta body: every value node as `WIRE.md` describes it, with the payload
+/// references the walk assigned, in the same depth-first order. Each item goes through rmp's
+/// own writers, so the bytes are msgpack's most compact form, as the decoder reads them.
+struct Body<'a> {
+    out: &'a mut Vec<u8>,
+    refs: std::slice::Iter<'a, Ref>,
 }
 
-impl Node<'_> {
-    fn child<'b>(&'b self, value: &'b Value) -> Node<'b> {
-        Node {
-            value,
-            refs: self.refs,
-            next: self.next,
+/// What rmp's writers report; a `Vec` never refuses bytes, so this is never reached.
+fn msgpack(e: impl std::fmt::Display) -> EncodeError {
+    EncodeError::Msgpack {
+        reason: e.to_string(),
+    }
+}
+
+impl Body<'_> {
+    fn array(&mut self, len: usize) -> Result<(), EncodeError> {
+        // A fixarray, the node headers' and shapes' form, without the writer's dispatch.
+        if len < 16 {
+            self.out.push(0x90 | len as u8);
+            return Ok(());
         }
+        let len = u32::try_from(len).map_err(msgpack)?;
+        mp::write_array_len(self.out, len).map_err(msgpack)?;
+        Ok(())
     }
 
-    fn take_ref<E: serde::ser::Error>(&self) -> Result<Ref, E> {
-        let i = self.next.get();
-        self.next.set(i + 1);
-        self.refs
-            .get(i)
-            .copied()
-            .ok_or_else(|| E::custom("payload reference missing"))
-    }
-}
-
-struct Dims<'a>(&'a [u64]);
-
-impl Serialize for Dims<'_> {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let mut seq = s.serialize_seq(Some(self.0.len()))?;
-        for d in self.0 {
-            seq.serialize_element(d)?;
+    fn uint(&mut self, v: u64) -> Result<(), EncodeError> {
+        // A positive fixint (tags, dtype codes, frame numbers), likewise.
+        if v < 0x80 {
+            self.out.push(v as u8);
+            return Ok(());
         }
-        seq.end()
+        mp::write_uint(self.out, v).map_err(msgpack)?;
+        Ok(())
     }
-}
 
-struct Items<'a>(&'a Node<'a>, &'a [Value]);
-
-impl Serialize for Items<'_> {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let mut seq = s.serialize_seq(Some(self.1.len()))?;
-        for v in self.1 {
-            seq.serialize_element(&self.0.child(v))?;
-        }
-        seq.end()
+    /// A node's array header and its tag.
+    fn head(&mut self, items: usize, t: u8) -> Result<(), EncodeError> {
+        self.array(items)?;
+        self.uint(u64::from(t))
     }
-}
 
-struct Entries<'a>(&'a Node<'a>, &'a [(String, Value)]);
-
-impl Serialize for Entries<'_> {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let mut map = s.serialize_map(Some(self.1.len()))?;
-        for (k, v) in self.1 {
-            map.serialize_entry(k, &self.0.child(v))?;
-        }
-        map.end()
+    fn dims(&mut self, dims: &[u64]) -> Result<(), EncodeError> {
+        self.array(dims.len())?;
+        dims.iter().try_for_each(|&d| self.uint(d))
     }
-}
 
-impl Serialize for Node<'_> {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        match self.value {
-            Value::Null => {
-                let mut t = s.serialize_tuple(1)?;
-                t.serialize_element(&tag::NULL)?;
-                t.end()
+    /// The next payload reference: `nil` or `[frame, offset, len]`.
+    fn reference(&mut self) -> Result<(), EncodeError> {
+        match self.refs.next() {
+            None => Err(msgpack("payload reference missing")),
+            Some(None) => mp::write_nil(self.out).map_err(msgpack),
+            Some(&Some((frame, offset, len))) => {
+                self.array(3)?;
+                self.uint(u64::from(frame))?;
+                self.uint(offset)?;
+                self.uint(len)
             }
-            Value::Bool(b) => pair(s, tag::BOOL, b),
-            Value::I64(v) => pair(s, tag::I64, v),
-            Value::U64(v) => pair(s, tag::U64, v),
-            Value::F64(v) => pair(s, tag::F64, v),
-            Value::Str(v) => pair(s, tag::STR, v.as_str()),
-            Value::Bytes(_) => pair(s, tag::BYTES, &self.take_ref::<S::Error>()?),
-            Value::List(items) => pair(s, tag::LIST, &Items(self, items)),
-            Value::Map(entries) => pair(s, tag::MAP, &Entries(self, entries)),
+        }
+    }
+
+    fn node(&mut self, value: &Value) -> Result<(), EncodeError> {
+        match value {
+            Value::Null => self.head(1, tag::NULL),
+            Value::Bool(b) => {
+                self.head(2, tag::BOOL)?;
+                mp::write_bool(self.out, *b).map_err(msgpack)
+            }
+            Value::I64(v) => {
+                self.head(2, tag::I64)?;
+                mp::write_sint(self.out, *v).map_err(msgpack)?;
+                Ok(())
+            }
+            Value::U64(v) => {
+                self.head(2, tag::U64)?;
+                self.uint(*v)
+            }
+            Value::F64(v) => {
+                self.head(2, tag::F64)?;
+                mp::write_f64(self.out, *v).map_err(msgpack)
+            }
+            Value::Str(v) => {
+                self.head(2, tag::STR)?;
+                mp::write_str(self.out, v).map_err(msgpack)
+            }
+            Value::Bytes(_) => {
+                self.head(2, tag::BYTES)?;
+                self.reference()
+            }
+            Value::List(items) => {
+                self.head(2, tag::LIST)?;
+                self.array(items.len())?;
+                items.iter().try_for_each(|v| self.node(v))
+            }
+            Value::Map(entries) => {
+                self.head(2, tag::MAP)?;
+                let len = u32::try_from(entries.len()).map_err(msgpack)?;
+                mp::write_map_len(self.out, len).map_err(msgpack)?;
+                entries.iter().try_for_each(|(k, v)| {
+                    mp::write_str(self.out, k).map_err(msgpack)?;
+                    self.node(v)
+                })
+            }
             Value::Tensor(tensor) => {
-                let r = self.take_ref::<S::Error>()?;
-                let mut t = s.serialize_tuple(5)?;
-                t.serialize_element(&tag::TENSOR)?;
-                t.serialize_element(&tensor.dtype().code())?;
-                t.serialize_element(&Dims(tensor.shape()))?;
-                t.serialize_element(&tensor.strides().map(Dims))?;
-                t.serialize_element(&r)?;
-                t.end()
+                self.head(5, tag::TENSOR)?;
+                self.uint(u64::from(tensor.dtype().code()))?;
+                self.dims(tensor.shape())?;
+                match tensor.strides() {
+                    Some(strides) => self.dims(strides)?,
+                    None => mp::write_nil(self.out).map_err(msgpack)?,
+                }
+                self.reference()
             }
         }
     }
-}
-
-fn pair<S: Serializer, T: Serialize + ?Sized>(s: S, tag: u8, v: &T) -> Result<S::Ok, S::Error> {
-    let mut t = s.serialize_tuple(2)?;
-    t.serialize_element(&tag)?;
-    t.serialize_element(v)?;
-    t.end()
 }
 
 #[cfg(test)]

@@ -61,8 +61,35 @@ fn vectors() -> Vec<(&'static str, Encoder, Value)> {
             Tensor::from_slice(&[], &[[1.0f32, -1.0]]).unwrap().into(),
         ),
     ])]);
+    // Every length and integer class the writer picks beyond the fix forms: array16, map16,
+    // str8, uint 8/32/64, int 8/32/64.
+    let widths = Value::map([
+        ("long", Value::List((0..20u64).map(Value::U64).collect())),
+        (
+            "wide",
+            Value::Map(
+                (0..17)
+                    .map(|i| (format!("k{i}"), Value::I64(-i * 1000)))
+                    .collect(),
+            ),
+        ),
+        ("name", Value::from("x".repeat(40).as_str())),
+        ("u8", Value::U64(200)),
+        ("u32", Value::U64(70_000)),
+        ("i8", Value::I64(-100)),
+        ("i32", Value::I64(70_000)),
+        ("i64", Value::I64(i64::MIN)),
+        ("no", Value::Bool(false)),
+        (
+            "big",
+            Tensor::new(DType::U8, &[300], Bytes::from(vec![9u8; 300]))
+                .unwrap()
+                .into(),
+        ),
+    ]);
     vec![
         ("scalars", Encoder::new(), scalars),
+        ("widths", Encoder::new().pack_below(0), widths),
         ("all_dtypes", Encoder::new(), all_dtypes),
         ("frames", Encoder::new().pack_below(16), frames),
         ("nested", Encoder::new(), nested),
