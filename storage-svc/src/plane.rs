@@ -10,7 +10,7 @@ use tessera_sync::Arc;
 
 use bytes::Bytes;
 use tessera_transport::{
-    Agent, BackendError, Exposure, LocalDesc, Ops, PoolBlock, Region, RemoteDesc,
+    Agent, BackendError, Exposure, LocalDesc, Ops, PoolBlock, Region, Registration, RemoteDesc,
 };
 
 use crate::chunks::ChunkPool;
@@ -313,9 +313,12 @@ pub(crate) fn source_descs<'a>(
     frames: impl IntoIterator<Item = &'a Bytes>,
 ) -> Result<Vec<LocalDesc>, MemoryError> {
     let frames = frames.into_iter();
+    // The registration the last frame was found in: frames of one block in a row (a GET's
+    // values, stored together) are described from it without a lookup each.
+    let mut last: Option<Registration> = None;
     if agent.local_side_needs_registration() {
         return frames
-            .map(|f| match find_in_registration(agent, f) {
+            .map(|f| match find_in_registration(agent, &mut last, f) {
                 Some(d) => Ok(d),
                 None => register_in_place(agent, f),
             })
@@ -330,6 +333,14 @@ pub(crate) fn source_descs<'a>(
             // It has no byte to anchor a group's span (its pointer may dangle).
             return Err(MemoryError::EmptyFrame { index });
         }
+        // In the last frame's registration: its region is recorded already.
+        if let Some(d) = last
+            .as_ref()
+            .and_then(|r| r.desc_at(f.as_ptr(), f.len() as u64))
+        {
+            descs.push(Some(d));
+            continue;
+        }
         match agent.find_registered(f.as_ptr(), f.len() as u64) {
             Some(reg) => {
                 // The registration lies inside its region: keep groups out of the region's
@@ -341,6 +352,7 @@ pub(crate) fn source_descs<'a>(
                     registered.push(range);
                 }
                 descs.push(Some(reg.desc(0, f.len() as u64)?));
+                last = Some(reg);
             }
             None => {
                 loose.push(Span {
@@ -458,12 +470,21 @@ fn register_group(
     Ok(())
 }
 
-/// The frame described inside a registration of `agent` that already covers it.
-fn find_in_registration(agent: &Agent, frame: &Bytes) -> Option<LocalDesc> {
+/// The frame described inside a registration of `agent` that already covers it: `last`, the
+/// one the frame before was found in, when it does.
+fn find_in_registration(
+    agent: &Agent,
+    last: &mut Option<Registration>,
+    frame: &Bytes,
+) -> Option<LocalDesc> {
     let len = frame.len() as u64;
-    agent
-        .find_registered(frame.as_ptr(), len)
-        .and_then(|reg| reg.desc(0, len).ok())
+    if let Some(d) = last.as_ref().and_then(|r| r.desc_at(frame.as_ptr(), len)) {
+        return Some(d);
+    }
+    let reg = agent.find_registered(frame.as_ptr(), len)?;
+    let desc = reg.desc(0, len).ok()?;
+    *last = Some(reg);
+    Some(desc)
 }
 
 #[allow(unsafe_code)] // A region over a caller frame (no owner-taking constructor exists).
@@ -563,6 +584,43 @@ mod tests {
         assert_eq!(descs[0].reg(), descs[2].reg());
         assert_ne!(descs[0].reg(), descs[1].reg());
         assert_eq!(a.report().registrations, 1, "the pool's alone");
+    }
+
+    /// Frames of two registered blocks in turn, and heap memory between them: each is
+    /// described in its own registration, exactly its bytes, whether found by a lookup or
+    /// from the registration of the frame before.
+    #[test]
+    fn frames_of_registered_blocks_in_a_row_are_described_exactly() {
+        let a = agent("a");
+        let one = RegisteredPool::new(&a, 1 << 16).unwrap();
+        let two = RegisteredPool::new(&a, 1 << 16).unwrap();
+        let frozen = |pool: &RegisteredPool, byte: u8| {
+            let block = pool.lease(4096, 64).unwrap();
+            block.write_at(0, &[byte; 4096]).unwrap();
+            freeze_written(block, 4096).unwrap()
+        };
+        let (x, y) = (frozen(&one, 1), frozen(&two, 2));
+        let heap = Bytes::from(vec![4u8; 300]);
+        let frames = [
+            x.slice(0..10),
+            x.slice(100..4096),
+            x.slice(10..11),
+            y.slice(0..64),
+            x.slice(64..128),
+            heap.slice(0..100),
+            y.slice(4000..4096),
+            y.slice(64..65),
+        ];
+        let descs = source_descs(&a, &frames).unwrap();
+        assert_describes(&descs, &frames);
+        let (r1, r2) = (one.registration().id(), two.registration().id());
+        let regs: Vec<u64> = descs.iter().map(LocalDesc::reg).collect();
+        assert_eq!(regs[..5], [r1, r1, r1, r2, r1]);
+        assert_eq!(regs[6..], [r2, r2]);
+        assert!(
+            regs[5] != r1 && regs[5] != r2,
+            "heap memory registered apart"
+        );
     }
 
     #[test]

@@ -53,6 +53,26 @@ impl Registration {
         self.entry.base().wrapping_add(self.start as usize)
     }
 
+    /// A local descriptor of the `len` bytes at address `ptr`, when they lie inside this
+    /// registration (`None` otherwise, and for `len` 0), wherever this window is: for many
+    /// buffers of one registered block in a row (the frames of a batch of values), found once
+    /// with [`Agent::find_registered`] and not looked up again. Where registrations overlap,
+    /// the registry may answer another one that covers them as well.
+    ///
+    /// [`Agent::find_registered`]: crate::Agent::find_registered
+    pub fn desc_at(&self, ptr: *const u8, len: u64) -> Option<LocalDesc> {
+        let offset = (ptr as u64).checked_sub(self.entry.base() as u64)?;
+        match offset.checked_add(len) {
+            Some(end) if len > 0 && end <= self.entry.len => Some(LocalDesc {
+                reg: self.entry.clone(),
+                offset,
+                len,
+                keep: None,
+            }),
+            _ => None,
+        }
+    }
+
     fn window(&self, offset: u64, len: u64) -> Result<u64, DescError> {
         if len == 0 {
             return Err(DescError::Empty);

@@ -154,7 +154,24 @@ fn registered_memory_is_found_by_address() {
     );
     assert!(agent.find_registered(other.as_ptr(), 10).is_none());
     assert!(agent.find_registered(inside, 0).is_none());
-    drop((reg, found));
+    // Other buffers of the same registration, described from the window found.
+    let later = region.as_ptr().wrapping_add(4096 + 8000);
+    let d = found.desc_at(later, 192).unwrap();
+    assert_eq!((d.as_ptr(), d.len(), d.reg()), (later, 192, reg.id()));
+    let first = found
+        .desc_at(region.as_ptr().wrapping_add(4096), 1)
+        .unwrap();
+    assert_eq!(first.offset(), 0);
+    assert!(found.desc_at(later, 193).is_none(), "runs past the end");
+    assert!(
+        found
+            .desc_at(region.as_ptr().wrapping_add(4095), 2)
+            .is_none(),
+        "before the start"
+    );
+    assert!(found.desc_at(other.as_ptr(), 10).is_none());
+    assert!(found.desc_at(later, 0).is_none());
+    drop((reg, found, d, first));
     assert!(agent.find_registered(inside, 100).is_none());
 }
 
