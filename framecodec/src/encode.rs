@@ -85,6 +85,17 @@ impl Encoder {
     /// caller's own `Bytes` (a reference count, no copy); smaller ones are copied into one shared
     /// frame, each at its dtype's alignment; empty ones need no frame at all.
     pub fn encode(&self, value: &Value) -> Result<Frames, EncodeError> {
+        self.encode_root(Root::Value(value))
+    }
+
+    /// Encodes a list of lists, exactly as [`Encoder::encode`] encodes the [`Value::List`] of
+    /// a [`Value::List`] of each of `lists`, without building that value: the columns of a
+    /// batch stay where the caller keeps them, with no clone of each value to make and drop.
+    pub fn encode_lists(&self, lists: &[&[Value]]) -> Result<Frames, EncodeError> {
+        self.encode_root(Root::Lists(lists))
+    }
+
+    fn encode_root(&self, root: Root<'_>) -> Result<Frames, EncodeError> {
         let mut walk = Walk {
             limits: &self.limits,
             pack_below: self.pack_below,
@@ -95,7 +106,10 @@ impl Encoder {
             small: Vec::new(),
             small_layouts: Vec::new(),
         };
-        walk.visit(value, 1)?;
+        match root {
+            Root::Value(value) => walk.visit(value, 1)?,
+            Root::Lists(lists) => walk.visit_lists(lists)?,
+        }
         walk.pack_small()?;
         let count = walk.frames.len() as u64;
         if count > u64::from(self.limits.max_frames) {
@@ -116,11 +130,14 @@ impl Encoder {
         }
         let mut meta = Vec::with_capacity(HEADER_LEN + ENTRY_LEN * walk.specs.len() + 64);
         write_header(&mut meta, &walk.specs);
-        Body {
+        let mut body = Body {
             out: &mut meta,
             refs: walk.refs.iter(),
+        };
+        match root {
+            Root::Value(value) => body.node(value)?,
+            Root::Lists(lists) => body.lists(lists)?,
         }
-        .node(value)?;
         if meta.len() as u64 > self.limits.max_meta_bytes {
             return Err(EncodeError::MetaTooLarge {
                 bytes: meta.len() as u64,
@@ -134,13 +151,21 @@ impl Encoder {
     }
 }
 
+/// What an encode starts from: a value, or a list of lists standing for one.
+#[derive(Clone, Copy)]
+enum Root<'a> {
+    Value(&'a Value),
+    Lists(&'a [&'a [Value]]),
+}
+
 /// Encodes `value` with [`Encoder::new`].
 pub fn encode(value: &Value) -> Result<Frames, EncodeError> {
     Encoder::new().encode(value)
 }
 
 impl Walk<'_> {
-    fn visit(&mut self, value: &Value, depth: u32) -> Result<(), EncodeError> {
+    /// Counts one node at `depth` against the limits.
+    fn enter(&mut self, depth: u32) -> Result<(), EncodeError> {
         if depth > self.limits.max_depth {
             return Err(EncodeError::TooDeep {
                 depth,
@@ -153,6 +178,20 @@ impl Walk<'_> {
                 limit: self.limits.max_elements,
             });
         }
+        Ok(())
+    }
+
+    /// A list of lists, walked as the value it stands for.
+    fn visit_lists(&mut self, lists: &[&[Value]]) -> Result<(), EncodeError> {
+        self.enter(1)?;
+        lists.iter().try_for_each(|items| {
+            self.enter(2)?;
+            items.iter().try_for_each(|v| self.visit(v, 3))
+        })
+    }
+
+    fn visit(&mut self, value: &Value, depth: u32) -> Result<(), EncodeError> {
+        self.enter(depth)?;
         match value {
             Value::Bytes(b) => self.payload(b, 1),
             Value::Tensor(t) => {
@@ -301,6 +340,20 @@ impl Body<'_> {
         }
     }
 
+    /// A list node of `items`.
+    fn list(&mut self, items: &[Value]) -> Result<(), EncodeError> {
+        self.head(2, tag::LIST)?;
+        self.array(items.len())?;
+        items.iter().try_for_each(|v| self.node(v))
+    }
+
+    /// The list node of the list nodes of `lists`.
+    fn lists(&mut self, lists: &[&[Value]]) -> Result<(), EncodeError> {
+        self.head(2, tag::LIST)?;
+        self.array(lists.len())?;
+        lists.iter().try_for_each(|items| self.list(items))
+    }
+
     fn node(&mut self, value: &Value) -> Result<(), EncodeError> {
         match value {
             Value::Null => self.head(1, tag::NULL),
@@ -329,11 +382,7 @@ impl Body<'_> {
                 self.head(2, tag::BYTES)?;
                 self.reference()
             }
-            Value::List(items) => {
-                self.head(2, tag::LIST)?;
-                self.array(items.len())?;
-                items.iter().try_for_each(|v| self.node(v))
-            }
+            Value::List(items) => self.list(items),
             Value::Map(entries) => {
                 self.head(2, tag::MAP)?;
                 let len = u32::try_from(entries.len()).map_err(msgpack)?;
@@ -393,6 +442,51 @@ mod tests {
         ]));
         // Nothing is packed below 0; empty payloads need no frame.
         assert_eq!(e.unwrap().payloads.len(), 1);
+    }
+
+    /// A list of lists encodes as the value it stands for: the same meta, the same frames (the
+    /// caller's own bytes), the same refusals at the limits.
+    #[test]
+    fn lists_encode_as_the_value_they_stand_for() {
+        let big = Bytes::from(vec![5u8; 8192]);
+        let a: Vec<Value> = vec![
+            Tensor::from_slice(&[3], &[1.0f32, 2.0, 3.0])
+                .unwrap()
+                .into(),
+            Tensor::new(DType::U8, &[8192], big.clone()).unwrap().into(),
+            Value::Bytes(Bytes::from_static(b"xy")),
+            Value::List(vec![Value::I64(-1), Value::from("s")]),
+        ];
+        let b: Vec<Value> = vec![
+            Value::Null,
+            Value::Bytes(big),
+            Value::U64(7),
+            Value::Bool(true),
+        ];
+        let empty: Vec<Value> = Vec::new();
+        let cases: [&[&[Value]]; 4] = [&[&a, &b], &[&a], &[&empty, &b], &[]];
+        for lists in cases {
+            let value = Value::List(lists.iter().map(|l| Value::List(l.to_vec())).collect());
+            let want = encode(&value).unwrap();
+            let got = Encoder::new().encode_lists(lists).unwrap();
+            assert_eq!(got.meta, want.meta);
+            assert_eq!(got.payloads.len(), want.payloads.len());
+            for (g, w) in got.payloads.iter().zip(&want.payloads) {
+                assert_eq!(g, w);
+            }
+        }
+        let value = Value::List(vec![Value::List(a.clone()), Value::List(b.clone())]);
+        for (depth, elements) in [(3, 1000), (2, 1000), (4, 3), (4, 5), (4, 10)] {
+            let mut lim = Limits::default();
+            lim.max_depth = depth;
+            lim.max_elements = elements;
+            let e = Encoder::new().limits(lim);
+            assert_eq!(
+                e.encode_lists(&[&a, &b]),
+                e.encode(&value),
+                "{depth} {elements}"
+            );
+        }
     }
 
     #[test]

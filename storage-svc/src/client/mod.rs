@@ -7,7 +7,7 @@ use std::time::Duration;
 use tessera_sync::{Arc, Mutex};
 
 use bytes::Bytes;
-use tessera_framecodec::{Decoder, Limits, Value};
+use tessera_framecodec::{encode, Decoder, Encoder, Limits, Value};
 use tessera_transport::{Agent, LocalDesc, RegisteredPool};
 
 use crate::busy_poll::BusyPoll;
@@ -361,16 +361,25 @@ impl Client {
                 continue;
             }
             let idx: Vec<u64> = positions.iter().map(|p| indexes[*p]).collect();
-            let value = Value::List(
-                columns
-                    .iter()
-                    .map(|(_, vals)| {
-                        Value::List(positions.iter().map(|p| vals[*p].clone()).collect())
-                    })
-                    .collect(),
-            );
             let fields = fields.clone();
-            work.push(async move { self.put_unit(slot, partition, idx, fields, &value).await });
+            work.push(async move {
+                let frames = if positions.len() == indexes.len() {
+                    // Every index on this unit, in order (positions ascend): the columns are
+                    // encoded where the caller keeps them, no value cloned.
+                    let lists: Vec<&[Value]> = columns.iter().map(|(_, v)| v.as_slice()).collect();
+                    Encoder::new().encode_lists(&lists)?
+                } else {
+                    encode(&Value::List(
+                        columns
+                            .iter()
+                            .map(|(_, vals)| {
+                                Value::List(positions.iter().map(|p| vals[*p].clone()).collect())
+                            })
+                            .collect(),
+                    ))?
+                };
+                self.put_unit(slot, partition, idx, fields, frames).await
+            });
         }
         let results = join_all(work).await;
         if self.cfg.replicas == 1 {

@@ -2,7 +2,7 @@
 //! the frames, and feeds it the answers.
 
 use serde_bytes::ByteBuf;
-use tessera_framecodec::{encode, Frames, Value};
+use tessera_framecodec::Frames;
 use tessera_transport::{LocalDesc, RemoteDesc};
 
 use super::conn::Conn;
@@ -19,12 +19,11 @@ impl Client {
         partition: &str,
         indexes: Vec<u64>,
         fields: Vec<String>,
-        value: &Value,
+        frames: Frames,
     ) -> Result<(), ClientError> {
         let unit = slot.number;
         let conn = self.conn(slot).await?;
         let conn = &*conn;
-        let frames = encode(value)?;
         let inline = PutOp::is_inline(&frames, conn.inline_max);
         if !inline && conn.pull {
             return self

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeSet;
 
-use tessera_framecodec::Value;
+use tessera_framecodec::{encode, Value};
 
 use super::{join_all, Client, Slot};
 use crate::error::ClientError;
@@ -147,7 +147,8 @@ impl Client {
                 let n = idx.len() as u64;
                 let fields = fields.clone();
                 async move {
-                    self.put_unit(slot, partition, idx, fields, &value)
+                    let frames = encode(&value)?;
+                    self.put_unit(slot, partition, idx, fields, frames)
                         .await
                         .map(|()| n)
                 }
