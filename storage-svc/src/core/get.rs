@@ -14,7 +14,10 @@ use crate::error::{ErrorKind, RemoteError};
 use crate::proto::{frame_descs, Response};
 
 struct PendingGet {
+    /// The payload frames, until they are handed to their WRITE.
     frames: Vec<Bytes>,
+    /// Their bytes.
+    bytes: u64,
     /// Where the client's block takes them: the layout of the meta sent with `GetReady`.
     layout: RecvLayout,
     writing: bool,
@@ -118,6 +121,11 @@ impl SlicedGet {
         }
         Ok(self.columns.into_iter().map(Value::List).collect())
     }
+}
+
+/// The frames a WRITE carries: those with bytes.
+fn nonempty(frames: Vec<Bytes>) -> Vec<Bytes> {
+    frames.into_iter().filter(|f| !f.is_empty()).collect()
 }
 
 /// A GET's answer encoded (its payload checked against `max_payload_bytes`).
@@ -258,14 +266,14 @@ impl<M: Memory> Unit<M> {
         if self.gets.pending.contains_key(&(session, id)) {
             return Err(err(ErrorKind::BadRequest, "request id already prepared"));
         }
-        let frames: Vec<Bytes> = frames.payloads.iter().cloned().collect();
+        let frames: Vec<Bytes> = frames.payloads.into_iter().collect();
         // An offered block that holds the layout is written at once: one round trip.
         if let Some(descs) = offer.and_then(|b| frame_descs(&b, &layout).ok()) {
-            let nonempty = frames.iter().filter(|f| !f.is_empty()).cloned().collect();
             self.gets.pending.insert(
                 (session, id),
                 PendingGet {
-                    frames,
+                    frames: Vec::new(),
+                    bytes: payload,
                     layout,
                     writing: true,
                     deadline: now + self.cfg.prepare_ttl,
@@ -276,7 +284,7 @@ impl<M: Memory> Unit<M> {
                 session,
                 id,
                 get: id,
-                frames: nonempty,
+                frames: nonempty(frames),
                 descs,
             }));
         }
@@ -284,6 +292,7 @@ impl<M: Memory> Unit<M> {
             (session, id),
             PendingGet {
                 frames,
+                bytes: payload,
                 layout,
                 writing: false,
                 deadline: now + self.cfg.prepare_ttl,
@@ -318,7 +327,7 @@ impl<M: Memory> Unit<M> {
             Err(e) => return fail(ErrorKind::BadRequest, e.to_string()),
         };
         g.writing = true;
-        let frames: Vec<Bytes> = g.frames.iter().filter(|f| !f.is_empty()).cloned().collect();
+        let frames = nonempty(std::mem::take(&mut g.frames));
         vec![Output::Write {
             session,
             id,
@@ -341,7 +350,7 @@ impl<M: Memory> Unit<M> {
         };
         let response = match result {
             Ok(()) => {
-                self.gets.bytes_out += get.frames.iter().map(|f| f.len() as u64).sum::<u64>();
+                self.gets.bytes_out += get.bytes;
                 match get.offered {
                     Some(meta) => Response::Written { meta },
                     None => Response::GetDone,
