@@ -14,7 +14,9 @@ use crate::error::{ErrorKind, MemoryError, WireError};
 /// Version 5: credits, landing blocks kept ready for a session ([`Response::Stored`],
 /// [`Request::PutCredited`]): a PUT that fits one takes one round trip; a GET may offer its
 /// receive block up front ([`Request::GetOffer`], [`Response::Written`]), one round trip too.
-pub const PROTOCOL_VERSION: u16 = 5;
+/// Version 6: a GET written into its offered block may have its meta sent ahead of the WRITE
+/// ([`Response::Writing`]), for the client to decode it while the payload lands.
+pub const PROTOCOL_VERSION: u16 = 6;
 
 /// Label of the unit's proof in [`Response::Challenge`].
 pub const UNIT_PROOF: &str = "tessera-storage-unit-v4";
@@ -111,7 +113,8 @@ pub enum Request {
     },
     /// A GET that offers a block of the client's receive pool up front: when the values go
     /// through the payload plane and, laid out from their meta at the block's start, fit in
-    /// it, the unit WRITEs them there and answers [`Response::Written`] (one round trip);
+    /// it, the unit WRITEs them there and answers [`Response::Written`] (one round trip), or,
+    /// for a large meta, [`Response::Writing`] as the WRITE starts and `GetDone` once it is done;
     /// otherwise it answers as to a GET (`Values`, or `GetReady` for a block of the right
     /// size, and the offered one is not touched).
     GetOffer {
@@ -240,6 +243,15 @@ pub enum Response {
     Stats(crate::Stats),
     /// The request failed.
     Error(crate::RemoteError),
+    /// A `GetOffer`'s values are being written into the block it offered, laid out from
+    /// `meta`: the request's next answer, `GetDone` (or the WRITE's failure), says they
+    /// landed. Sent ahead of the WRITE when `meta` is large
+    /// ([`EARLY_META_BYTES`](crate::core::EARLY_META_BYTES)), so that the client decodes it
+    /// meanwhile; a smaller meta comes with the answer, [`Response::Written`].
+    Writing {
+        /// Meta frame.
+        meta: ByteBuf,
+    },
 }
 
 /// A message on the wire.

@@ -25,6 +25,8 @@ struct Pair {
     next: u64,
     /// The client's receive block of the GET in flight (the unit WRITEs into it).
     block: Vec<u8>,
+    /// The meta the unit sent ahead of the last answer (`Writing`), if any.
+    ahead: Option<serde_bytes::ByteBuf>,
 }
 
 impl Pair {
@@ -42,6 +44,7 @@ impl Pair {
             now: Instant::now(),
             next: 0,
             block: Vec::new(),
+            ahead: None,
         };
         let out = tessera_storage::testing::handshake::open(
             &mut p.unit,
@@ -64,7 +67,30 @@ impl Pair {
         self.next += 1;
         let id = self.next;
         let mut out = self.unit.handle(self.now, S, id, req);
+        self.ahead = None;
         loop {
+            // A meta sent ahead of the WRITE comes first, under the request's id.
+            let ahead = matches!(
+                &out[..],
+                [
+                    Output::Reply {
+                        response: Response::Writing { .. },
+                        ..
+                    },
+                    Output::Write { .. }
+                ]
+            );
+            if ahead {
+                if let Output::Reply {
+                    id: got,
+                    response: Response::Writing { meta },
+                    ..
+                } = out.remove(0)
+                {
+                    assert_eq!(got, id, "ahead under its request id");
+                    self.ahead = Some(meta);
+                }
+            }
             let [o] = <[_; 1]>::try_from(out).expect("one output per step");
             out = match o {
                 Output::Reply {
@@ -291,6 +317,59 @@ fn a_pulled_put_is_answered_after_the_units_read() {
     p.put(&[3], &Value::List(vec![Value::List(vec![bytes(3, 10)])]))
         .unwrap();
     assert_eq!(p.get(&[3]).unwrap()[0], vec![bytes(3, 10)]);
+}
+
+/// A GET whose meta the unit sends ahead of its WRITE into the offered block: decoded
+/// while the values land, bound once `GetDone` says they did, the same values a full decode
+/// of the block gives. A meta ahead that does not lay out fails the GET once the WRITE is
+/// over, and keeps the block out of the pool.
+#[test]
+fn a_meta_sent_ahead_is_decoded_while_the_values_land() {
+    let mut p = Pair::new(false);
+    // Values of 4 KiB each travel as frames of their own: an entry of the meta each.
+    let n = 800u64;
+    let idx: Vec<u64> = (0..n).collect();
+    let vals: Vec<Value> = (0..n).map(|i| bytes(i, 4096)).collect();
+    p.put(&idx, &Value::List(vec![Value::List(vals)])).unwrap();
+    let offer = |p: &mut Pair| {
+        p.block = vec![0xee; 4 << 20];
+        let (op, step) = GetOp::offered(
+            0,
+            "p",
+            idx.clone(),
+            vec!["x".into()],
+            ALIGN,
+            Decoder::default(),
+            RemoteDesc::new(9, 0, 4 << 20),
+        );
+        let GetStep::Send(req @ Request::GetOffer { .. }) = step else {
+            panic!("{step:?}")
+        };
+        let answer = p.call(req);
+        let meta = p.ahead.take().expect("the meta ahead of the WRITE");
+        (op, meta, answer)
+    };
+    let (mut op, meta, answer) = offer(&mut p);
+    assert!(meta.len() >= tessera_storage::core::EARLY_META_BYTES);
+    op.on_ahead(meta.clone());
+    assert!(matches!(answer, Ok((_, Response::GetDone))), "{answer:?}");
+    let GetStep::Land = op.on_answer(answer) else {
+        panic!("not landed")
+    };
+    let size = op.landed_size().unwrap();
+    let block = Bytes::from(std::mem::take(&mut p.block)).slice(..size as usize);
+    let whole = tessera_framecodec::decode_contiguous(&meta, &block, ALIGN).unwrap();
+    let GetStep::Done(Ok(got)) = op.on_landed(block) else {
+        panic!("not decoded")
+    };
+    assert_eq!(Value::List(vec![Value::List(got[0].clone())]), whole);
+    assert_eq!(got[0].len(), n as usize);
+    assert!(!op.quarantine_block());
+    // A meta ahead that does not lay out.
+    let (mut op, _, answer) = offer(&mut p);
+    op.on_ahead(serde_bytes::ByteBuf::from(vec![1, 2, 3]));
+    assert!(matches!(op.on_answer(answer), GetStep::Done(Err(_))));
+    assert!(op.quarantine_block(), "the unit wrote into the block");
 }
 
 /// Credits and offered blocks, machine against core: a pushed PUT's answer brings credits;

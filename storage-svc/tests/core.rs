@@ -1741,6 +1741,71 @@ fn credits_stop_at_each_limit() {
     assert_eq!(h.stats().pending_puts, 0, "no block was prepared");
 }
 
+/// A GET whose meta is large (at least `EARLY_META_BYTES`) and whose values fit the block it
+/// offered: the meta goes first (`Writing`), then the WRITE, whose end is answered `GetDone`
+/// (the meta is not sent twice); a failed WRITE is answered with the failure.
+#[test]
+fn a_large_meta_goes_ahead_of_the_write_into_an_offered_block() {
+    let mut h = Harness::new(UnitConfig {
+        inline_max: 1024,
+        ..UnitConfig::default()
+    });
+    // Tensors of 4 KiB each travel as frames of their own: a meta entry each.
+    let n = 300u64;
+    let vals: Vec<Value> = (0..n)
+        .map(|i| Value::Tensor(Tensor::from_slice(&[4096], &vec![i as u8; 4096]).unwrap()))
+        .collect();
+    let indexes: Vec<u64> = (0..n).collect();
+    assert_eq!(
+        h.put("p", &indexes, &["f"], &Value::List(vec![Value::List(vals)])),
+        Response::Done
+    );
+    for ok in [true, false] {
+        let id = h.next;
+        h.next += 1;
+        let out = h.unit.handle(
+            h.now,
+            S,
+            id,
+            Request::GetOffer {
+                partition: "p".into(),
+                indexes: indexes.clone(),
+                fields: vec!["f".into()],
+                block: RemoteDesc::new(9, 0, 4 << 20),
+            },
+        );
+        let [Output::Reply {
+            id: ahead_id,
+            response: Response::Writing { meta },
+            ..
+        }, Output::Write { id: reply, get, .. }] = &out[..]
+        else {
+            panic!("not the meta, then the WRITE: {} outputs", out.len())
+        };
+        assert_eq!((*ahead_id, *reply, *get), (id, id, id));
+        assert!(
+            meta.len() >= tessera_storage::core::EARLY_META_BYTES,
+            "{}",
+            meta.len()
+        );
+        let result = match ok {
+            true => Ok(()),
+            false => Err(tessera_storage::PayloadError::TimedOut {
+                after: Duration::from_secs(1),
+            }),
+        };
+        let r = single(h.unit.transfer_done(S, *get, *reply, result));
+        match ok {
+            true => {
+                assert_eq!(r, Response::GetDone);
+                assert_eq!(h.stats().pending_gets, 0);
+            }
+            // The block may hold part of the payload: the session fails.
+            false => assert!(matches!(r, Response::Error(e) if e.kind == ErrorKind::Transfer)),
+        }
+    }
+}
+
 /// A GET that offers its block: written at once when the values fit it (the WRITE names the
 /// GET itself, and its answer carries the meta), asked for a block of the right size when
 /// they do not (the offered one untouched), answered inline when small.

@@ -41,6 +41,8 @@ struct Waiter {
     /// The request was sent outside the runtime's tasks (from `block_on`, as Python's threads
     /// call): its caller sleeps on a thread of its own.
     from_thread: bool,
+    /// Where the meta of a [`Response::Writing`] goes, ahead of the answer (a `GetOffer`'s).
+    ahead: Option<oneshot::Sender<ByteBuf>>,
 }
 
 type Waiters = Arc<Mutex<Pending>>;
@@ -297,7 +299,27 @@ impl Conn {
             req,
             self.timeout,
             confirm,
+            None,
         )
+    }
+
+    /// Sends a `GetOffer`; its answer comes through the returned [`Answer`], and the meta of
+    /// a [`Response::Writing`] the unit sends ahead of it through [`Answer::ahead`].
+    pub(super) fn send_offer(&self, req: Request) -> Result<Answer<'_>, ClientError> {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        let mut answer = send_raw(
+            self.unit,
+            &self.out,
+            &self.waiters,
+            id,
+            req,
+            self.timeout,
+            false,
+            Some(tx),
+        )?;
+        answer.ahead = Some(rx);
+        Ok(answer)
     }
 
     pub(super) fn unexpected(&self, resp: Response) -> ClientError {
@@ -316,13 +338,14 @@ async fn call_raw(
     req: Request,
     timeout: Duration,
 ) -> Result<(u64, Response), ClientError> {
-    send_raw(unit, out, waiters, id, req, timeout, false)?
+    send_raw(unit, out, waiters, id, req, timeout, false, None)?
         .wait()
         .await
 }
 
 /// Sends `req` as request `id` and returns the wait for its answer: the request is on its way
 /// when this returns, so the caller can work while the unit does.
+#[allow(clippy::too_many_arguments)] // one call site per kind of request
 fn send_raw<'a>(
     unit: usize,
     out: &Outbox,
@@ -331,6 +354,7 @@ fn send_raw<'a>(
     req: Request,
     timeout: Duration,
     confirm: bool,
+    ahead: Option<oneshot::Sender<ByteBuf>>,
 ) -> Result<Answer<'a>, ClientError> {
     let buf = proto::encode_frame(id, &req).map_err(|source| ClientError::Wire { unit, source })?;
     let (otx, orx) = oneshot::channel();
@@ -342,6 +366,7 @@ fn send_raw<'a>(
         let waiter = Waiter {
             tx: otx,
             from_thread: tokio::task::try_id().is_none(),
+            ahead,
         };
         w.map.insert(id, waiter);
         w.poll.as_ref().map(BusyPoll::waiting)
@@ -358,6 +383,7 @@ fn send_raw<'a>(
         id,
         rx: orx,
         sent,
+        ahead: None,
         waiters,
         timeout,
         _polled: polled,
@@ -378,6 +404,8 @@ pub(super) struct Answer<'a> {
     rx: oneshot::Receiver<Result<Response, ClientError>>,
     /// Fires once the request is on the socket (when asked for).
     sent: Option<oneshot::Receiver<()>>,
+    /// The meta of a [`Response::Writing`] ahead of the answer, for a `GetOffer`.
+    ahead: Option<oneshot::Receiver<ByteBuf>>,
     waiters: &'a Waiters,
     timeout: Duration,
     /// Parking workers poll for the answer while it is awaited.
@@ -393,6 +421,19 @@ impl Answer<'_> {
         if let Some(rx) = self.sent.take() {
             let _ = tokio::time::timeout(self.timeout, rx).await;
         }
+    }
+
+    /// The meta the unit sent ahead of this `GetOffer`'s answer ([`Response::Writing`]), or
+    /// `None` when the answer came without one (or none came in time: [`Answer::wait`] then
+    /// says so).
+    pub(super) async fn ahead(&mut self) -> Option<ByteBuf> {
+        let rx = self.ahead.take()?;
+        let start = tokio::time::Instant::now();
+        // The reader drops the sender with the waiter once the answer came.
+        let meta = tokio::time::timeout(self.timeout, rx).await;
+        // The answer's deadline counts from the request, not from here.
+        self.timeout = self.timeout.saturating_sub(start.elapsed());
+        meta.ok()?.ok()
     }
 
     pub(super) async fn wait(self) -> Result<(u64, Response), ClientError> {
@@ -559,9 +600,32 @@ async fn read_loop(unit: usize, r: Box<dyn AsyncRead + Send + Unpin>, waiters: W
             Ok((id, resp)) => (id, Ok(resp)),
             Err((id, e)) => (id, Err(ClientError::Wire { unit, source: e })),
         };
+        let answer = match answer {
+            // Ahead of the answer: the waiter stays for it. A waiter that expects nothing
+            // ahead gets nothing (a unit's mistake), and its answer says what happened.
+            Ok(Response::Writing { meta }) => {
+                let ahead = waiters
+                    .lock()
+                    .map
+                    .get_mut(&id)
+                    .and_then(|w| Some((w.ahead.take()?, w.from_thread)));
+                if let Some((tx, from_thread)) = ahead {
+                    let _ = tx.send(meta);
+                    // As for an answer (below): the caller decodes while this worker spins.
+                    if from_thread {
+                        std::thread::yield_now();
+                    }
+                }
+                continue;
+            }
+            other => other,
+        };
         let waiter = waiters.lock().map.remove(&id);
         if let Some(w) = waiter {
             let _ = w.tx.send(answer);
+            // A caller waiting for a meta ahead (none came) is woken now, before the yield
+            // below, and finds the answer.
+            drop(w.ahead);
             // A caller on a thread of its own may sleep on this thread's core. Woken there,
             // it runs only once this worker stops: after its busy poll's whole window when
             // the caller has used its share of the core (a large PUT's copy: it does not

@@ -73,7 +73,21 @@ impl Client {
                     }
                     return r;
                 }
-                GetStep::Send(req @ (Request::GetInto { .. } | Request::GetOffer { .. })) => {
+                GetStep::Send(req @ Request::GetOffer { .. }) => match conn.send_offer(req) {
+                    Ok(mut answer) => {
+                        // A large meta comes ahead of the WRITE: decoded while the values
+                        // land.
+                        if let Some(meta) = answer.ahead().await {
+                            op.on_ahead(meta);
+                        }
+                        match answer.wait().await {
+                            Err(ClientError::Timeout { .. }) => op.on_timeout(self.timeout),
+                            answer => op.on_answer(answer),
+                        }
+                    }
+                    Err(e) => op.on_answer(Err(e)),
+                },
+                GetStep::Send(req @ Request::GetInto { .. }) => {
                     // The answer's own deadline (which first takes an answer already there).
                     match conn.call(req).await {
                         Err(ClientError::Timeout { .. }) => op.on_timeout(self.timeout),

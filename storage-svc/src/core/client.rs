@@ -22,7 +22,9 @@
 
 use bytes::Bytes;
 use serde_bytes::ByteBuf;
-use tessera_framecodec::{decode_contiguous, Decoder, Frames, LayoutError, RecvLayout, Value};
+use tessera_framecodec::{
+    decode_contiguous, DecodeError, Decoder, Frames, LayoutError, RecvLayout, Unbound, Value,
+};
 use tessera_transport::RemoteDesc;
 
 use super::decode_inline;
@@ -352,15 +354,24 @@ enum GetState {
         meta: ByteBuf,
         layout: RecvLayout,
     },
-    /// GET_INTO is on its way; the unit WRITEs into the block.
+    /// GET_INTO is on its way, or the unit said it writes into the offered block
+    /// ([`Response::Writing`]); the unit WRITEs into the block. `ahead`: the meta decoded
+    /// meanwhile, when it was.
     Writing {
         meta: ByteBuf,
         layout: RecvLayout,
+        ahead: Option<Result<Unbound, DecodeError>>,
     },
     /// GET_DONE came; the block is being frozen.
     Landing {
         meta: ByteBuf,
         layout: RecvLayout,
+        ahead: Option<Result<Unbound, DecodeError>>,
+    },
+    /// The unit sent a meta ahead of its WRITE that does not lay out: the GET fails once the
+    /// WRITE is over, and the block stays out of the pool.
+    Spoiled {
+        error: ClientError,
     },
     Cancelling {
         error: ClientError,
@@ -475,7 +486,11 @@ impl GetOp {
                     .and_then(|t| Ok(t.layout(self.align)?))
                 {
                     Ok(layout) => {
-                        self.state = GetState::Landing { meta, layout };
+                        self.state = GetState::Landing {
+                            meta,
+                            layout,
+                            ahead: None,
+                        };
                         GetStep::Land
                     }
                     Err(e) => GetStep::Done(Err(e)),
@@ -492,9 +507,24 @@ impl GetOp {
                 }
                 GetStep::Done(Err(e))
             }
-            (GetState::Writing { meta, layout }, Ok((_, Response::GetDone))) => {
-                self.state = GetState::Landing { meta, layout };
+            (
+                GetState::Writing {
+                    meta,
+                    layout,
+                    ahead,
+                },
+                Ok((_, Response::GetDone)),
+            ) => {
+                self.state = GetState::Landing {
+                    meta,
+                    layout,
+                    ahead,
+                };
                 GetStep::Land
+            }
+            (GetState::Spoiled { error }, _) => {
+                self.quarantine = true;
+                GetStep::Done(Err(error))
             }
             (_, Err(e)) => GetStep::Done(Err(e)),
             (GetState::Sent | GetState::Offered, Ok((_, Response::Values { meta, frames }))) => {
@@ -542,7 +572,11 @@ impl GetOp {
         };
         match block {
             Ok(block) => {
-                self.state = GetState::Writing { meta, layout };
+                self.state = GetState::Writing {
+                    meta,
+                    layout,
+                    ahead: None,
+                };
                 GetStep::Send(Request::GetInto { get, block })
             }
             Err(error) => {
@@ -568,17 +602,48 @@ impl GetOp {
     /// The landed block's bytes (the first `layout.size` of it), frozen: the values are
     /// views of it.
     pub fn on_landed(&mut self, buf: Bytes) -> GetStep {
-        let GetState::Landing { meta, .. } = std::mem::replace(&mut self.state, GetState::Done)
+        let GetState::Landing { meta, ahead, .. } =
+            std::mem::replace(&mut self.state, GetState::Done)
         else {
             return GetStep::Done(Err(ClientError::ApiMisuse(
                 "on_landed without a block landed".into(),
             )));
         };
-        GetStep::Done(
-            decode_contiguous(&meta, &buf, self.align)
-                .map_err(Into::into)
-                .and_then(|v| self.columns(v)),
-        )
+        let value = match ahead {
+            // Decoded while the payload landed: only the binding is left.
+            Some(unbound) => unbound.and_then(|u| u.bind(&buf)),
+            None => decode_contiguous(&meta, &buf, self.align),
+        };
+        GetStep::Done(value.map_err(Into::into).and_then(|v| self.columns(v)))
+    }
+
+    /// [`Response::Writing`], ahead of the answer to a `GetOffer`: the unit WRITEs the values
+    /// into the offered block, laid out from `meta`, which is decoded now, while they land.
+    /// The request's answer is still to come ([`GetOp::on_answer`]).
+    pub fn on_ahead(&mut self, meta: ByteBuf) {
+        let state = std::mem::replace(&mut self.state, GetState::Done);
+        self.state = match state {
+            GetState::Offered => match self
+                .decoder
+                .frame_table(&meta)
+                .map_err(ClientError::from)
+                .and_then(|t| Ok(t.layout(self.align)?))
+            {
+                Ok(layout) => {
+                    let ahead = Some(self.decoder.decode_unbound(&meta, self.align));
+                    GetState::Writing {
+                        meta,
+                        layout,
+                        ahead,
+                    }
+                }
+                Err(error) => GetState::Spoiled { error },
+            },
+            // Only a `GetOffer` is answered ahead.
+            _ => GetState::Spoiled {
+                error: unexpected(self.unit, Response::Writing { meta }),
+            },
+        };
     }
 
     /// Whether the receive block must be kept out of the pool (a WRITE into it may still

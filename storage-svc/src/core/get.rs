@@ -79,11 +79,21 @@ impl Gets {
     }
 }
 
-/// What a GET leads to: an answer, or the WRITE into the block it offered first.
+/// What a GET leads to: an answer, or the WRITE into the block it offered, with the answer
+/// sent ahead of it if any ([`Response::Writing`]).
 enum Answer<D> {
     Reply(Response),
-    Write(Output<D>),
+    Write {
+        ahead: Option<Response>,
+        write: Box<Output<D>>,
+    },
 }
+
+/// Metas of at least this many bytes go ahead of the WRITE into an offered block
+/// ([`Response::Writing`]): the client decodes them while the payload lands. About 250
+/// tensors, whose decode takes longer than the extra message costs; a smaller meta comes
+/// with the answer ([`Response::Written`]).
+pub const EARLY_META_BYTES: usize = 8 << 10;
 
 /// A GET looked up in slices ([`Unit::get_begin`]).
 pub struct SlicedGet {
@@ -230,7 +240,15 @@ impl<M: Memory> Unit<M> {
                 id,
                 response,
             }],
-            Ok(Answer::Write(o)) => vec![o],
+            Ok(Answer::Write { ahead, write }) => ahead
+                .map(|response| Output::Reply {
+                    session,
+                    id,
+                    response,
+                })
+                .into_iter()
+                .chain([*write])
+                .collect(),
             Err(e) => vec![Output::Reply {
                 session,
                 id,
@@ -269,6 +287,11 @@ impl<M: Memory> Unit<M> {
         let frames: Vec<Bytes> = frames.payloads.into_iter().collect();
         // An offered block that holds the layout is written at once: one round trip.
         if let Some(descs) = offer.and_then(|b| frame_descs(&b, &layout).ok()) {
+            // A large meta goes first, and the WRITE's end is answered `GetDone`.
+            let (ahead, offered) = match meta.len() >= EARLY_META_BYTES {
+                true => (Some(Response::Writing { meta }), None),
+                false => (None, Some(meta)),
+            };
             self.gets.pending.insert(
                 (session, id),
                 PendingGet {
@@ -277,16 +300,20 @@ impl<M: Memory> Unit<M> {
                     layout,
                     writing: true,
                     deadline: now + self.cfg.prepare_ttl,
-                    offered: Some(meta),
+                    offered,
                 },
             );
-            return Ok(Answer::Write(Output::Write {
+            let write = Output::Write {
                 session,
                 id,
                 get: id,
                 frames: nonempty(frames),
                 descs,
-            }));
+            };
+            return Ok(Answer::Write {
+                ahead,
+                write: Box::new(write),
+            });
         }
         self.gets.pending.insert(
             (session, id),

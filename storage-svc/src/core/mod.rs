@@ -41,7 +41,7 @@ use tessera_framecodec::{decode, DecodeError, Decoder, Limits, Value};
 use tessera_transport::RemoteDesc;
 
 pub use self::config::UnitConfig;
-pub use self::get::{encode_get, EncodedGet, SlicedGet};
+pub use self::get::{encode_get, EncodedGet, SlicedGet, EARLY_META_BYTES};
 pub use self::stats::{PartitionStats, PoolStats, Stats};
 
 use self::credit::Credits;

@@ -819,3 +819,48 @@ async fn credits_and_offered_blocks_take_one_round_trip_over_shm() {
     drop(c);
     server.shutdown().await;
 }
+
+/// Over shm, a GET of 1,000 values written into the block it offered: the unit sends their
+/// meta ahead of the WRITE (`Writing`), the client decodes it while the values land and
+/// binds them to the block after `GetDone`; every value reads back as stored, round after
+/// round, and nothing stays pending on either side.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_get_decodes_its_meta_while_the_values_land() {
+    let server = Server::start(ServerConfig {
+        bind: "127.0.0.1:0".into(),
+        backend: Backend::Shm,
+        pool_bytes: 64 << 20,
+        ..ServerConfig::default()
+    })
+    .await
+    .unwrap();
+    let c = Client::connect(ClientConfig {
+        units: vec![server.addr().to_owned()],
+        backend: Backend::Shm,
+        recv_pool_bytes: 32 << 20,
+        timeout: Duration::from_secs(60),
+        ..ClientConfig::default()
+    })
+    .await
+    .unwrap();
+    let n = 1000u64;
+    let indexes: Vec<u64> = (0..n).collect();
+    for round in 0..4u8 {
+        let vals: Vec<Value> = indexes
+            .iter()
+            .map(|&i| {
+                let fill = (i as u8) ^ round;
+                Value::Tensor(Tensor::from_slice(&[4096], &vec![fill; 4096]).unwrap())
+            })
+            .collect();
+        c.put("b", &indexes, &[("x".to_string(), vals.clone())])
+            .await
+            .unwrap();
+        let got = c.get("b", &indexes, &["x"]).await.unwrap();
+        assert_eq!(got[0], vals, "round {round}");
+    }
+    let s = server.stats();
+    assert_eq!((s.pending_puts, s.pending_gets), (0, 0));
+    drop(c);
+    server.shutdown().await;
+}
