@@ -165,6 +165,25 @@ impl Harness {
         }
     }
 
+    /// A `GetOffer` of field `f` at `indexes` of partition `p`, offering `block`: its request
+    /// id and the unit's outputs.
+    fn get_offer(&mut self, indexes: &[u64], block: RemoteDesc) -> (u64, Vec<Output>) {
+        let id = self.next;
+        self.next += 1;
+        let out = self.unit.handle(
+            self.now,
+            S,
+            id,
+            Request::GetOffer {
+                partition: "p".into(),
+                indexes: indexes.to_vec(),
+                fields: vec!["f".into()],
+                block,
+            },
+        );
+        (id, out)
+    }
+
     fn put_inline(&mut self, part: &str, idx: &[u64], fields: &[&str], value: &Value) -> Response {
         let frames = encode(value).unwrap();
         self.req(Request::Put {
@@ -1761,19 +1780,7 @@ fn a_large_meta_goes_ahead_of_the_write_into_an_offered_block() {
         Response::Done
     );
     for ok in [true, false] {
-        let id = h.next;
-        h.next += 1;
-        let out = h.unit.handle(
-            h.now,
-            S,
-            id,
-            Request::GetOffer {
-                partition: "p".into(),
-                indexes: indexes.clone(),
-                fields: vec!["f".into()],
-                block: RemoteDesc::new(9, 0, 4 << 20),
-            },
-        );
+        let (id, out) = h.get_offer(&indexes, RemoteDesc::new(9, 0, 4 << 20));
         let [Output::Reply {
             id: ahead_id,
             response: Response::Writing { meta },
@@ -1822,22 +1829,7 @@ fn an_offered_block_is_written_when_the_values_fit() {
         )],
     );
     assert_eq!(h.put("p", &[1], &["f"], &v), Response::Done);
-    let offer = |h: &mut Harness, len: u64| {
-        let id = h.next;
-        h.next += 1;
-        let out = h.unit.handle(
-            h.now,
-            S,
-            id,
-            Request::GetOffer {
-                partition: "p".into(),
-                indexes: vec![1],
-                fields: vec!["f".into()],
-                block: RemoteDesc::new(9, 4096, len),
-            },
-        );
-        (id, out)
-    };
+    let offer = |h: &mut Harness, len: u64| h.get_offer(&[1], RemoteDesc::new(9, 4096, len));
     let (id, out) = offer(&mut h, 16_384);
     let Some(Output::Write {
         id: reply,
@@ -1870,18 +1862,6 @@ fn an_offered_block_is_written_when_the_values_fit() {
     // Small values come inline whatever is offered.
     let small = batch(1, vec![Value::I64(7)]);
     assert_eq!(h.put_inline("p", &[2], &["f"], &small), Response::Done);
-    let id = h.next;
-    h.next += 1;
-    let out = h.unit.handle(
-        h.now,
-        S,
-        id,
-        Request::GetOffer {
-            partition: "p".into(),
-            indexes: vec![2],
-            fields: vec!["f".into()],
-            block: RemoteDesc::new(9, 0, 1 << 20),
-        },
-    );
+    let (_, out) = h.get_offer(&[2], RemoteDesc::new(9, 0, 1 << 20));
     assert!(matches!(single(out), Response::Values { .. }));
 }

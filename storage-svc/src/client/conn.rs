@@ -290,6 +290,24 @@ impl Conn {
     /// Sends `req`; its answer comes through the returned [`Answer`], which with `confirm`
     /// can also tell when the request is on the socket.
     pub(super) fn send(&self, req: Request, confirm: bool) -> Result<Answer<'_>, ClientError> {
+        self.send_with(req, confirm, None)
+    }
+
+    /// Sends a `GetOffer`; its answer comes through the returned [`Answer`], and the meta of
+    /// a [`Response::Writing`] the unit sends ahead of it through [`Answer::ahead`].
+    pub(super) fn send_offer(&self, req: Request) -> Result<Answer<'_>, ClientError> {
+        let (tx, rx) = oneshot::channel();
+        let mut answer = self.send_with(req, false, Some(tx))?;
+        answer.ahead = Some(rx);
+        Ok(answer)
+    }
+
+    fn send_with(
+        &self,
+        req: Request,
+        confirm: bool,
+        ahead: Option<oneshot::Sender<ByteBuf>>,
+    ) -> Result<Answer<'_>, ClientError> {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
         send_raw(
             self.unit,
@@ -299,27 +317,8 @@ impl Conn {
             req,
             self.timeout,
             confirm,
-            None,
+            ahead,
         )
-    }
-
-    /// Sends a `GetOffer`; its answer comes through the returned [`Answer`], and the meta of
-    /// a [`Response::Writing`] the unit sends ahead of it through [`Answer::ahead`].
-    pub(super) fn send_offer(&self, req: Request) -> Result<Answer<'_>, ClientError> {
-        let id = self.next.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = oneshot::channel();
-        let mut answer = send_raw(
-            self.unit,
-            &self.out,
-            &self.waiters,
-            id,
-            req,
-            self.timeout,
-            false,
-            Some(tx),
-        )?;
-        answer.ahead = Some(rx);
-        Ok(answer)
     }
 
     pub(super) fn unexpected(&self, resp: Response) -> ClientError {

@@ -764,12 +764,8 @@ async fn a_get_answered_inline_offers_no_block_next_time() {
     server.shutdown().await;
 }
 
-/// Over shm, the second PUT of a session lands in a credit and the second GET of a shape in
-/// the block it offered, each in one round trip: both engines copy into ranges the other
-/// announced as standing, without a grant, and the values read back whole. The offered
-/// block keeps only what the values occupy.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn credits_and_offered_blocks_take_one_round_trip_over_shm() {
+/// A unit over shm (a 64 MiB pool) and a client of it (a 32 MiB receive pool).
+async fn shm_pair() -> (Server, Client) {
     let server = Server::start(ServerConfig {
         bind: "127.0.0.1:0".into(),
         backend: Backend::Shm,
@@ -787,6 +783,16 @@ async fn credits_and_offered_blocks_take_one_round_trip_over_shm() {
     })
     .await
     .unwrap();
+    (server, c)
+}
+
+/// Over shm, the second PUT of a session lands in a credit and the second GET of a shape in
+/// the block it offered, each in one round trip: both engines copy into ranges the other
+/// announced as standing, without a grant, and the values read back whole. The offered
+/// block keeps only what the values occupy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn credits_and_offered_blocks_take_one_round_trip_over_shm() {
+    let (server, c) = shm_pair().await;
     for round in 0..16 {
         c.put("p", &[1], &column(100_000, round)).await.unwrap();
         let got = c.get("p", &[1], &["x"]).await.unwrap();
@@ -826,23 +832,7 @@ async fn credits_and_offered_blocks_take_one_round_trip_over_shm() {
 /// round, and nothing stays pending on either side.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_get_decodes_its_meta_while_the_values_land() {
-    let server = Server::start(ServerConfig {
-        bind: "127.0.0.1:0".into(),
-        backend: Backend::Shm,
-        pool_bytes: 64 << 20,
-        ..ServerConfig::default()
-    })
-    .await
-    .unwrap();
-    let c = Client::connect(ClientConfig {
-        units: vec![server.addr().to_owned()],
-        backend: Backend::Shm,
-        recv_pool_bytes: 32 << 20,
-        timeout: Duration::from_secs(60),
-        ..ClientConfig::default()
-    })
-    .await
-    .unwrap();
+    let (server, c) = shm_pair().await;
     let n = 1000u64;
     let indexes: Vec<u64> = (0..n).collect();
     for round in 0..4u8 {
