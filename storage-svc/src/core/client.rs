@@ -479,12 +479,7 @@ impl GetOp {
         match (state, answer) {
             (GetState::Cancelling { error }, _) => GetStep::Done(Err(error)),
             (GetState::Offered, Ok((_, Response::Written { meta }))) => {
-                match self
-                    .decoder
-                    .frame_table(&meta)
-                    .map_err(ClientError::from)
-                    .and_then(|t| Ok(t.layout(self.align)?))
-                {
+                match self.layout_of(&meta) {
                     Ok(layout) => {
                         self.state = GetState::Landing {
                             meta,
@@ -541,14 +536,15 @@ impl GetOp {
         }
     }
 
+    /// Where the frames `meta` describes lie in the block they are written into.
+    fn layout_of(&self, meta: &[u8]) -> Result<RecvLayout, ClientError> {
+        let table = self.decoder.frame_table(meta)?;
+        Ok(table.layout(self.align)?)
+    }
+
     /// `GetReady`: a block of the layout `meta` asks for is to be leased.
     fn on_answer_ready(&mut self, get: u64, meta: ByteBuf) -> GetStep {
-        let layout = match self
-            .decoder
-            .frame_table(&meta)
-            .map_err(ClientError::from)
-            .and_then(|t| Ok(t.layout(self.align)?))
-        {
+        let layout = match self.layout_of(&meta) {
             Ok(l) => l,
             Err(e) => return GetStep::Done(Err(e)),
         };
@@ -623,12 +619,7 @@ impl GetOp {
     pub fn on_ahead(&mut self, meta: ByteBuf) {
         let state = std::mem::replace(&mut self.state, GetState::Done);
         self.state = match state {
-            GetState::Offered => match self
-                .decoder
-                .frame_table(&meta)
-                .map_err(ClientError::from)
-                .and_then(|t| Ok(t.layout(self.align)?))
-            {
+            GetState::Offered => match self.layout_of(&meta) {
                 Ok(layout) => {
                     let ahead = Some(self.decoder.decode_unbound(&meta, self.align));
                     GetState::Writing {
