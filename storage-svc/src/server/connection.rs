@@ -545,6 +545,8 @@ async fn sliced(
             };
             loop {
                 let done = shared.unit.lock().get_step(&mut g);
+                #[cfg(test)]
+                fault::between_slices(g.partition()).await;
                 if done {
                     break;
                 }

@@ -135,6 +135,23 @@ pub(crate) fn before_sliced(_sid: SessionId, _id: u64, partition: &str) {
     }
 }
 
+/// Between two slices of a GET of `partition` (the unit unlocked): a watched GET waits, for
+/// 30 s at most, until a request of another session on its partition was handled, so that a
+/// test of the slicing does not depend on how fast the GET is.
+pub(crate) async fn between_slices(partition: &str) {
+    let served = || {
+        WATCHED
+            .lock()
+            .iter()
+            .any(|w| w.partition == partition && (!w.under_way || w.served_during))
+    };
+    let watched = WATCHED.lock().iter().any(|w| w.partition == partition);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while watched && !served() && std::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+}
+
 /// A GET of `partition` was answered (the unit still locked).
 pub(crate) fn get_done(partition: &str) {
     for w in WATCHED.lock().iter_mut() {
