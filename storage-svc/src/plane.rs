@@ -1,21 +1,23 @@
 //! The payload plane's memory: the registered pool behind [`Memory`], `Bytes` views that own a
 //! pool block, and registering caller frames in place. With the epoll calls of `busy_poll`,
 //! the only `unsafe` of the crate lives here, at the boundary with registered memory: a PUT's
-//! block viewed before it is written ([`BlockBytes`]) and caller frames wrapped as regions
-//! (`register_group`, `register_in_place`). A block whose writes are complete goes through the
-//! transport's `FrozenBlock` ([`freeze_written`]), with no `unsafe` here.
+//! block viewed before it is written ([`BlockBytes`]), caller frames wrapped as regions
+//! (`register_group`, `register_in_place`) and WRITEs from frames that are not registered
+//! (`post_write`). A block whose writes are complete goes through the transport's
+//! `FrozenBlock` ([`freeze_written`]), with no `unsafe` here.
 
 use std::ptr::NonNull;
 use tessera_sync::Arc;
 
 use bytes::Bytes;
 use tessera_transport::{
-    Agent, BackendError, Exposure, LocalDesc, Ops, PoolBlock, Region, Registration, RemoteDesc,
+    Agent, BackendError, Exposure, KeepAlive, LocalDesc, Ops, Peer, PoolBlock, Region,
+    Registration, RemoteDesc, Transfer,
 };
 
 use crate::chunks::ChunkPool;
 use crate::core::{Exposed, Landed, Landing, Memory, PoolStats, Written};
-use crate::error::MemoryError;
+use crate::error::{MemoryError, PayloadError};
 use tessera_engines::{EngineError, EngineOptions};
 
 /// The payload engine of a unit and its clients: an [`EngineKind`](tessera_engines::EngineKind)
@@ -294,6 +296,42 @@ impl Landing for CreditExposed {
     fn spin_bytes(&self, bytes: u64, window: std::time::Duration) -> bool {
         self.0.spin_written(bytes, window)
     }
+}
+
+/// Posts a WRITE of `frames` (none empty, in order) to `descs` at `peer`. `owner` owns the
+/// frames' `Bytes` (or keeps their owner alive); the transfer holds it until the engine is
+/// done with them.
+///
+/// Where the agent's engine reaches local memory by address (`inproc`, `shm`, `tcp`), the
+/// frames are not registered at all: registering them would only record regions no peer can
+/// name, and for a batch of a thousand small tensors that bookkeeping (lookups, groups,
+/// descriptors and their release) cost about as much as the copy. Elsewhere each is
+/// described with [`source_descs`].
+#[allow(unsafe_code)] // A WRITE from caller frames that are not registered.
+pub(crate) fn post_write<'a>(
+    agent: &Agent,
+    peer: &Peer,
+    frames: impl IntoIterator<Item = &'a Bytes>,
+    owner: KeepAlive,
+    descs: &[RemoteDesc],
+) -> Result<Transfer, PayloadError> {
+    if agent.local_side_needs_registration() {
+        let locals = source_descs(agent, frames)?;
+        return Ok(peer.write(&locals, descs, None)?);
+    }
+    let mut sources = Vec::with_capacity(descs.len());
+    for (index, f) in frames.into_iter().enumerate() {
+        if f.is_empty() {
+            return Err(MemoryError::EmptyFrame { index }.into());
+        }
+        sources.push((f.as_ptr(), f.len() as u64));
+    }
+    // SAFETY: each source is the whole of a frame's `Bytes`, valid for reads while any
+    // reference to its memory lives, and immutable (nobody writes through a `Bytes`; caller
+    // memory wrapped as one, and stored values, are read-only by the crate's contract);
+    // `owner` owns those `Bytes` (the caller says so), and the transfer holds it until the
+    // engine is done with the sources.
+    Ok(unsafe { peer.write_unregistered(&sources, descs, owner, None) }?)
 }
 
 /// Local descriptors of `frames` for a WRITE, in the order of `frames`: memory that already
@@ -725,6 +763,49 @@ mod tests {
         let mut got = vec![0u8; expected.len()];
         inbox.read_at(0, &mut got).unwrap();
         assert_eq!(got, expected);
+    }
+
+    /// A WRITE posted from frames that are not registered moves exactly their bytes, and
+    /// their memory outlives their last user (the transfer, holding their owner); an empty
+    /// frame is refused before anything moves.
+    #[test]
+    fn frames_are_written_without_registering_them() {
+        let a = agent("a");
+        let b = agent("b");
+        assert!(!a.local_side_needs_registration());
+        let inbox = Region::new(1 << 16).unwrap();
+        let gb = b.register(&inbox).unwrap();
+        let peer = a.add_remote(&b.metadata()).unwrap();
+        let frames: Vec<Bytes> = (0..50u8)
+            .map(|i| Bytes::from(vec![i; 100 + usize::from(i)]))
+            .collect();
+        let mut at = 0;
+        let remotes: Vec<RemoteDesc> = frames
+            .iter()
+            .map(|f| {
+                let r = gb.remote(at, f.len() as u64).unwrap();
+                at += f.len() as u64;
+                r
+            })
+            .collect();
+        let expected: Vec<u8> = frames.iter().flat_map(|f| f.iter().copied()).collect();
+        let with_empty = [frames[0].clone(), Bytes::new()];
+        let refused = post_write(&a, &peer, &with_empty, Arc::new(()), &remotes[..2]);
+        assert!(
+            matches!(
+                refused,
+                Err(PayloadError::Memory(MemoryError::EmptyFrame { index: 1 }))
+            ),
+            "{refused:?}"
+        );
+        let frames = Arc::new(frames);
+        let t = post_write(&a, &peer, frames.iter(), frames.clone(), &remotes).unwrap();
+        drop(frames);
+        t.wait().unwrap();
+        let mut got = vec![0u8; expected.len()];
+        inbox.read_at(0, &mut got).unwrap();
+        assert_eq!(got, expected);
+        assert_eq!(a.report().copied_write_bytes, expected.len() as u64);
     }
 
     /// Where the engine needs a real local registration, each frame is registered alone,

@@ -174,7 +174,8 @@ impl InprocConnection {
             };
             // SAFETY: `src` and `dst` each lie inside a registration pinned for this copy (the
             // plan pins the local one, the grant the remote one), `len` bytes long, so both
-            // stay mapped; `copy` tolerates overlap (two registrations may map the same pages).
+            // stay mapped (a WRITE from unregistered sources reads memory the plan's
+            // keep-alive owns and nobody writes: `Peer::write_unregistered`'s contract); `copy` tolerates overlap (two registrations may map the same pages).
             unsafe { copier.copy(src, dst, len as usize) };
         }
         // Its stores are ordered before the record below.

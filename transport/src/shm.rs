@@ -1574,8 +1574,10 @@ impl ShmConnection {
                 Op::Write => (seg.local_ptr(), remote),
                 Op::Read => (remote, seg.local_ptr()),
             };
-            // SAFETY: the local range lies in a registration the plan pins; the remote range
-            // was checked against the mapping (sealed, so never truncated) and the target
+            // SAFETY: the local range lies in a registration the plan pins, or, for a WRITE
+            // from unregistered sources, in memory the plan's keep-alive owns and nobody
+            // writes (`Peer::write_unregistered`'s contract); the remote range was checked
+            // against the mapping (sealed, so never truncated) and the target
             // pinned its registration for this transfer.
             unsafe { copier.copy(src, dst, seg.len as usize) };
             copied += seg.len;

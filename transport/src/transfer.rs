@@ -42,6 +42,11 @@ impl Op {
 /// block's lease, the owner of foreign memory, a pinned registration, the peer handle).
 pub type KeepAlive = Arc<dyn Any + Send + Sync>;
 
+/// [`Segment::local_reg`] of a segment whose local side is not registered (a WRITE from
+/// [`Peer::write_unregistered`](crate::Peer::write_unregistered)): its local offset is the
+/// address.
+pub(crate) const UNREGISTERED: u64 = 0;
+
 /// One contiguous copy of a plan: `len` bytes between a local address and a remote
 /// (registration, offset).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

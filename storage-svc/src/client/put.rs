@@ -3,13 +3,14 @@
 
 use serde_bytes::ByteBuf;
 use tessera_framecodec::Frames;
+use tessera_sync::Arc;
 use tessera_transport::{LocalDesc, RemoteDesc};
 
 use super::conn::Conn;
 use super::{Client, Slot};
 use crate::core::client::{PutOp, PutStep};
 use crate::error::{ClientError, MemoryError, PayloadError};
-use crate::plane::source_descs;
+use crate::plane::{post_write, source_descs};
 use crate::proto::{Credit, PullSource};
 
 impl Client {
@@ -33,7 +34,7 @@ impl Client {
         if !inline {
             if let Some(credit) = conn.take_credit(&frames) {
                 return self
-                    .put_credited(conn, partition, indexes, fields, &frames, &credit)
+                    .put_credited(conn, partition, indexes, fields, frames, &credit)
                     .await;
             }
         }
@@ -51,10 +52,11 @@ impl Client {
             return done(first);
         };
         let mut answer = conn.send(req, !inline)?;
-        // The frames are registered while the unit prepares its block: once the request is
-        // on its way (the writer may share this thread's core).
+        // Where the engine needs them, the frames are registered while the unit prepares its
+        // block: once the request is on its way (the writer may share this thread's core).
         answer.sent().await;
-        let mut locals = (!inline).then(|| {
+        let frames = Arc::new(frames);
+        let mut locals = (!inline && self.agent.local_side_needs_registration()).then(|| {
             source_descs(
                 &self.agent,
                 frames.payloads.iter().filter(|f| !f.is_empty()),
@@ -76,27 +78,28 @@ impl Client {
                 }
                 PutStep::Write { descs, agent } => {
                     let ready = match (agent, locals.take()) {
-                        (_, None) => Err(ClientError::ApiMisuse(
-                            "a WRITE for a PUT without registered frames".into(),
-                        )),
                         (_, Some(Err(e))) => Err(ClientError::Memory(e)),
+                        (_, None) if inline => {
+                            Err(ClientError::ApiMisuse("a WRITE for an inline PUT".into()))
+                        }
                         // The unit registered more memory: its peer handle learns the new
                         // registrations before any WRITE names them.
-                        (Some(md), Some(Ok(l))) => self
+                        (Some(md), locals) => self
                             .agent
                             .add_remote(&md)
-                            .map(|_| l)
+                            .map(|_| locals.and_then(Result::ok))
                             .map_err(|source| ClientError::Connect { unit, source }),
-                        (None, Some(Ok(l))) => Ok(l),
+                        (None, locals) => Ok(locals.and_then(Result::ok)),
                     };
                     match ready {
                         // Nothing was written: the unit frees the block.
                         Err(e) => op.on_written(Err(e), false),
                         // The block may hold part of the payload if this fails: the unit
                         // quarantines it. No retry.
-                        Ok(locals) => {
-                            op.on_written(self.write_frames(conn, &descs, locals).await, true)
-                        }
+                        Ok(locals) => op.on_written(
+                            self.write_frames(conn, &descs, &frames, locals).await,
+                            true,
+                        ),
                     }
                 }
             };
@@ -112,23 +115,18 @@ impl Client {
         partition: &str,
         indexes: Vec<u64>,
         fields: Vec<String>,
-        frames: &Frames,
+        frames: Frames,
         credit: &Credit,
     ) -> Result<(), ClientError> {
         let (mut op, first) = PutOp::credited(
-            conn.unit, partition, indexes, fields, frames, conn.align, credit,
+            conn.unit, partition, indexes, fields, &frames, conn.align, credit,
         );
+        let frames = Arc::new(frames);
         let PutStep::SendWrite { req, descs } = first else {
             return done(first);
         };
         let answer = conn.send(req, false)?;
-        let written = match source_descs(
-            &self.agent,
-            frames.payloads.iter().filter(|f| !f.is_empty()),
-        ) {
-            Ok(locals) => self.write_frames(conn, &descs, locals).await,
-            Err(e) => Err(ClientError::Memory(e)),
-        };
+        let written = self.write_frames(conn, &descs, &frames, None).await;
         let step = match op.on_written(written, true) {
             PutStep::Await => op.on_answer(answer.wait().await),
             other => {
@@ -212,30 +210,37 @@ impl Client {
         done(op.on_answer(answer))
     }
 
-    /// WRITEs the non-empty frames, registered as `locals` in order, to `descs` in the unit's
-    /// receive block.
+    /// WRITEs the non-empty frames to `descs` in the unit's receive block: from `locals`,
+    /// their descriptors in order, where they were registered beforehand, else as
+    /// [`post_write`] does.
     async fn write_frames(
         &self,
         conn: &Conn,
         descs: &[RemoteDesc],
-        locals: Vec<LocalDesc>,
+        frames: &Arc<Frames>,
+        locals: Option<Vec<LocalDesc>>,
     ) -> Result<(), ClientError> {
         let terr = |source: PayloadError| ClientError::Transfer {
             unit: conn.unit,
             source,
         };
-        if descs.len() != locals.len() {
+        let nonempty = || frames.payloads.iter().filter(|f| !f.is_empty());
+        let count = nonempty().count();
+        if descs.len() != count {
             return Err(MemoryError::Described {
-                frames: locals.len(),
+                frames: count,
                 descs: descs.len(),
             }
             .into());
         }
-        let t = conn
-            .peer
-            .write(&locals, descs, None)
-            .map_err(|e| terr(e.into()))?;
-        drop(locals);
+        let posted = match locals {
+            Some(locals) => conn.peer.write(&locals, descs, None).map_err(Into::into),
+            None => post_write(&self.agent, &conn.peer, nonempty(), frames.clone(), descs),
+        };
+        let t = posted.map_err(|e| match e {
+            PayloadError::Memory(e) => ClientError::Memory(e),
+            e => terr(e),
+        })?;
         let after = self.timeout;
         match tokio::time::timeout(after, t).await {
             Ok(r) => r.map_err(|e| terr(e.into())),

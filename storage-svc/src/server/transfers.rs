@@ -13,7 +13,7 @@ use super::fault;
 use super::{Job, Shared};
 use crate::core::{Output, SessionId};
 use crate::error::{ErrorKind, PayloadError};
-use crate::plane::source_descs;
+use crate::plane::post_write;
 use crate::proto::Response;
 use tessera_sync::atomic::{AtomicU64, Ordering};
 
@@ -187,7 +187,7 @@ pub(super) async fn executor(
         let result = CatchUnwind(Box::pin(async {
             #[cfg(test)]
             fault::before_write(sid, get);
-            write(&shared, &peer, &frames, &descs).await
+            write(&shared, &peer, frames, &descs).await
         }))
         .await
         .unwrap_or_else(|what| {
@@ -210,12 +210,12 @@ pub(super) async fn executor(
 async fn write(
     shared: &Shared,
     peer: &Peer,
-    frames: &[Bytes],
+    frames: Vec<Bytes>,
     descs: &[RemoteDesc],
 ) -> Result<(), PayloadError> {
-    let locals = source_descs(&shared.agent, frames)?;
-    let t = peer.write(&locals, descs, None)?;
-    drop(locals);
+    let frames = Arc::new(frames);
+    let t = post_write(&shared.agent, peer, frames.iter(), frames.clone(), descs)?;
+    drop(frames);
     let after = shared.cfg.transfer_timeout;
     match tokio::time::timeout(after, t).await {
         Ok(r) => Ok(r?),

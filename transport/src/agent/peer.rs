@@ -5,7 +5,7 @@ use std::fmt;
 
 use super::AgentCore;
 use super::Prepared;
-use crate::desc::{LocalDesc, RemoteDesc};
+use crate::desc::{KeepAlive, LocalDesc, RemoteDesc};
 use crate::engine::RemoteReg;
 use crate::engine::{Connection, Op};
 use crate::error::TransferError;
@@ -83,6 +83,31 @@ impl Peer {
         notify: Option<&[u8]>,
     ) -> Result<Transfer, TransferError> {
         self.prepare(Op::Write, local, remote)?.post(notify)
+    }
+
+    /// Copies each `sources[i]`, an `(address, length)` range of memory that is not
+    /// registered, to `remote[i]` (pairwise equal lengths), then delivers `notify` to the
+    /// peer: a WRITE without registering its sources, for engines that reach local memory by
+    /// address (where [`Agent::local_side_needs_registration`](crate::Agent::local_side_needs_registration)
+    /// is false; the others refuse it). Every remote descriptor is checked as for
+    /// [`Peer::write`]. The transfer holds `keep` until the engine is done with the sources,
+    /// even when the [`Transfer`] is dropped before it completes.
+    ///
+    /// # Safety
+    ///
+    /// Every source range must be valid for reads, and not written by anyone, until the
+    /// engine drops `keep`: `keep` owns that memory or keeps its owner alive (the `Bytes` of
+    /// the frames, say).
+    pub unsafe fn write_unregistered(
+        &self,
+        sources: &[(*const u8, u64)],
+        remote: &[RemoteDesc],
+        keep: KeepAlive,
+        notify: Option<&[u8]>,
+    ) -> Result<Transfer, TransferError> {
+        // SAFETY: the caller upholds `Prepared::unregistered`'s contract, which is this
+        // function's.
+        unsafe { Prepared::unregistered(self.core.clone(), sources, remote, keep) }?.post(notify)
     }
 
     /// Copies each `remote[i]` into `local[i]` (pairwise equal lengths), then delivers

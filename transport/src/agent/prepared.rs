@@ -3,13 +3,14 @@
 
 use std::fmt;
 
+use super::peer::RegTable;
 use super::PeerCore;
 use crate::desc::{coalesce_in_place, KeepAlive, Loc, LocalDesc, Pair, RemoteDesc};
 use crate::engine::Xfer;
 use crate::error::{Side, TransferError};
 use crate::notify::MAX_NOTIFICATION;
 use crate::registry::RegEntry;
-use crate::transfer::{Completion, Op, Plan, Segment, Transfer};
+use crate::transfer::{Completion, Op, Plan, Segment, Transfer, UNREGISTERED};
 use tessera_sync::atomic::Ordering;
 use tessera_sync::Arc;
 
@@ -40,13 +41,12 @@ impl Prepared {
                 ),
             });
         }
-        let table = peer.regs.lock().clone();
+        let mut remote_side = RemoteSide::of(&peer);
         let agent_id = peer.agent.host.id;
         let mut pairs: Vec<Pair> = Vec::with_capacity(local.len());
         let mut pins: Vec<Arc<RegEntry>> = Vec::new();
         let mut keep = Vec::new();
         let mut bytes = 0u64;
-        let mut last_remote: Option<(u64, u64)> = None;
         for (index, (l, r)) in local.iter().zip(remote).enumerate() {
             if l.len != r.len {
                 return Err(TransferError::Mismatch {
@@ -63,36 +63,7 @@ impl Prepared {
                     detail: format!("local descriptor {index} is registered with another agent"),
                 });
             }
-            let reg_len = match last_remote {
-                Some((id, len)) if id == r.reg => len,
-                _ => {
-                    let len =
-                        table
-                            .len_of(r.reg)
-                            .ok_or_else(|| TransferError::UnknownRegistration {
-                                peer: name(&peer),
-                                side: Side::Remote,
-                                index,
-                                reg: r.reg,
-                            })?;
-                    last_remote = Some((r.reg, len));
-                    len
-                }
-            };
-            match r.end() {
-                Some(end) if end <= reg_len && r.len > 0 => {}
-                _ => {
-                    return Err(TransferError::OutOfRange {
-                        peer: name(&peer),
-                        side: Side::Remote,
-                        index,
-                        reg: r.reg,
-                        offset: r.offset,
-                        len: r.len,
-                        reg_len,
-                    })
-                }
-            }
+            remote_side.check(index, r)?;
             if pins.last().is_none_or(|p| p.id != l.reg.id) {
                 pins.push(l.reg.clone());
             }
@@ -146,6 +117,94 @@ impl Prepared {
         })
     }
 
+    /// A WRITE of `sources`, `(address, length)` ranges of memory that is not registered,
+    /// to `remote`, pairwise, coalesced; the plan keeps `keep` alive. Only for engines that
+    /// reach local memory by address ([`Agent::local_side_needs_registration`] false).
+    ///
+    /// # Safety
+    ///
+    /// As [`Peer::write_unregistered`] asks.
+    ///
+    /// [`Agent::local_side_needs_registration`]: crate::Agent::local_side_needs_registration
+    /// [`Peer::write_unregistered`]: crate::Peer::write_unregistered
+    pub(crate) unsafe fn unregistered(
+        peer: Arc<PeerCore>,
+        sources: &[(*const u8, u64)],
+        remote: &[RemoteDesc],
+        keep: KeepAlive,
+    ) -> Result<Self, TransferError> {
+        let name = |p: &PeerCore| p.name.to_string();
+        if peer.agent.transport.local_side_needs_registration() {
+            return Err(TransferError::Mismatch {
+                peer: name(&peer),
+                detail: format!(
+                    "the {} engine reads only registered memory: register the sources",
+                    peer.agent.transport.kind()
+                ),
+            });
+        }
+        if sources.len() != remote.len() {
+            return Err(TransferError::Mismatch {
+                peer: name(&peer),
+                detail: format!(
+                    "{} sources for {} remote descriptors",
+                    sources.len(),
+                    remote.len()
+                ),
+            });
+        }
+        let mut remote_side = RemoteSide::of(&peer);
+        let mut pairs: Vec<Pair> = Vec::with_capacity(sources.len());
+        let mut bytes = 0u64;
+        for (index, (&(addr, len), r)) in sources.iter().zip(remote).enumerate() {
+            if len != r.len {
+                return Err(TransferError::Mismatch {
+                    peer: name(&peer),
+                    detail: format!("pair {index}: source {len} bytes, remote {} bytes", r.len),
+                });
+            }
+            remote_side.check(index, r)?;
+            bytes += len;
+            let pair = Pair {
+                local: Loc {
+                    reg: UNREGISTERED,
+                    offset: addr as u64,
+                },
+                remote: Loc {
+                    reg: r.reg,
+                    offset: r.offset,
+                },
+                len,
+            };
+            match pairs.last_mut() {
+                Some(last) if last.continued_by(&pair) => last.len += pair.len,
+                _ => pairs.push(pair),
+            }
+        }
+        coalesce_in_place(&mut pairs);
+        let segments = pairs
+            .iter()
+            .map(|p| {
+                Segment::new(
+                    (UNREGISTERED, p.local.offset, p.local.offset as usize),
+                    (p.remote.reg, p.remote.offset),
+                    p.len,
+                )
+            })
+            .collect();
+        let keep = vec![keep, peer.clone() as KeepAlive];
+        Ok(Self {
+            plan: Arc::new(Plan::new(
+                Op::Write,
+                peer.name.clone(),
+                segments,
+                keep,
+                bytes,
+            )),
+            peer,
+        })
+    }
+
     /// The plan: segments after coalescing.
     pub fn plan(&self) -> &Plan {
         &self.plan
@@ -176,6 +235,58 @@ impl Prepared {
             done,
         });
         Ok(transfer)
+    }
+}
+
+/// The peer's registrations as its metadata announced them, to check remote descriptors
+/// against, remembering the last one looked up (descriptors into one block come in a row).
+struct RemoteSide<'a> {
+    peer: &'a PeerCore,
+    table: Arc<RegTable>,
+    last: Option<(u64, u64)>,
+}
+
+impl<'a> RemoteSide<'a> {
+    fn of(peer: &'a PeerCore) -> Self {
+        Self {
+            peer,
+            table: peer.regs.lock().clone(),
+            last: None,
+        }
+    }
+
+    /// Whether remote descriptor `index`, `r`, is a non-empty range of a registration the
+    /// peer announced.
+    fn check(&mut self, index: usize, r: &RemoteDesc) -> Result<(), TransferError> {
+        let peer = || self.peer.name.to_string();
+        let reg_len = match self.last {
+            Some((id, len)) if id == r.reg => len,
+            _ => {
+                let len =
+                    self.table
+                        .len_of(r.reg)
+                        .ok_or_else(|| TransferError::UnknownRegistration {
+                            peer: peer(),
+                            side: Side::Remote,
+                            index,
+                            reg: r.reg,
+                        })?;
+                self.last = Some((r.reg, len));
+                len
+            }
+        };
+        match r.end() {
+            Some(end) if end <= reg_len && r.len > 0 => Ok(()),
+            _ => Err(TransferError::OutOfRange {
+                peer: peer(),
+                side: Side::Remote,
+                index,
+                reg: r.reg,
+                offset: r.offset,
+                len: r.len,
+                reg_len,
+            }),
+        }
     }
 }
 

@@ -122,7 +122,8 @@ pub(super) async fn write_loop(
                 let mut sent = send_bytes(&w, &head).await;
                 if sent.is_ok() && is_write {
                     // SAFETY: the spans lie in local registrations pinned by the plan that
-                    // `keep` holds until the write has returned.
+                    // `keep` holds until the write has returned, or in memory that plan's
+                    // keep-alive owns (`Peer::write_unregistered`'s contract).
                     sent = unsafe { write_spans(&w, &spans) }.await;
                 }
                 drop(keep);

@@ -151,6 +151,10 @@ macro_rules! conformance_suite {
                 $crate::testing::coalescing_and_prepared(&make);
             }
             #[test]
+            fn unregistered_sources() {
+                $crate::testing::unregistered_sources(&make);
+            }
+            #[test]
             fn out_of_range_initiator() {
                 $crate::testing::out_of_range_initiator(&make);
             }

@@ -2,7 +2,9 @@
 
 use std::time::Duration;
 
-use crate::{Agent, LocalDesc, Op, Region, RejectReason, RemoteDesc, Side, Status, TransferError};
+use crate::{
+    Agent, LocalDesc, Op, Prepared, Region, RejectReason, RemoteDesc, Side, Status, TransferError,
+};
 
 use super::*;
 
@@ -315,6 +317,102 @@ pub fn coalescing_and_prepared(make: Factory<'_>) {
     ra.write_at(0, &data).unwrap();
     finish(p3.post(None).unwrap()).unwrap();
     assert_eq!(read(&rb, 4096, 640_000), data);
+}
+
+/// A WRITE from memory that is not registered ([`crate::Peer::write_unregistered`]). Where
+/// the engine reaches local memory by address, every source lands, sources contiguous in
+/// memory and at the peer travel as one segment, the remote side is checked as for any
+/// WRITE, and the sources' owner is held until the engine is done, then let go. Where the
+/// engine reads only registered memory, the WRITE is refused before a byte moves and the
+/// owner let go at once.
+pub fn unregistered_sources(make: Factory<'_>) {
+    use tessera_sync::Arc;
+    let (a, b, _, _) = pair(make);
+    let rb = Region::new(1 << 20).unwrap();
+    let gb = b.register(&rb).unwrap();
+    let a_to_b = a.add_remote(&b.metadata()).unwrap();
+    // 100 sources of 64 bytes in a row in one buffer, then 200 buffers of their own.
+    let row = pattern(3, 100 * 64);
+    let apart: Vec<Vec<u8>> = (0..200u64)
+        .map(|i| pattern(100 + i, 1000 + i as usize))
+        .collect();
+    let mut sources: Vec<(*const u8, u64)> =
+        (0..100).map(|i| (row[i * 64..].as_ptr(), 64)).collect();
+    sources.extend(apart.iter().map(|v| (v.as_ptr(), v.len() as u64)));
+    let mut expected = row.clone();
+    for v in &apart {
+        expected.extend_from_slice(v);
+    }
+    let mut at = 4096;
+    let remote: Vec<RemoteDesc> = sources
+        .iter()
+        .map(|&(_, len)| {
+            let d = RemoteDesc::new(gb.id(), at, len);
+            at += len;
+            d
+        })
+        .collect();
+    let owner = Arc::new((row, apart));
+    let held = Arc::downgrade(&owner);
+    let let_go = |what: &str| {
+        let t = std::time::Instant::now();
+        while held.upgrade().is_some() {
+            assert!(
+                t.elapsed() < hang_guard(),
+                "{what}: the sources' owner is still held"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    };
+    // SAFETY: every source lies in `owner`'s buffers, which nobody writes, and the transfer
+    // holds `owner` until the engine is done with them.
+    let posted = unsafe { a_to_b.write_unregistered(&sources, &remote, owner, None) };
+    if a.local_side_needs_registration() {
+        assert!(
+            matches!(&posted, Err(TransferError::Mismatch { detail, .. }) if detail.contains("registered")),
+            "{posted:?}"
+        );
+        let_go("refused");
+        assert_eq!(read(&rb, 0, 1 << 20), vec![0u8; 1 << 20]);
+        return;
+    }
+    finish(posted.unwrap()).unwrap();
+    assert_eq!(read(&rb, 4096, expected.len()), expected);
+    assert_eq!(read(&rb, 0, 4096), vec![0u8; 4096], "nothing before");
+    let_go("done");
+    // The plan: the row is one segment, each buffer of its own another.
+    let owner = Arc::new(expected.clone());
+    let one: Vec<(*const u8, u64)> = vec![(owner.as_ptr(), 64), (owner[64..].as_ptr(), 64)];
+    let two = [
+        RemoteDesc::new(gb.id(), 0, 64),
+        RemoteDesc::new(gb.id(), 64, 64),
+    ];
+    // SAFETY: as above, `owner` being the buffer.
+    let p =
+        unsafe { Prepared::unregistered(a_to_b.core.clone(), &one, &two, owner.clone()) }.unwrap();
+    assert_eq!(p.plan().segments().len(), 1);
+    drop(p);
+    // Checked as any WRITE: lengths pairwise, the peer's registrations and their bounds.
+    let cases = [
+        (RemoteDesc::new(gb.id(), 0, 65), "length"),
+        (RemoteDesc::new(gb.id() ^ 1, 0, 64), "registration"),
+        (RemoteDesc::new(gb.id(), (1 << 20) - 32, 64), "range"),
+    ];
+    for (bad, what) in cases {
+        // SAFETY: as above.
+        let r = unsafe { a_to_b.write_unregistered(&one[..1], &[bad], owner.clone(), None) };
+        match (what, r) {
+            ("length", Err(TransferError::Mismatch { .. }))
+            | ("registration", Err(TransferError::UnknownRegistration { .. }))
+            | ("range", Err(TransferError::OutOfRange { .. })) => {}
+            (what, r) => panic!("{what}: {r:?}"),
+        }
+    }
+    assert_eq!(
+        read(&rb, 0, 4096),
+        vec![0u8; 4096],
+        "nothing written by a refused WRITE"
+    );
 }
 
 /// Remote descriptors outside what the peer announced are refused before a byte moves.
