@@ -408,6 +408,19 @@ pub fn unregistered_sources(make: Factory<'_>) {
             (what, r) => panic!("{what}: {r:?}"),
         }
     }
+    // SAFETY: as above (no byte is read).
+    let empty = unsafe {
+        a_to_b.write_unregistered(
+            &[(owner.as_ptr(), 0)],
+            &[RemoteDesc::new(gb.id(), 0, 0)],
+            owner.clone(),
+            None,
+        )
+    };
+    assert!(
+        matches!(empty, Err(TransferError::OutOfRange { .. })),
+        "an empty pair: {empty:?}"
+    );
     assert_eq!(
         read(&rb, 0, 4096),
         vec![0u8; 4096],
@@ -444,6 +457,27 @@ pub fn out_of_range_initiator(make: Factory<'_>) {
     assert!(matches!(
         a_to_b.write(&local, &unknown, None),
         Err(TransferError::UnknownRegistration { .. })
+    ));
+    // A descriptor is checked against its own registration, not the one before it.
+    let rb2 = Region::new(1 << 12).unwrap();
+    let gb2 = b.register(&rb2).unwrap();
+    let a_to_b = a.add_remote(&b.metadata()).unwrap();
+    let two = [ga.desc(0, 100).unwrap(), ga.desc(100, 100).unwrap()];
+    let past_second = [
+        gb.remote(0, 100).unwrap(),
+        RemoteDesc::new(gb2.id(), 4050, 100),
+    ];
+    assert!(
+        matches!(
+            a_to_b.write(&two, &past_second, None),
+            Err(TransferError::OutOfRange { index: 1, reg, .. }) if reg == gb2.id()
+        ),
+        "the second descriptor lies past its own, smaller, registration"
+    );
+    let then_unknown = [gb.remote(0, 100).unwrap(), unknown[0]];
+    assert!(matches!(
+        a_to_b.write(&two, &then_unknown, None),
+        Err(TransferError::UnknownRegistration { index: 1, .. })
     ));
     let short = [RemoteDesc::new(gb.id(), 0, 99)];
     assert!(matches!(
