@@ -8,6 +8,12 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use tessera_bench::{plot, Report, SUITES};
 
+/// mimalloc: glibc's allocator gives back the top of its heap as soon as more than 128 KiB
+/// of it is free, so a request that allocates and frees more (the descriptors and values of a
+/// batch of a thousand tensors) faulted its pages in again each time.
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     for name in &args {

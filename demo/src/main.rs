@@ -43,6 +43,12 @@ enum Role {
     Consumer(roles::WorkerArgs),
 }
 
+/// mimalloc: glibc's allocator gives back the top of its heap as soon as more than 128 KiB
+/// of it is free, so a request that allocates and frees more (the descriptors and values of a
+/// batch of a thousand tensors) faulted its pages in again each time.
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() {
     let cli = Cli::parse();
     let code = match run(cli) {

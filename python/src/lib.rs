@@ -17,6 +17,12 @@ mod tensor;
 
 use pyo3::prelude::*;
 
+/// mimalloc: glibc's allocator gives back the top of its heap as soon as more than 128 KiB
+/// of it is free, so a request that allocates and frees more (the descriptors and values of a
+/// batch of a thousand tensors) faulted its pages in again each time.
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Runs the `tessera-storage` command line (`python -m tessera.storage`); returns its exit
 /// status. The GIL is released while it runs.
 #[pyfunction]
