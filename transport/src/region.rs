@@ -65,7 +65,7 @@ const _: () = {
     assert_send_sync::<Region>();
 };
 
-fn page_size() -> u64 {
+pub(crate) fn page_size() -> u64 {
     // SAFETY: sysconf has no memory-safety obligations.
     let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
     if p > 0 {
