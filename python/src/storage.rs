@@ -145,6 +145,7 @@ pub(crate) struct PyClient {
     pid: u32,
 }
 
+#[allow(clippy::too_many_arguments)]
 fn config(
     units: Vec<String>,
     backend_name: &str,
@@ -153,6 +154,7 @@ fn config(
     timeout: f64,
     payload_addr: Option<&str>,
     max_message_bytes: u64,
+    prefault_recv_pool: bool,
 ) -> PyResult<ClientConfig> {
     if units.is_empty() {
         return Err(errors::usage(
@@ -181,6 +183,7 @@ fn config(
         payload_addr,
         token: token(token_obj)?,
         recv_pool_bytes,
+        prefault_recv_pool,
         max_message_bytes,
         timeout: Duration::from_secs_f64(timeout),
         ..ClientConfig::default()
@@ -308,7 +311,7 @@ impl PyClient {
 #[pymethods]
 impl PyClient {
     #[new]
-    #[pyo3(signature = (units, backend="shm", recv_pool_bytes=1 << 30, token=None, tensor_type="numpy", timeout=60.0, payload_addr=None, max_message_bytes=256 << 20, replicas=1, placement="modulo"))]
+    #[pyo3(signature = (units, backend="shm", recv_pool_bytes=1 << 30, token=None, tensor_type="numpy", timeout=60.0, payload_addr=None, max_message_bytes=256 << 20, replicas=1, placement="modulo", prefault_recv_pool=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -322,6 +325,7 @@ impl PyClient {
         max_message_bytes: u64,
         replicas: usize,
         placement: &str,
+        prefault_recv_pool: bool,
     ) -> PyResult<Self> {
         let tensor_type = TensorType::parse(tensor_type)?;
         let cfg = config(
@@ -332,6 +336,7 @@ impl PyClient {
             timeout,
             payload_addr,
             max_message_bytes,
+            prefault_recv_pool,
         )?;
         let cfg = ClientConfig { replicas, ..cfg };
         let placement = placement_of(placement)?;
@@ -349,7 +354,7 @@ impl PyClient {
 
     /// `Client(...)`, connecting without blocking the event loop.
     #[staticmethod]
-    #[pyo3(signature = (units, backend="shm", recv_pool_bytes=1 << 30, token=None, tensor_type="numpy", timeout=60.0, payload_addr=None, max_message_bytes=256 << 20, replicas=1, placement="modulo"))]
+    #[pyo3(signature = (units, backend="shm", recv_pool_bytes=1 << 30, token=None, tensor_type="numpy", timeout=60.0, payload_addr=None, max_message_bytes=256 << 20, replicas=1, placement="modulo", prefault_recv_pool=false))]
     #[allow(clippy::too_many_arguments)]
     fn connect_async<'py>(
         py: Python<'py>,
@@ -363,6 +368,7 @@ impl PyClient {
         max_message_bytes: u64,
         replicas: usize,
         placement: &str,
+        prefault_recv_pool: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
         let tensor_type = TensorType::parse(tensor_type)?;
         let cfg = config(
@@ -373,6 +379,7 @@ impl PyClient {
             timeout,
             payload_addr,
             max_message_bytes,
+            prefault_recv_pool,
         )?;
         let cfg = ClientConfig { replicas, ..cfg };
         let placement = placement_of(placement)?;

@@ -104,6 +104,7 @@ class Client:
         max_message_bytes: int = ...,
         replicas: int = 1,
         placement: str = "modulo",
+        prefault_recv_pool: bool = False,
     ) -> None: ...
     @staticmethod
     def connect_async(
@@ -117,6 +118,7 @@ class Client:
         max_message_bytes: int = ...,
         replicas: int = 1,
         placement: str = "modulo",
+        prefault_recv_pool: bool = False,
     ) -> Awaitable[Client]: ...
     @property
     def units(self) -> list[str]: ...

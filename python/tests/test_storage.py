@@ -223,6 +223,34 @@ def test_a_closed_client_says_so(unit):
         c.put("p", [0], {"f": [1]})
 
 
+def _shared_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssShmem:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no RssShmem in /proc/self/status")
+
+
+def test_prefaulted_pools_are_resident_from_the_start():
+    mib = 1 << 20
+    before = _shared_rss()
+    with tessera.storage.Server(
+        pool_bytes=32 * mib, pool_chunk_bytes=8 * mib, prefault_pool=True
+    ) as u:
+        assert u.registered_bytes() == 32 * mib
+        with_unit = _shared_rss()
+        assert with_unit - before >= 32 * mib
+        with tessera.storage.Client(
+            units=[u.address], recv_pool_bytes=64 * mib, prefault_recv_pool=True
+        ) as c:
+            assert _shared_rss() - with_unit >= 64 * mib
+            c.put("p", [0], {"f": [np.arange(1000, dtype=np.int32)]})
+            got = c.get("p", [0], ["f"])
+            assert np.array_equal(got["f"][0], np.arange(1000, dtype=np.int32))
+    with tessera.storage.Server(pool_bytes=32 * mib, pool_chunk_bytes=8 * mib) as u:
+        assert u.registered_bytes() == 8 * mib
+
+
 def test_connection_errors_name_the_address():
     with pytest.raises(ConnectError) as e:
         tessera.storage.Client(units=["127.0.0.1:1"], recv_pool_bytes=1 << 20)

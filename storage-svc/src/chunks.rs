@@ -20,6 +20,9 @@ pub(crate) struct ChunkLimits {
     /// Idle (registered, not leased) bytes kept at most: entirely free chunks beyond it are
     /// deregistered.
     pub(crate) idle: u64,
+    /// Register the whole capacity at start, fault every page of it in, and keep it (`idle`
+    /// is then the capacity): no request registers memory or touches a fresh page.
+    pub(crate) prefault: bool,
 }
 
 /// Where chunks come from: a transport agent in the server, plain allocators in tests.
@@ -38,6 +41,8 @@ pub(crate) trait Chunk {
     fn lease(&self, size: u64, align: u64) -> Result<Self::Block, MemoryError>;
     /// Registered bytes.
     fn capacity(&self) -> u64;
+    /// Faults every page of the chunk in for writing.
+    fn populate(&self) -> Result<(), MemoryError>;
     /// Leased bytes, largest free range and live blocks.
     fn usage(&self) -> (u64, u64, u64);
 }
@@ -63,6 +68,10 @@ impl Chunk for RegisteredPool {
         RegisteredPool::capacity(self)
     }
 
+    fn populate(&self) -> Result<(), MemoryError> {
+        Ok(RegisteredPool::populate(self)?)
+    }
+
     fn usage(&self) -> (u64, u64, u64) {
         let r = self.report();
         (r.used, r.largest_free, r.live_blocks)
@@ -85,10 +94,14 @@ pub(crate) struct ChunkPool<S: ChunkSource> {
 }
 
 impl<S: ChunkSource> ChunkPool<S> {
-    /// A pool with its first chunk registered (so that a failure to register shows at once).
-    pub(crate) fn new(source: S, limits: ChunkLimits) -> Result<Self, MemoryError> {
+    /// A pool with its first chunk registered (so that a failure to register shows at once),
+    /// or with every chunk registered and faulted in when `limits.prefault`.
+    pub(crate) fn new(source: S, mut limits: ChunkLimits) -> Result<Self, MemoryError> {
         if limits.capacity == 0 || limits.chunk == 0 {
             return Err(MemoryError::ZeroSize);
+        }
+        if limits.prefault {
+            limits.idle = limits.capacity;
         }
         let mut pool = Self {
             source,
@@ -98,6 +111,9 @@ impl<S: ChunkSource> ChunkPool<S> {
             generation: Arc::new(AtomicU64::new(0)),
         };
         pool.grow(limits.chunk.min(limits.capacity))?;
+        while limits.prefault && pool.registered < limits.capacity {
+            pool.grow(limits.chunk.min(limits.capacity - pool.registered))?;
+        }
         Ok(pool)
     }
 
@@ -108,6 +124,9 @@ impl<S: ChunkSource> ChunkPool<S> {
 
     fn grow(&mut self, bytes: u64) -> Result<&S::Pool, MemoryError> {
         let chunk = self.source.register(bytes)?;
+        if self.limits.prefault {
+            chunk.populate()?;
+        }
         self.registered += chunk.capacity();
         let at = self.chunks.len();
         self.chunks.push(chunk);
@@ -228,6 +247,7 @@ mod tests {
             capacity,
             chunk,
             idle,
+            prefault: false,
         };
         let pool = ChunkPool::new(agent.clone(), limits).unwrap();
         (agent, pool)
@@ -295,6 +315,49 @@ mod tests {
         drop(again);
         drop(pool);
         assert_eq!(agent.report().registrations, 0);
+    }
+
+    /// Resident pages of a chunk (`mincore`) and its pages in all.
+    #[allow(unsafe_code)] // FFI: mincore(2).
+    fn resident(chunk: &RegisteredPool) -> (usize, usize) {
+        let len = chunk.capacity() as usize;
+        let mut vec = vec![0u8; len.div_ceil(PAGE as usize)];
+        // SAFETY: the range is the chunk's own page-aligned mapping, and `vec` holds one
+        // byte per page of it.
+        let rc =
+            unsafe { libc::mincore(chunk.registration().as_ptr().cast(), len, vec.as_mut_ptr()) };
+        assert_eq!(rc, 0);
+        (vec.iter().filter(|b| *b & 1 == 1).count(), vec.len())
+    }
+
+    /// Prefaulted: the whole capacity is registered at start, every page resident, and kept
+    /// whatever the idle limit; without, only the first chunk, and none of its pages.
+    #[test]
+    fn a_prefaulted_pool_registers_and_touches_everything_at_start() {
+        let agent = Arc::new(Agent::new("chunks", Inproc::new()).unwrap());
+        let limits = ChunkLimits {
+            capacity: 10 * MIB,
+            chunk: 4 * MIB,
+            idle: 0,
+            prefault: true,
+        };
+        let mut pool = ChunkPool::new(agent.clone(), limits).unwrap();
+        assert_eq!(registered(&agent, &pool), 10 * MIB);
+        let sizes: Vec<u64> = pool.chunks.iter().map(|c| c.capacity()).collect();
+        assert_eq!(sizes, [4 * MIB, 4 * MIB, 2 * MIB]);
+        for c in &pool.chunks {
+            let (resident, pages) = resident(c);
+            assert_eq!(resident, pages);
+        }
+        let blocks: Vec<_> = (0..10).map(|_| pool.lease(MIB, 64).unwrap()).collect();
+        drop(blocks);
+        assert_eq!(pool.trim(), 0, "nothing is deregistered");
+        assert_eq!(pool.usage().idle_limit, 10 * MIB);
+        assert_eq!(registered(&agent, &pool), 10 * MIB);
+
+        let (agent, pool) = self::pool(10 * MIB, 4 * MIB, 0);
+        assert_eq!(registered(&agent, &pool), 4 * MIB);
+        assert_eq!(resident(&pool.chunks[0]).0, 0);
     }
 
     #[test]

@@ -181,6 +181,7 @@ def _client_args(
     max_message_bytes: int,
     replicas: int,
     placement: str,
+    prefault_recv_pool: bool,
 ) -> tuple:
     if isinstance(units, str):
         units = [units]
@@ -195,6 +196,7 @@ def _client_args(
         max_message_bytes,
         int(replicas),
         placement,
+        bool(prefault_recv_pool),
     )
 
 
@@ -208,6 +210,10 @@ class Client:
     ``"modulo"`` (the copies of ``i`` on the units after ``i % len(units)``) or
     ``"rendezvous"`` (highest-random-weight hashing over the units' addresses: a unit added
     to or removed from the list moves only its share of the keys).
+
+    ``prefault_recv_pool`` faults every page of the receive pool (``recv_pool_bytes``) in when
+    the client connects, as an RDMA registration would pin them, so that no GET lands in fresh
+    memory and pays for its first touch; the whole pool is then resident.
 
     ``tensor_type`` says what GET returns for tensors: ``"numpy"`` arrays, ``"torch"``
     tensors, or ``"tessera"`` (:class:`tessera.Tensor`, viewable by both without a copy).
@@ -225,6 +231,7 @@ class Client:
         max_message_bytes: int = 256 << 20,
         replicas: int = 1,
         placement: str = "modulo",
+        prefault_recv_pool: bool = False,
     ) -> None:
         self._native = _native.Client(
             *_client_args(
@@ -238,6 +245,7 @@ class Client:
                 max_message_bytes,
                 replicas,
                 placement,
+                prefault_recv_pool,
             )
         )
 
@@ -338,6 +346,7 @@ class AsyncClient:
         max_message_bytes: int = 256 << 20,
         replicas: int = 1,
         placement: str = "modulo",
+        prefault_recv_pool: bool = False,
     ) -> AsyncClient:
         native = await _native.Client.connect_async(
             *_client_args(
@@ -351,6 +360,7 @@ class AsyncClient:
                 max_message_bytes,
                 replicas,
                 placement,
+                prefault_recv_pool,
             )
         )
         return cls(native)

@@ -282,6 +282,11 @@ struct Serve {
     /// Idle registered memory kept at most (free chunks beyond it are deregistered).
     #[arg(long, value_parser = parse_size)]
     idle_pool: Option<u64>,
+    /// Register the whole pool at start and fault every page of it in, so that no request
+    /// waits for a registration or a first touch of fresh memory (the pool is resident from
+    /// the start; --idle-pool is then ignored).
+    #[arg(long)]
+    prefault_pool: bool,
     /// Registered memory leased to prepared PUTs at most; PUTs beyond it are refused.
     #[arg(long, value_parser = parse_size)]
     leased_limit: Option<u64>,
@@ -742,6 +747,9 @@ async fn serve(s: Serve, poll: Option<BusyPoll>, say: Say) -> Result<()> {
     }
     if let Some(v) = s.idle_pool {
         cfg.idle_pool_bytes = v;
+    }
+    if s.prefault_pool {
+        cfg.prefault_pool = true;
     }
     if let Some(v) = s.leased_limit {
         cfg.unit.leased_limit = v;

@@ -50,6 +50,11 @@ pub struct ClientConfig {
     pub token: Option<tessera_transport::auth::Token>,
     /// Bytes of the client's registered receive pool (GETs land here).
     pub recv_pool_bytes: u64,
+    /// Fault every page of the receive pool in when the client connects (as an RDMA
+    /// registration pins them), so that no GET lands in fresh memory and pays for its first
+    /// touch (on a VM, several microseconds a page); the whole pool is then resident. Off by
+    /// default.
+    pub prefault_recv_pool: bool,
     /// Largest control message accepted from a unit.
     pub max_message_bytes: u64,
     /// How long a unit's answer to any request, a PUT's WRITE or a GET's completion may take
@@ -76,6 +81,7 @@ impl Default for ClientConfig {
             payload_addr: None,
             token: None,
             recv_pool_bytes: 1 << 30,
+            prefault_recv_pool: false,
             max_message_bytes: 256 << 20,
             timeout: Duration::from_secs(60),
             busy_poll: None,
@@ -143,10 +149,14 @@ impl Client {
         let backend = cfg.backend;
         let payload_addr = cfg.payload_addr;
         let bytes = cfg.recv_pool_bytes;
+        let prefault = cfg.prefault_recv_pool;
         let token = cfg.token.clone();
         let (agent, pool) = tokio::task::spawn_blocking(move || {
             let agent = backend.role_agent_at("client", payload_addr, token.as_ref())?;
             let pool = RegisteredPool::new(&agent, bytes).map_err(ClientError::from_pool)?;
+            if prefault {
+                pool.populate().map_err(ClientError::from_pool)?;
+            }
             Ok::<_, ClientError>((Arc::new(agent), pool))
         })
         .await??;

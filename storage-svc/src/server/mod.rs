@@ -71,6 +71,12 @@ pub struct ServerConfig {
     /// free are deregistered, newest first, while the idle bytes exceed it.
     #[serde(with = "crate::units::size")]
     pub idle_pool_bytes: u64,
+    /// Register all of `pool_bytes` at start and fault every page of it in (as an RDMA
+    /// registration pins them), and keep it registered: no request then waits for a chunk's
+    /// registration or for a first touch of fresh memory (on a VM, several microseconds a
+    /// page), at the price of the whole pool resident from the start. `idle_pool_bytes` is
+    /// then ignored.
+    pub prefault_pool: bool,
     /// Largest control message accepted from an authenticated session, in bytes (checked
     /// before allocating).
     #[serde(with = "crate::units::size")]
@@ -131,6 +137,7 @@ impl Default for ServerConfig {
             pool_bytes: 2 << 30,
             pool_chunk_bytes: 256 << 20,
             idle_pool_bytes: 512 << 20,
+            prefault_pool: false,
             max_message_bytes: 256 << 20,
             preauth_message_bytes: 64 << 10,
             handshake_timeout: Duration::from_secs(5),
@@ -336,6 +343,7 @@ impl Server {
             capacity: cfg.pool_bytes,
             chunk: cfg.pool_chunk_bytes,
             idle: cfg.idle_pool_bytes,
+            prefault: cfg.prefault_pool,
         };
         let token = cfg.unit.token.clone();
         let (agent, pool) = tokio::task::spawn_blocking(move || {
