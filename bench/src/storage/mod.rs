@@ -134,7 +134,8 @@ fn best(mut runs: Vec<Duration>) -> Duration {
 async fn suite(report: &mut Report, poll: &BusyPoll, mask: Option<libc::cpu_set_t>) -> Result<()> {
     let pinned = format!(
         "client pinned to cpu {CLIENT_CPU}, unit process to cpu {UNIT_CPU}, both busy-poll \
-         their control sockets for up to {} us before parking",
+         their control sockets for up to {} us before parking, the unit's pool prefaulted \
+         (`--prefault-pool`)",
         POLL.as_micros()
     );
     // memcpy reference: two pre-touched 256 MiB buffers.
@@ -671,6 +672,7 @@ fn unit_main(kind: &str) -> Result<()> {
             bind: "127.0.0.1:0".into(),
             backend,
             pool_bytes: 1 << 30,
+            prefault_pool: true,
             unit: UnitConfig {
                 capacity_bytes: 1 << 30,
                 ..UnitConfig::default()

@@ -729,7 +729,11 @@ pub fn quantile(times: &[Duration], q: f64) -> Duration {
 #[derive(Clone, Debug)]
 pub struct SoakConfig {
     pub sessions: usize,
+    /// How long the timed part runs.
     pub duration: Duration,
+    /// Load before the timed part, whose latencies are not kept (its GETs are still
+    /// checked). Both start once every session has connected.
+    pub warmup: Duration,
     /// Keys each session cycles through.
     pub keys: u64,
     /// Values above this many bytes take a permit of [`SoakConfig::large_in_flight`] and
@@ -744,6 +748,7 @@ impl Default for SoakConfig {
         Self {
             sessions: 32,
             duration: Duration::from_secs(10),
+            warmup: Duration::ZERO,
             keys: 16,
             large: 1 << 20,
             large_in_flight: 2,
@@ -756,8 +761,8 @@ impl Default for SoakConfig {
 #[derive(Debug, Default)]
 pub struct SoakReport {
     pub put: Vec<Duration>,
-    /// The PUTs of values up to [`SMALL_VALUE`] bytes (also in `put`).
-    pub put_small: Vec<Duration>,
+    /// The value size of each PUT of `put`, in the same order.
+    pub put_bytes: Vec<usize>,
     pub get: Vec<Duration>,
     pub clear: Vec<Duration>,
     /// GETs of a stored key that came back missing.
@@ -778,7 +783,7 @@ impl SoakReport {
 
     fn merge(&mut self, o: SoakReport) {
         self.put.extend(o.put);
-        self.put_small.extend(o.put_small);
+        self.put_bytes.extend(o.put_bytes);
         self.get.extend(o.get);
         self.clear.extend(o.clear);
         self.lost += o.lost;
@@ -789,6 +794,14 @@ impl SoakReport {
                 self.notes.push(n);
             }
         }
+    }
+
+    /// Drops the latencies taken so far (those of the warm-up).
+    fn forget_times(&mut self) {
+        for times in [&mut self.put, &mut self.get, &mut self.clear] {
+            times.clear();
+        }
+        self.put_bytes.clear();
     }
 
     fn note(&mut self, n: String) {
@@ -839,12 +852,13 @@ async fn off_worker<T: Send + 'static>(len: usize, f: impl FnOnce() -> T + Send 
 pub async fn soak(session: ClientConfig, cfg: SoakConfig) -> SoakReport {
     let large = Arc::new(tokio::sync::Semaphore::new(cfg.large_in_flight));
     let start = Instant::now();
-    let end = start + cfg.duration;
+    let connected = Arc::new(tokio::sync::Barrier::new(cfg.sessions));
     let mut tasks = Vec::new();
     for s in 0..cfg.sessions {
         let (session, cfg, large) = (session.clone(), cfg.clone(), large.clone());
+        let connected = connected.clone();
         tasks.push(tokio::spawn(async move {
-            soak_session(s as u64, session, cfg, large, end).await
+            soak_session(s as u64, session, cfg, large, &connected).await
         }));
     }
     let mut total = SoakReport::default();
@@ -866,11 +880,16 @@ async fn soak_session(
     session: ClientConfig,
     cfg: SoakConfig,
     large: Arc<tokio::sync::Semaphore>,
-    end: Instant,
+    connected: &tokio::sync::Barrier,
 ) -> SoakReport {
     let mut r = SoakReport::default();
     let timeout = session.timeout;
-    let client = match Client::connect(session).await {
+    let client = Client::connect(session).await;
+    // Every session waits here, also one that failed to connect, so that none waits forever.
+    connected.wait().await;
+    let timed = Instant::now() + cfg.warmup;
+    let end = timed + cfg.duration;
+    let client = match client {
         Ok(c) => c,
         Err(e) => {
             r.failed += 1;
@@ -882,7 +901,12 @@ async fn soak_session(
     let mut rng = Rng::new(0x50a4 ^ (id << 32));
     let mut known: HashMap<u64, Known> = HashMap::new();
     let mut generation = 0u64;
+    let mut warm = false;
     while Instant::now() < end {
+        if !warm && Instant::now() >= timed {
+            warm = true;
+            r.forget_times();
+        }
         let key = rng.below(cfg.keys);
         let op = rng.below(10);
         if op < 4 {
@@ -906,9 +930,7 @@ async fn soak_session(
             match res {
                 Ok(Ok(())) => {
                     r.put.push(t.elapsed());
-                    if len <= SMALL_VALUE {
-                        r.put_small.push(t.elapsed());
-                    }
+                    r.put_bytes.push(len);
                     known.insert(key, Known::Stored { seed, len });
                 }
                 other => {
