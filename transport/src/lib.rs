@@ -14,6 +14,7 @@ mod interval;
 mod metadata;
 mod notify;
 mod pool;
+pub mod priority;
 mod region;
 mod registry;
 pub mod shm;
