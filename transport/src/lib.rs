@@ -14,7 +14,6 @@ mod interval;
 mod metadata;
 mod notify;
 mod pool;
-pub mod priority;
 mod region;
 mod registry;
 pub mod shm;

@@ -34,12 +34,6 @@
 //!
 //! Each connection has one progress thread per side, blocked in `recvmsg` while idle.
 //!
-//! A copy of [`BULK_BYTES`] or more runs [`BULK_NICE`] nicer than its thread's own priority,
-//! which the thread takes back afterwards (where it may: see
-//! [`crate::priority::can_restore`]). A copy of megabytes then gives way at once to the
-//! threads that serve small requests on the same core, which at equal priority would wait
-//! for its time slice to end (milliseconds); alone on the core it runs as fast as before.
-//!
 //! **Trust.** Before anything else, the dialer and the target run the challenge-response in
 //! the crate README's trust model (`HELLO`, `CHALLENGE`, `AUTH`, then `HELLO_ACK` or `REFUSED`): with
 //! a token ([`Shm::with_token`]) each proves it holds it; without one each side checks the
@@ -105,11 +99,6 @@ pub(crate) const RECORDS: u8 = 18;
 pub(crate) const ANNOUNCE_RING: u8 = 19;
 /// Target → initiator: the ring of announcements is half full; take it.
 pub(crate) const ANNOUNCED: u8 = 20;
-
-/// Copies of this many bytes or more run [`BULK_NICE`] nicer than their thread.
-pub const BULK_BYTES: u64 = 1 << 20;
-/// How much nicer a bulk copy runs than its thread otherwise does.
-pub const BULK_NICE: i32 = 10;
 
 /// How long `connect` waits for the target to accept and answer the handshake.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -1541,16 +1530,7 @@ impl ShmConnection {
         xfer.done.complete(result);
     }
 
-    /// Copies the transfer's segments, at a lower priority when it is a bulk copy.
     fn copy(&self, xfer: &Xfer) -> Result<(), TransferError> {
-        if xfer.plan().bytes() >= BULK_BYTES {
-            crate::priority::nicer_while(BULK_NICE, || self.copy_segments(xfer))
-        } else {
-            self.copy_segments(xfer)
-        }
-    }
-
-    fn copy_segments(&self, xfer: &Xfer) -> Result<(), TransferError> {
         let plan = xfer.plan();
         let mut copied = 0u64;
         // The mapping of the current registration, held (not cloned) across its segments: an

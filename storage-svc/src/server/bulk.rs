@@ -4,11 +4,12 @@
 //! for the bulk thread's time slice to end (milliseconds), at a lower one it preempts it at
 //! once. A session runs one request at a time, so it has at most one such thread.
 
-use tessera_transport::priority;
-
 /// How much nicer a bulk thread is than the thread that starts it (the workers keep the
 /// process's own priority).
 const BULK_NICE: i32 = 10;
+
+/// The highest nice value Linux gives.
+const NICEST: i32 = 19;
 
 /// Runs `job` on a new thread [`BULK_NICE`] nicer than the caller and waits for it; on the blocking pool at
 /// the process's priority where no thread can be started. `None` if the job panicked.
@@ -19,16 +20,11 @@ where
 {
     let (done_tx, done_rx) = tokio::sync::oneshot::channel();
     let (job_tx, job_rx) = std::sync::mpsc::channel::<F>();
+    let nice = (nice_now() + BULK_NICE).min(NICEST);
     let spawned = std::thread::Builder::new()
         .name("tessera-bulk".into())
         .spawn(move || {
-            // A new thread starts at its creator's priority.
-            if !priority::lower_priority(BULK_NICE) {
-                tracing::debug!(
-                    error = %std::io::Error::last_os_error(),
-                    "a bulk thread keeps the process's priority"
-                );
-            }
+            set_nice(nice);
             if let Ok(job) = job_rx.recv() {
                 let _ = done_tx.send(job());
             }
@@ -42,17 +38,38 @@ where
     done_rx.await.ok()
 }
 
+/// The calling thread's nice value.
+#[allow(unsafe_code)] // FFI: getpriority(2).
+fn nice_now() -> i32 {
+    // SAFETY: getpriority takes no pointers; with PRIO_PROCESS and who = 0 it reads the
+    // calling thread's nice value (Linux schedules threads one by one).
+    unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) }
+}
+
+/// Sets the calling thread's nice value; a thread that may not keeps its own.
+#[allow(unsafe_code)] // FFI: setpriority(2).
+fn set_nice(nice: i32) {
+    // SAFETY: setpriority takes no pointers; with PRIO_PROCESS and who = 0 it sets the nice
+    // value of the calling thread only.
+    let rc = unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, nice) };
+    if rc != 0 {
+        tracing::debug!(
+            error = %std::io::Error::last_os_error(),
+            "a bulk thread keeps the process's priority"
+        );
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{run, BULK_NICE};
-    use tessera_transport::priority::{nice, NICEST};
+    use super::{nice_now, run, BULK_NICE, NICEST};
 
     #[tokio::test]
     async fn runs_the_job_at_a_lower_priority_and_survives_its_panic() {
-        let expected = (nice() + BULK_NICE).min(NICEST);
-        assert_eq!(run(nice).await, Some(expected));
+        let expected = (nice_now() + BULK_NICE).min(NICEST);
+        assert_eq!(run(nice_now).await, Some(expected));
         // The caller keeps its own priority.
-        assert!(nice() < expected || expected == NICEST);
+        assert!(nice_now() < expected || expected == NICEST);
         let panicked: Option<()> = run(|| panic!("a job that panics")).await;
         assert_eq!(panicked, None);
     }
