@@ -369,7 +369,8 @@ impl Region {
 
     /// Faults every page in for writing, so the first transfer into the region does not pay
     /// for page faults (`MADV_POPULATE_WRITE`, or a write per page where the kernel lacks it).
-    /// Contents are unchanged. Only for memory this region mapped itself.
+    /// Contents are unchanged. Only for memory this region mapped itself. A kernel that cannot
+    /// give the memory fails it with an error (`ENOMEM`) rather than the process.
     pub fn populate(&self) -> Result<(), RegionError> {
         let Kind::Mapped { map_len, .. } = self.inner.kind else {
             return Ok(());
@@ -379,6 +380,10 @@ impl Region {
         let rc = unsafe { libc::madvise(self.as_ptr().cast(), map_len, libc::MADV_POPULATE_WRITE) };
         if rc == 0 {
             return Ok(());
+        }
+        // Only a kernel without MADV_POPULATE_WRITE (before 5.14: EINVAL) gets the writes.
+        if std::io::Error::last_os_error().raw_os_error() != Some(libc::EINVAL) {
+            return Err(os_error("madvise(MADV_POPULATE_WRITE)"));
         }
         let page = page_size() as usize;
         let base = self.as_ptr();
