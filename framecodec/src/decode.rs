@@ -311,19 +311,29 @@ impl<'a> Reader<'a> {
         })
     }
 
+    #[inline(always)]
     fn uint(&mut self) -> Result<u64, DecodeError> {
-        // The unsigned markers, the encoder's only ones for unsigned values, read directly;
-        // anything else through `integer` (a non-negative signed value is accepted too).
+        // A positive fixint (tags, dtype codes, frame numbers, small dims) read in place; the
+        // other forms out of line.
         match self.peek() {
             Some(m @ 0x00..=0x7f) => {
                 self.pos += 1;
-                return Ok(u64::from(m));
+                Ok(u64::from(m))
             }
-            Some(m @ 0xcc..=0xcf) if self.buf.len() - self.pos > 1 << (m - 0xcc) => {
-                self.pos += 1;
-                return self.be(1 << (m - 0xcc));
+            _ => self.uint_slow(),
+        }
+    }
+
+    #[inline(never)]
+    fn uint_slow(&mut self) -> Result<u64, DecodeError> {
+        // The unsigned markers, the encoder's only ones for unsigned values, read directly;
+        // anything else through `integer` (a non-negative signed value is accepted too).
+        if let Some(m @ 0xcc..=0xcf) = self.peek() {
+            let n = 1usize << (m - 0xcc);
+            if let Some(b) = self.buf.get(self.pos + 1..self.pos + 1 + n) {
+                self.pos += 1 + n;
+                return Ok(b.iter().fold(0u64, |acc, &b| (acc << 8) | u64::from(b)));
             }
-            _ => {}
         }
         let v = self.integer()?;
         u64::try_from(v)
@@ -361,9 +371,14 @@ impl<'a> Reader<'a> {
         }
     }
 
+    #[inline]
     fn array(&mut self) -> Result<u64, DecodeError> {
+        // A fixarray (every node's header, most shapes) read in place.
+        if let Some(m @ 0x90..=0x9f) = self.peek() {
+            self.pos += 1;
+            return Ok(u64::from(m & 0x0f));
+        }
         match self.byte()? {
-            m @ 0x90..=0x9f => Ok(u64::from(m & 0x0f)),
             0xdc => self.be(2),
             0xdd => self.be(4),
             m => Err(self.malformed(format!("array expected, found marker {m:#04x}"))),
@@ -663,6 +678,14 @@ impl State<'_, '_> {
         let limit = self.limits.max_rank.min(Tensor::MAX_RANK as u32);
         if len > u64::from(limit) {
             return Err(DecodeError::RankTooHigh { node, limit });
+        }
+        // Up to the inline capacity, read into an array and moved in whole.
+        let mut inline = [0u64; 4];
+        if let Some(head) = inline.get_mut(..len as usize) {
+            for d in head {
+                *d = self.rd.uint()?;
+            }
+            return Ok(Dims::from_buf_and_len(inline, len as usize));
         }
         let mut dims = Dims::with_capacity(len as usize);
         for _ in 0..len {

@@ -20,7 +20,8 @@ pub type Dims = SmallVec<[u64; 4]>;
 pub struct Tensor {
     dtype: DType,
     shape: Dims,
-    strides: Option<Dims>,
+    /// Boxed: strided tensors are the rare case, and a contiguous one stays small to move.
+    strides: Option<Box<[u64]>>,
     data: Bytes,
 }
 
@@ -109,7 +110,7 @@ impl Tensor {
         Ok(Self {
             dtype,
             shape,
-            strides,
+            strides: strides.map(|s| s.to_vec().into_boxed_slice()),
             data,
         })
     }
@@ -343,7 +344,7 @@ impl Tensor {
                     index * strides[0] * size
                 };
                 let data = self.data.slice(start as usize..(start + span) as usize);
-                let strides = Some(inner);
+                let strides = Some(inner.to_vec().into_boxed_slice());
                 let mut t = Tensor {
                     dtype: self.dtype,
                     shape,
