@@ -21,6 +21,14 @@
 //! after it handed an answer to a caller on a thread of its own (`block_on`), before its
 //! worker goes on to poll.
 //!
+//! A client's answer can be expected later than the window: a batch of a thousand tensors
+//! keeps the unit busy for a few hundred microseconds. Polling for the window and then
+//! parking spends the window and still pays the wake-up. A poller built with
+//! [`BusyPoll::expecting`] keeps polling past its window, up to a bound, while an awaited
+//! answer is expected: the client learns how long requests of each shape took lately and,
+//! sending one, says when its answer should come. What it expects is bounded too: no
+//! further than the bound past the request.
+//!
 //! It is off unless asked for: build the runtime with [`BusyPoll::on_park`] and hand the
 //! same `BusyPoll` to the server (`ServerConfig::busy_poll`) or the client
 //! (`ClientConfig::busy_poll`), which register their control sockets with it. Measured by
@@ -44,7 +52,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
-use tessera_sync::atomic::{AtomicUsize, Ordering};
+use tessera_sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use tessera_sync::Arc;
 
 use tokio::io::{AsyncRead, ReadBuf};
@@ -64,6 +72,13 @@ struct Inner {
     waiting: AtomicUsize,
     /// Waits on this process's own threads ([`Quiet`] guards alive): no polling while any.
     quiet: AtomicUsize,
+    /// How far past a request its answer may be expected ([`BusyPoll::expecting`]); zero:
+    /// answers are never expected, the window is all.
+    longest: Duration,
+    /// When the latest expected answer should come, in nanoseconds since `epoch`: parking
+    /// workers poll until then while something is awaited, past their window.
+    expected: AtomicU64,
+    epoch: Instant,
 }
 
 impl std::fmt::Debug for BusyPoll {
@@ -82,6 +97,14 @@ impl BusyPoll {
 
     /// A poller that spins for at most `window` each time a worker is about to park.
     pub fn new(window: Duration) -> io::Result<Self> {
+        Self::expecting(window, Duration::ZERO)
+    }
+
+    /// A poller that spins for `window` each time a worker is about to park, and longer while
+    /// an awaited answer is expected later (see the module docs): until then, and never more
+    /// than `longest` after the request. A client given this poller says when it expects
+    /// each answer, from how long the latest requests of the same shape took.
+    pub fn expecting(window: Duration, longest: Duration) -> io::Result<Self> {
         // SAFETY: epoll_create1 takes no pointers; a non-negative result is a new descriptor
         // that nothing else owns.
         let fd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
@@ -96,6 +119,9 @@ impl BusyPoll {
                 window,
                 waiting: AtomicUsize::new(0),
                 quiet: AtomicUsize::new(0),
+                longest,
+                expected: AtomicU64::new(0),
+                epoch: Instant::now(),
             }),
         })
     }
@@ -103,6 +129,34 @@ impl BusyPoll {
     /// The longest a parking worker polls.
     pub fn window(&self) -> Duration {
         self.inner.window
+    }
+
+    /// How far past a request a parking worker polls for its expected answer (zero: not at
+    /// all; [`BusyPoll::expecting`]).
+    pub fn longest(&self) -> Duration {
+        self.inner.longest
+    }
+
+    /// When the latest answer expected so far should come (see [`BusyPoll::expecting`]), or
+    /// `None` when none was.
+    pub fn expected(&self) -> Option<Instant> {
+        match self.inner.expected.load(Ordering::Relaxed) {
+            0 => None,
+            ns => Some(self.inner.epoch + Duration::from_nanos(ns)),
+        }
+    }
+
+    /// An answer awaited since `sent` is expected `after` it: parking workers poll until
+    /// then, past their window (bounded by [`BusyPoll::longest`] after `sent`), while
+    /// anything is awaited.
+    pub(crate) fn expect(&self, sent: Instant, after: Duration) {
+        let inner = &*self.inner;
+        if inner.longest.is_zero() {
+            return;
+        }
+        let by = sent.saturating_duration_since(inner.epoch) + after.min(inner.longest);
+        let by = u64::try_from(by.as_nanos()).unwrap_or(u64::MAX);
+        inner.expected.fetch_max(by, Ordering::Relaxed);
     }
 
     /// How many things are awaited now: open server sessions plus client requests waiting
@@ -206,7 +260,11 @@ impl BusyPoll {
                 .as_ref()
                 .is_some_and(|h| h.metrics().global_queue_depth() > 0)
         };
-        let deadline = Instant::now() + self.inner.window;
+        let now = Instant::now();
+        // The window, or an answer expected later (zero when none ever was).
+        let expected =
+            self.inner.epoch + Duration::from_nanos(self.inner.expected.load(Ordering::Relaxed));
+        let deadline = (now + self.inner.window).max(expected);
         let mut ev = [libc::epoll_event { events: 0, u64: 0 }; 1];
         loop {
             // SAFETY: `ev` has room for the one event asked for; timeout 0 never blocks.
@@ -393,6 +451,40 @@ mod tests {
         let poll = BusyPoll::new(Duration::from_millis(30)).unwrap();
         let _waiting = poll.waiting();
         assert!(timed(poll.on_park()) >= Duration::from_millis(30));
+    }
+
+    #[test]
+    fn an_expected_answer_is_polled_for_past_the_window() {
+        let poll =
+            BusyPoll::expecting(Duration::from_millis(1), Duration::from_millis(200)).unwrap();
+        let (a, _b) = UnixStream::pair().unwrap();
+        let _w = BusyPoll::watched(Some(&poll), a.as_raw_fd(), (), false);
+        let _waiting = poll.waiting();
+        poll.expect(Instant::now(), Duration::from_millis(60));
+        let took = timed(poll.on_park());
+        assert!(took >= Duration::from_millis(50), "{took:?}");
+        // Passed: the window again.
+        assert!(timed(poll.on_park()) < Duration::from_millis(50));
+    }
+
+    #[test]
+    fn an_expectation_is_bounded_and_needs_an_awaited_answer() {
+        let poll =
+            BusyPoll::expecting(Duration::from_millis(1), Duration::from_millis(40)).unwrap();
+        let sent = Instant::now();
+        poll.expect(sent, Duration::from_secs(3600));
+        // Nothing awaited: no polling at all.
+        assert!(timed(poll.on_park()) < Duration::from_millis(30));
+        let _waiting = poll.waiting();
+        let took = timed(poll.on_park());
+        assert!(sent.elapsed() >= Duration::from_millis(40), "{took:?}");
+        assert!(took < Duration::from_secs(5), "{took:?}");
+        // A poller without `expecting` ignores what is expected.
+        let plain = BusyPoll::new(Duration::from_millis(1)).unwrap();
+        let _waiting = plain.waiting();
+        plain.expect(Instant::now(), Duration::from_secs(3600));
+        assert!(timed(plain.on_park()) < Duration::from_secs(5));
+        assert!(plain.longest().is_zero());
     }
 
     #[test]

@@ -26,6 +26,66 @@ fn until(what: &str, f: impl Fn() -> bool) {
     }
 }
 
+/// A client whose poller polls for expected answers (`BusyPoll::expecting`) learns how long
+/// requests of one shape take and says when each next answer is expected, within the bound;
+/// a plain poller expects nothing.
+#[test]
+fn a_client_expects_answers_of_a_shape_it_has_seen() {
+    let longest = Duration::from_secs(2);
+    for expecting in [true, false] {
+        let unit_poll = BusyPoll::new(Duration::from_micros(50)).unwrap();
+        let unit_rt = runtime(&unit_poll);
+        let server = unit_rt
+            .block_on(Server::start(ServerConfig {
+                backend: Backend::Shm,
+                pool_bytes: 16 << 20,
+                pool_chunk_bytes: 16 << 20,
+                busy_poll: Some(unit_poll.clone()),
+                ..ServerConfig::default()
+            }))
+            .unwrap();
+        let window = Duration::from_micros(50);
+        let client_poll = match expecting {
+            true => BusyPoll::expecting(window, longest).unwrap(),
+            false => BusyPoll::new(window).unwrap(),
+        };
+        let client_rt = runtime(&client_poll);
+        let client = client_rt
+            .block_on(Client::connect(ClientConfig {
+                units: vec![server.addr().to_owned()],
+                backend: Backend::Shm,
+                recv_pool_bytes: 16 << 20,
+                busy_poll: Some(client_poll.clone()),
+                ..ClientConfig::default()
+            }))
+            .unwrap();
+        let batch: Vec<Value> = (0..64u32)
+            .map(|i| Value::Tensor(Tensor::from_slice(&[1024], &[i; 1024]).unwrap()))
+            .collect();
+        let indexes: Vec<u64> = (0..64).collect();
+        let cols = [("x".to_owned(), batch)];
+        client_rt.block_on(async {
+            client.put("p", &indexes, &cols).await.unwrap();
+            assert_eq!(client_poll.expected(), None, "a shape not seen yet");
+            // Each kind of request (a first PUT, credited ones, GETs) is seen again.
+            let mut sent = Instant::now();
+            for _ in 0..3 {
+                sent = Instant::now();
+                client.put("p", &indexes, &cols).await.unwrap();
+                drop(client.get("p", &indexes, &["x"]).await.unwrap());
+            }
+            match (expecting, client_poll.expected()) {
+                (true, Some(by)) => assert!(by > sent && by <= Instant::now() + longest),
+                (false, None) => {}
+                (_, by) => panic!("expecting {expecting}: {by:?}"),
+            }
+        });
+        drop(client);
+        drop(client_rt);
+        unit_rt.block_on(server.shutdown());
+    }
+}
+
 #[test]
 fn polled_unit_and_client_round_trip() {
     let dir = tempfile::tempdir().unwrap();

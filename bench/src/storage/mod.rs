@@ -33,6 +33,9 @@ const UNIT_POLL_ENV: &str = "TESSERA_BENCH_STORAGE_UNIT_POLL_US";
 const ONLY_ENV: &str = "TESSERA_BENCH_STORAGE_ONLY";
 /// The busy-polling window of both processes (`BusyPoll`), except where a key says unpolled.
 const POLL: Duration = Duration::from_micros(50);
+/// How far past a request the client polls for an answer it expects later than the window
+/// (`BusyPoll::expecting`).
+const EXPECT: Duration = Duration::from_micros(500);
 const BIG: usize = 256 << 20;
 const RUNS_BIG: usize = 5;
 const RUNS_BATCH: usize = 20;
@@ -103,7 +106,7 @@ pub fn run(report: &mut Report) -> Result<()> {
     pin(CLIENT_CPU)?;
     // The hook polls only while a client built with this `BusyPoll` awaits an answer; the
     // unpolled clients leave it idle.
-    let poll = BusyPoll::new(POLL)?;
+    let poll = BusyPoll::expecting(POLL, EXPECT)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -134,9 +137,11 @@ fn best(mut runs: Vec<Duration>) -> Duration {
 async fn suite(report: &mut Report, poll: &BusyPoll, mask: Option<libc::cpu_set_t>) -> Result<()> {
     let pinned = format!(
         "client pinned to cpu {CLIENT_CPU}, unit process to cpu {UNIT_CPU}, both busy-poll \
-         their control sockets for up to {} us before parking, the unit's pool prefaulted \
+         their control sockets for up to {} us before parking (the client longer for an answer \
+         it expects later, up to {} us after the request), the unit's pool prefaulted \
          (`--prefault-pool`)",
-        POLL.as_micros()
+        POLL.as_micros(),
+        EXPECT.as_micros()
     );
     // memcpy reference: two pre-touched 256 MiB buffers.
     let src = vec![1u8; BIG];

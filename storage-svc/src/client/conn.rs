@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 use std::os::fd::AsRawFd;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tessera_sync::atomic::{AtomicU64, Ordering};
 use tessera_sync::{Arc, Mutex};
 
@@ -33,6 +33,9 @@ struct Pending {
     map: HashMap<u64, Waiter>,
     /// Polled for answers while one is awaited (`ClientConfig::busy_poll`).
     poll: Option<BusyPoll>,
+    /// How long the answers to requests of each shape took lately, where the poller polls
+    /// for expected answers ([`BusyPoll::expecting`]).
+    timings: Timings,
 }
 
 /// Where a request's answer goes.
@@ -43,6 +46,8 @@ struct Waiter {
     from_thread: bool,
     /// Where the meta of a [`Response::Writing`] goes, ahead of the answer (a `GetOffer`'s).
     ahead: Option<oneshot::Sender<ByteBuf>>,
+    /// The shape its answer's time is learned under ([`timing_key`]), and when it was sent.
+    timed: Option<(u64, Instant)>,
 }
 
 type Waiters = Arc<Mutex<Pending>>;
@@ -103,6 +108,76 @@ impl OfferSizes {
         r.sizes[r.next] = size;
         r.next = (r.next + 1) % RECENT;
     }
+}
+
+/// Shapes of requests whose answer times are remembered per session, at most (the map is
+/// emptied beyond).
+const TIMED_SHAPES: usize = 256;
+
+/// Answers of one shape whose times an expectation follows: the last this many.
+const TIMED: usize = 8;
+
+/// How long the answers to requests of each shape took lately ([`timing_key`]): the next
+/// such request's answer is expected after the median of the last [`TIMED`], plus a quarter.
+/// The median, so that one slow answer (a request queued behind another session's) does not
+/// make the next ones poll longer.
+#[derive(Default)]
+struct Timings(HashMap<u64, RecentTimes>);
+
+/// The times of the last answers of one shape, in a ring (`None`: not yet).
+#[derive(Default)]
+struct RecentTimes {
+    times: [Option<Duration>; TIMED],
+    next: usize,
+}
+
+impl Timings {
+    fn expected(&self, key: u64) -> Option<Duration> {
+        let mut times: Vec<Duration> = self.0.get(&key)?.times.iter().flatten().copied().collect();
+        times.sort_unstable();
+        let median = *times.get(times.len() / 2)?;
+        Some(median + median / 4)
+    }
+
+    fn answered(&mut self, key: u64, took: Duration) {
+        if self.0.len() >= TIMED_SHAPES && !self.0.contains_key(&key) {
+            self.0.clear();
+        }
+        let r = self.0.entry(key).or_default();
+        r.times[r.next] = Some(took);
+        r.next = (r.next + 1) % TIMED;
+    }
+}
+
+/// The shape a request's answer time is learned under: its kind, fields and count of
+/// indexes, and for a credited PUT the size class (a power of two) of its payload. `None`
+/// for the requests whose time depends on nothing they say (a COMMIT's on its WRITE).
+fn timing_key(req: &Request) -> Option<u64> {
+    use std::hash::{Hash, Hasher};
+    let (kind, fields, indexes, bytes) = match req {
+        Request::PutCredited {
+            fields,
+            indexes,
+            bytes,
+            ..
+        } => (0u8, fields, indexes, *bytes),
+        Request::Put {
+            fields,
+            indexes,
+            meta,
+            ..
+        } => (1, fields, indexes, meta.len() as u64),
+        Request::Get {
+            fields, indexes, ..
+        } => (2, fields, indexes, 0),
+        Request::GetOffer {
+            fields, indexes, ..
+        } => (3, fields, indexes, 0),
+        _ => return None,
+    };
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (kind, fields, indexes.len(), bytes.checked_ilog2()).hash(&mut h);
+    Some(h.finish())
 }
 
 /// A GET's shape: its fields and how many indexes it names, as the key of `Conn::shapes`.
@@ -362,10 +437,21 @@ fn send_raw<'a>(
         if w.closed {
             return Err(connection_closed(unit));
         }
+        let learns = w.poll.as_ref().is_some_and(|p| !p.longest().is_zero());
+        let timed = learns
+            .then(|| timing_key(&req))
+            .flatten()
+            .map(|key| (key, Instant::now()));
+        if let (Some(poll), Some((key, sent))) = (&w.poll, timed) {
+            if let Some(after) = w.timings.expected(key) {
+                poll.expect(sent, after);
+            }
+        }
         let waiter = Waiter {
             tx: otx,
             from_thread: tokio::task::try_id().is_none(),
             ahead,
+            timed,
         };
         w.map.insert(id, waiter);
         w.poll.as_ref().map(BusyPoll::waiting)
@@ -619,7 +705,14 @@ async fn read_loop(unit: usize, r: Box<dyn AsyncRead + Send + Unpin>, waiters: W
             }
             other => other,
         };
-        let waiter = waiters.lock().map.remove(&id);
+        let waiter = {
+            let mut p = waiters.lock();
+            let w = p.map.remove(&id);
+            if let Some((key, sent)) = w.as_ref().and_then(|w| w.timed) {
+                p.timings.answered(key, sent.elapsed());
+            }
+            w
+        };
         if let Some(w) = waiter {
             let _ = w.tx.send(answer);
             // A caller waiting for a meta ahead (none came) is woken now, before the yield
@@ -668,5 +761,71 @@ mod tests {
         assert_eq!(o.offer_for(2), Some(18), "a shape it holds keeps the map");
         o.laid_out(0, 8);
         assert_eq!((o.offer_for(0), o.offer_for(2)), (Some(9), None));
+    }
+
+    /// An answer is expected after the median of the last [`TIMED`] of its shape, a quarter
+    /// above: one slow answer does not move it, older times age out, and shapes past
+    /// [`TIMED_SHAPES`] start the map over.
+    #[test]
+    fn answers_are_expected_after_the_median_of_their_shape() {
+        let us = Duration::from_micros;
+        let mut t = Timings::default();
+        assert_eq!(t.expected(1), None);
+        t.answered(1, us(200));
+        assert_eq!(t.expected(1), Some(us(250)));
+        t.answered(1, us(100_000));
+        t.answered(1, us(200));
+        assert_eq!(t.expected(1), Some(us(250)), "one slow answer");
+        for _ in 0..TIMED {
+            t.answered(1, us(400));
+        }
+        assert_eq!(t.expected(1), Some(us(500)));
+        for key in 2..=TIMED_SHAPES as u64 + 1 {
+            t.answered(key, us(8));
+        }
+        assert_eq!(t.expected(1), None);
+        assert_eq!(t.expected(TIMED_SHAPES as u64 + 1), Some(us(10)));
+    }
+
+    /// Requests of one kind, fields, count and (for a credited PUT) payload size class share
+    /// a shape; anything else tells them apart, and requests that carry no shape have none.
+    #[test]
+    fn answer_times_are_learned_per_request_shape() {
+        let desc = tessera_transport::RemoteDesc::new(0, 0, 0);
+        let put = |indexes: Vec<u64>, field: &str, bytes| Request::PutCredited {
+            partition: "p".into(),
+            indexes,
+            fields: vec![field.into()],
+            meta: ByteBuf::new(),
+            credit: 0,
+            bytes,
+        };
+        let get = |indexes: Vec<u64>| Request::GetOffer {
+            partition: "p".into(),
+            indexes,
+            fields: vec!["x".into()],
+            block: desc,
+        };
+        let key = |r: &Request| timing_key(r).unwrap();
+        assert_eq!(
+            key(&put(vec![1, 2], "x", 4096)),
+            key(&put(vec![7, 8], "x", 8000))
+        );
+        assert_ne!(
+            key(&put(vec![1, 2], "x", 4096)),
+            key(&put(vec![1, 2], "x", 8192))
+        );
+        assert_ne!(
+            key(&put(vec![1, 2], "x", 4096)),
+            key(&put(vec![1], "x", 4096))
+        );
+        assert_ne!(
+            key(&put(vec![1, 2], "x", 4096)),
+            key(&put(vec![1, 2], "y", 4096))
+        );
+        assert_ne!(key(&put(vec![1, 2], "x", 0)), key(&get(vec![1, 2])));
+        assert_eq!(key(&get(vec![1, 2])), key(&get(vec![3, 4])));
+        assert_eq!(timing_key(&Request::Commit { put: 1 }), None);
+        assert_eq!(timing_key(&Request::Stats), None);
     }
 }
