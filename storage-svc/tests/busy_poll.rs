@@ -26,6 +26,45 @@ fn until(what: &str, f: impl Fn() -> bool) {
     }
 }
 
+/// A unit bound at `bind` over shm and a client of it, each on a runtime of its own polled
+/// by its poller.
+struct Pair {
+    unit_rt: tokio::runtime::Runtime,
+    server: Server,
+    client_rt: tokio::runtime::Runtime,
+    client: Client,
+}
+
+fn pair(bind: &str, unit_poll: &BusyPoll, client_poll: &BusyPoll) -> Pair {
+    let unit_rt = runtime(unit_poll);
+    let server = unit_rt
+        .block_on(Server::start(ServerConfig {
+            bind: bind.to_owned(),
+            backend: Backend::Shm,
+            pool_bytes: 16 << 20,
+            pool_chunk_bytes: 16 << 20,
+            busy_poll: Some(unit_poll.clone()),
+            ..ServerConfig::default()
+        }))
+        .unwrap();
+    let client_rt = runtime(client_poll);
+    let client = client_rt
+        .block_on(Client::connect(ClientConfig {
+            units: vec![server.addr().to_owned()],
+            backend: Backend::Shm,
+            recv_pool_bytes: 16 << 20,
+            busy_poll: Some(client_poll.clone()),
+            ..ClientConfig::default()
+        }))
+        .unwrap();
+    Pair {
+        unit_rt,
+        server,
+        client_rt,
+        client,
+    }
+}
+
 /// A client whose poller polls for expected answers (`BusyPoll::expecting`) learns how long
 /// requests of one shape take and says when each next answer is expected, within the bound;
 /// a plain poller expects nothing.
@@ -34,31 +73,17 @@ fn a_client_expects_answers_of_a_shape_it_has_seen() {
     let longest = Duration::from_secs(2);
     for expecting in [true, false] {
         let unit_poll = BusyPoll::new(Duration::from_micros(50)).unwrap();
-        let unit_rt = runtime(&unit_poll);
-        let server = unit_rt
-            .block_on(Server::start(ServerConfig {
-                backend: Backend::Shm,
-                pool_bytes: 16 << 20,
-                pool_chunk_bytes: 16 << 20,
-                busy_poll: Some(unit_poll.clone()),
-                ..ServerConfig::default()
-            }))
-            .unwrap();
         let window = Duration::from_micros(50);
         let client_poll = match expecting {
             true => BusyPoll::expecting(window, longest).unwrap(),
             false => BusyPoll::new(window).unwrap(),
         };
-        let client_rt = runtime(&client_poll);
-        let client = client_rt
-            .block_on(Client::connect(ClientConfig {
-                units: vec![server.addr().to_owned()],
-                backend: Backend::Shm,
-                recv_pool_bytes: 16 << 20,
-                busy_poll: Some(client_poll.clone()),
-                ..ClientConfig::default()
-            }))
-            .unwrap();
+        let Pair {
+            unit_rt,
+            server,
+            client_rt,
+            client,
+        } = pair("127.0.0.1:0", &unit_poll, &client_poll);
         let batch: Vec<Value> = (0..64u32)
             .map(|i| Value::Tensor(Tensor::from_slice(&[1024], &[i; 1024]).unwrap()))
             .collect();
@@ -92,28 +117,13 @@ fn polled_unit_and_client_round_trip() {
     let unix = format!("unix:{}", dir.path().join("unit.sock").display());
     for bind in ["127.0.0.1:0".to_owned(), unix] {
         let unit_poll = BusyPoll::new(Duration::from_micros(200)).unwrap();
-        let unit_rt = runtime(&unit_poll);
-        let server = unit_rt
-            .block_on(Server::start(ServerConfig {
-                bind: bind.clone(),
-                backend: Backend::Shm,
-                pool_bytes: 16 << 20,
-                pool_chunk_bytes: 16 << 20,
-                busy_poll: Some(unit_poll.clone()),
-                ..ServerConfig::default()
-            }))
-            .unwrap();
         let client_poll = BusyPoll::new(Duration::from_micros(200)).unwrap();
-        let client_rt = runtime(&client_poll);
-        let client = client_rt
-            .block_on(Client::connect(ClientConfig {
-                units: vec![server.addr().to_owned()],
-                backend: Backend::Shm,
-                recv_pool_bytes: 16 << 20,
-                busy_poll: Some(client_poll.clone()),
-                ..ClientConfig::default()
-            }))
-            .unwrap();
+        let Pair {
+            unit_rt,
+            server,
+            client_rt,
+            client,
+        } = pair(&bind, &unit_poll, &client_poll);
         until("the session is awaited", || unit_poll.awaited() == 1);
         client_rt.block_on(async {
             for i in 0..200u64 {

@@ -70,82 +70,96 @@ pub(super) struct Conn {
     shapes: Mutex<OfferSizes>,
 }
 
-/// Shapes of GETs remembered per session, at most (the map is emptied beyond).
+/// Shapes remembered per session, at most, in each [`PerShape`] (the map is emptied beyond).
 const SHAPES: usize = 256;
 
 /// GETs of one shape whose sizes an offer covers: the last this many.
 const RECENT: usize = 16;
+
+/// Answers of one shape whose times an expectation follows: the last this many.
+const TIMED: usize = 8;
+
+/// The last `N` values recorded for each shape of request (a hash of what the request
+/// says), for at most [`SHAPES`] shapes: recording a new one past that starts the map over.
+struct PerShape<T, const N: usize>(HashMap<u64, Ring<T, N>>);
+
+/// The last `N` values of one shape, in a ring (`None`: not yet).
+struct Ring<T, const N: usize> {
+    items: [Option<T>; N],
+    next: usize,
+}
+
+impl<T, const N: usize> Default for PerShape<T, N> {
+    fn default() -> Self {
+        Self(HashMap::new())
+    }
+}
+
+impl<T: Copy, const N: usize> PerShape<T, N> {
+    /// The last values recorded for `key`'s shape, in no particular order.
+    fn recent(&self, key: u64) -> impl Iterator<Item = T> + '_ {
+        self.0
+            .get(&key)
+            .into_iter()
+            .flat_map(|r| r.items.iter().flatten().copied())
+    }
+
+    fn record(&mut self, key: u64, value: T) {
+        if self.0.len() >= SHAPES && !self.0.contains_key(&key) {
+            self.0.clear();
+        }
+        let r = self.0.entry(key).or_insert(Ring {
+            items: [None; N],
+            next: 0,
+        });
+        r.items[r.next] = Some(value);
+        r.next = (r.next + 1) % N;
+    }
+
+    fn forget(&mut self, key: u64) {
+        self.0.remove(&key);
+    }
+}
 
 /// How large a block the next GET of each shape offers: an eighth above the largest of the
 /// last [`RECENT`] GETs of that shape. Values of one shape vary from GET to GET (a rollout
 /// micro-batch's token counts); an offer that followed the latest sizes missed the larger
 /// ones, which then took a second round trip (a quarter of the benchmark's rollout GETs).
 #[derive(Default)]
-struct OfferSizes(HashMap<u64, Recent>);
-
-/// The sizes the last [`RECENT`] GETs of one shape laid out to, in a ring.
-#[derive(Default)]
-struct Recent {
-    sizes: [u64; RECENT],
-    next: usize,
-}
+struct OfferSizes(PerShape<u64, RECENT>);
 
 impl OfferSizes {
     fn offer_for(&self, key: u64) -> Option<u64> {
-        let largest = self.0.get(&key)?.sizes.iter().copied().max()?;
+        let largest = self.0.recent(key).max()?;
         Some(largest + largest / 8)
     }
 
     fn forget(&mut self, key: u64) {
-        self.0.remove(&key);
+        self.0.forget(key);
     }
 
     fn laid_out(&mut self, key: u64, size: u64) {
-        if self.0.len() >= SHAPES && !self.0.contains_key(&key) {
-            self.0.clear();
-        }
-        let r = self.0.entry(key).or_default();
-        r.sizes[r.next] = size;
-        r.next = (r.next + 1) % RECENT;
+        self.0.record(key, size);
     }
 }
-
-/// Shapes of requests whose answer times are remembered per session, at most (the map is
-/// emptied beyond).
-const TIMED_SHAPES: usize = 256;
-
-/// Answers of one shape whose times an expectation follows: the last this many.
-const TIMED: usize = 8;
 
 /// How long the answers to requests of each shape took lately ([`timing_key`]): the next
 /// such request's answer is expected after the median of the last [`TIMED`], plus a quarter.
 /// The median, so that one slow answer (a request queued behind another session's) does not
 /// make the next ones poll longer.
 #[derive(Default)]
-struct Timings(HashMap<u64, RecentTimes>);
-
-/// The times of the last answers of one shape, in a ring (`None`: not yet).
-#[derive(Default)]
-struct RecentTimes {
-    times: [Option<Duration>; TIMED],
-    next: usize,
-}
+struct Timings(PerShape<Duration, TIMED>);
 
 impl Timings {
     fn expected(&self, key: u64) -> Option<Duration> {
-        let mut times: Vec<Duration> = self.0.get(&key)?.times.iter().flatten().copied().collect();
+        let mut times: Vec<Duration> = self.0.recent(key).collect();
         times.sort_unstable();
         let median = *times.get(times.len() / 2)?;
         Some(median + median / 4)
     }
 
     fn answered(&mut self, key: u64, took: Duration) {
-        if self.0.len() >= TIMED_SHAPES && !self.0.contains_key(&key) {
-            self.0.clear();
-        }
-        let r = self.0.entry(key).or_default();
-        r.times[r.next] = Some(took);
-        r.next = (r.next + 1) % TIMED;
+        self.0.record(key, took);
     }
 }
 
@@ -765,7 +779,7 @@ mod tests {
 
     /// An answer is expected after the median of the last [`TIMED`] of its shape, a quarter
     /// above: one slow answer does not move it, older times age out, and shapes past
-    /// [`TIMED_SHAPES`] start the map over.
+    /// [`SHAPES`] start the map over.
     #[test]
     fn answers_are_expected_after_the_median_of_their_shape() {
         let us = Duration::from_micros;
@@ -780,11 +794,11 @@ mod tests {
             t.answered(1, us(400));
         }
         assert_eq!(t.expected(1), Some(us(500)));
-        for key in 2..=TIMED_SHAPES as u64 + 1 {
+        for key in 2..=SHAPES as u64 + 1 {
             t.answered(key, us(8));
         }
         assert_eq!(t.expected(1), None);
-        assert_eq!(t.expected(TIMED_SHAPES as u64 + 1), Some(us(10)));
+        assert_eq!(t.expected(SHAPES as u64 + 1), Some(us(10)));
     }
 
     /// Requests of one kind, fields, count and (for a credited PUT) payload size class share
