@@ -62,7 +62,9 @@ pub struct ClientConfig {
     /// not retried).
     pub timeout: Duration,
     /// Polls the control connections for answers before a worker of the caller's runtime
-    /// parks, when that runtime was built with [`BusyPoll::on_park`] (off by default).
+    /// parks, when that runtime was built with [`BusyPoll::on_park`] (off by default). A
+    /// poller built with [`BusyPoll::expecting`] also polls past its window for an answer
+    /// the client expects later, from the answer times of the latest requests of its shape.
     pub busy_poll: Option<BusyPoll>,
     /// Copies of every value (1 to the number of units): a PUT stores each index on this
     /// many units (its placement's [`Placement::replicas`]) and succeeds only when all
