@@ -463,18 +463,14 @@ mod tests {
         poll.expect(Instant::now(), Duration::from_millis(60));
         let took = timed(poll.on_park());
         assert!(took >= Duration::from_millis(50), "{took:?}");
-        // Passed: the window again.
-        assert!(timed(poll.on_park()) < Duration::from_millis(50));
     }
 
     #[test]
-    fn an_expectation_is_bounded_and_needs_an_awaited_answer() {
+    fn an_expectation_is_bounded_and_needs_an_expecting_poller() {
         let poll =
             BusyPoll::expecting(Duration::from_millis(1), Duration::from_millis(40)).unwrap();
         let sent = Instant::now();
         poll.expect(sent, Duration::from_secs(3600));
-        // Nothing awaited: no polling at all.
-        assert!(timed(poll.on_park()) < Duration::from_millis(30));
         let _waiting = poll.waiting();
         let took = timed(poll.on_park());
         assert!(sent.elapsed() >= Duration::from_millis(40), "{took:?}");
