@@ -317,17 +317,9 @@ mod tests {
         assert_eq!(agent.report().registrations, 0);
     }
 
-    /// Resident pages of a chunk (`mincore`) and its pages in all.
-    #[allow(unsafe_code)] // FFI: mincore(2).
+    /// Resident pages of a chunk and its pages in all.
     fn resident(chunk: &RegisteredPool) -> (usize, usize) {
-        let len = chunk.capacity() as usize;
-        let mut vec = vec![0u8; len.div_ceil(PAGE as usize)];
-        // SAFETY: the range is the chunk's own page-aligned mapping, and `vec` holds one
-        // byte per page of it.
-        let rc =
-            unsafe { libc::mincore(chunk.registration().as_ptr().cast(), len, vec.as_mut_ptr()) };
-        assert_eq!(rc, 0);
-        (vec.iter().filter(|b| *b & 1 == 1).count(), vec.len())
+        tessera_testkit::resident_pages(chunk.registration().as_ptr(), chunk.capacity() as usize)
     }
 
     /// Prefaulted: the whole capacity is registered at start, every page resident, and kept

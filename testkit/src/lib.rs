@@ -68,3 +68,17 @@ unsafe impl GlobalAlloc for CountingAlloc {
         unsafe { System.realloc(ptr, layout, new_size) }
     }
 }
+
+/// How many pages of `[addr, addr + len)` are resident in memory (`mincore(2)`), and how many
+/// pages the range spans, for tests that check what a path faulted in (a prefaulted pool)
+/// or left alone. `addr` must be page-aligned. Panics when the range is not all mapped.
+pub fn resident_pages(addr: *const u8, len: usize) -> (usize, usize) {
+    // SAFETY: sysconf has no memory-safety obligations.
+    let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096);
+    let mut vec = vec![0u8; len.div_ceil(page)];
+    // SAFETY: mincore reads no byte of the range (the kernel checks that it is mapped, and
+    // fails otherwise); it writes one byte per page of it into `vec`, which holds that many.
+    let rc = unsafe { libc::mincore(addr as *mut libc::c_void, len, vec.as_mut_ptr()) };
+    assert_eq!(rc, 0, "mincore: {}", std::io::Error::last_os_error());
+    (vec.iter().filter(|b| *b & 1 == 1).count(), vec.len())
+}

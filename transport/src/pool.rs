@@ -395,17 +395,10 @@ mod tests {
         assert_eq!(&frozen.as_ref()[..4], b"keep");
     }
 
-    /// Pages of the pool's mapping that are resident (`mincore`).
+    /// Pages of the pool's mapping that are resident.
     fn resident_pages(pool: &RegisteredPool) -> usize {
-        let page = crate::region::page_size() as usize;
         let len = pool.capacity() as usize;
-        let mut vec = vec![0u8; len.div_ceil(page)];
-        // SAFETY: the range is the pool's own page-aligned mapping, and `vec` holds one byte
-        // per page of it.
-        let rc =
-            unsafe { libc::mincore(pool.registration().as_ptr().cast(), len, vec.as_mut_ptr()) };
-        assert_eq!(rc, 0);
-        vec.iter().filter(|b| *b & 1 == 1).count()
+        tessera_testkit::resident_pages(pool.registration().as_ptr(), len).0
     }
 
     /// A fresh pool has no page resident; once populated, every page is, and what was
