@@ -163,8 +163,8 @@ impl Timings {
     }
 }
 
-/// The shape a request's answer time is learned under: its kind, fields and count of
-/// indexes, and for a credited PUT the size class (a power of two) of its payload. `None`
+/// The shape a request's answer time is learned under: its kind, its [`shape`] (fields and
+/// count of indexes), and for a credited PUT the size class (a power of two) of its payload. `None`
 /// for the requests whose time depends on nothing they say (a COMMIT's on its WRITE).
 fn timing_key(req: &Request) -> Option<u64> {
     use std::hash::{Hash, Hasher};
@@ -190,11 +190,12 @@ fn timing_key(req: &Request) -> Option<u64> {
         _ => return None,
     };
     let mut h = std::collections::hash_map::DefaultHasher::new();
-    (kind, fields, indexes.len(), bytes.checked_ilog2()).hash(&mut h);
+    (kind, shape(fields, indexes.len()), bytes.checked_ilog2()).hash(&mut h);
     Some(h.finish())
 }
 
-/// A GET's shape: its fields and how many indexes it names, as the key of `Conn::shapes`.
+/// A request's shape: its fields and how many indexes it names, as the key of `Conn::shapes`
+/// (a GET's) and part of a [`timing_key`].
 pub(super) fn shape(fields: &[String], indexes: usize) -> u64 {
     use std::hash::{Hash, Hasher};
     let mut h = std::collections::hash_map::DefaultHasher::new();
