@@ -86,11 +86,24 @@ def test_ten_thousand_views(cluster):
     assert ray.get(c.count_and_check.remote(p.views.remote(10_000)), timeout=120) == (10_000, True)
 
 
+def _exited(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # The state follows the parenthesised command name; a zombie has exited.
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
 def test_a_sender_killed_before_the_fetch_fails_it_and_frees_the_blocks(cluster):
     p, c = cluster.Producer.remote(), cluster.Consumer.remote()
     ref = p.make.remote(1 << 20, 2)
     ray.wait([ref], timeout=60)
+    pid = ray.get(p.pid.remote(), timeout=60)
     ray.kill(p)
+    # ray.kill returns before the actor's process is gone, and a fetch that starts while it
+    # still runs succeeds: wait for the exit so that the fetch meets a dead sender.
+    assert eventually(lambda: _exited(pid))
     with pytest.raises(Exception):  # noqa: B017  (Ray wraps the transfer error its own way)
         ray.get(c.sums.remote(ref), timeout=60)
     assert eventually(lambda: (ray.get(c.receiver_report.remote()) or {"used": 0})["used"] == 0)
