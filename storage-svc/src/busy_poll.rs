@@ -21,13 +21,16 @@
 //! after it handed an answer to a caller on a thread of its own (`block_on`), before its
 //! worker goes on to poll.
 //!
-//! A client's answer can be expected later than the window: a batch of a thousand tensors
-//! keeps the unit busy for a few hundred microseconds. Polling for the window and then
-//! parking spends the window and still pays the wake-up. A poller built with
-//! [`BusyPoll::expecting`] keeps polling past its window, up to a bound, while an awaited
-//! answer is expected: the client learns how long requests of each shape took lately and,
-//! sending one, says when its answer should come. What it expects is bounded too: no
-//! further than the bound past the request.
+//! What is awaited can be expected later than the window. A batch of a thousand tensors
+//! keeps the unit busy for a few hundred microseconds before its answer; the client that
+//! sent it encodes its next batch for tens of microseconds before the unit hears from it
+//! again. Polling for the window and then parking spends the window and still pays the
+//! wake-up. A poller built with [`BusyPoll::expecting`] keeps polling past its window, up to
+//! a bound, while something awaited is expected: a client learns how long the answers to
+//! requests of each shape took lately and, sending one, says when its answer should come; a
+//! server learns how long each session's client paused between requests and, having
+//! answered, says when the next request should come. What either expects is bounded too:
+//! no further than the bound past the request (or the answer).
 //!
 //! It is off unless asked for: build the runtime with [`BusyPoll::on_park`] and hand the
 //! same `BusyPoll` to the server (`ServerConfig::busy_poll`) or the client
@@ -72,11 +75,12 @@ struct Inner {
     waiting: AtomicUsize,
     /// Waits on this process's own threads ([`Quiet`] guards alive): no polling while any.
     quiet: AtomicUsize,
-    /// How far past a request its answer may be expected ([`BusyPoll::expecting`]); zero:
-    /// answers are never expected, the window is all.
+    /// How far past a request its answer (or past an answer the next request) may be
+    /// expected ([`BusyPoll::expecting`]); zero: nothing is ever expected, the window is all.
     longest: Duration,
-    /// When the latest expected answer should come, in nanoseconds since `epoch`: parking
-    /// workers poll until then while something is awaited, past their window.
+    /// When the latest expected answer or request should come, in nanoseconds since
+    /// `epoch`: parking workers poll until then while something is awaited, past their
+    /// window.
     expected: AtomicU64,
     epoch: Instant,
 }
@@ -95,15 +99,23 @@ impl BusyPoll {
     /// unit that does not poll (`cargo xtask bench storage`, `small_put_default_unpinned_us`).
     pub const SERVE_DEFAULT_US: u64 = 50;
 
+    /// The `tessera-storage serve` binary's default bound on an expected request, in
+    /// microseconds past the answer before it ([`BusyPoll::expecting`]; 0: none). A session
+    /// that sends a batch of a thousand tensors after each answer pauses about 50 us (its
+    /// encoding) on the benchmark machine, at the edge of the window.
+    pub const SERVE_EXPECT_DEFAULT_US: u64 = 250;
+
     /// A poller that spins for at most `window` each time a worker is about to park.
     pub fn new(window: Duration) -> io::Result<Self> {
         Self::expecting(window, Duration::ZERO)
     }
 
     /// A poller that spins for `window` each time a worker is about to park, and longer while
-    /// an awaited answer is expected later (see the module docs): until then, and never more
-    /// than `longest` after the request. A client given this poller says when it expects
-    /// each answer, from how long the latest requests of the same shape took.
+    /// something awaited is expected later (see the module docs): until then, and never more
+    /// than `longest` after the request (or the answer) it follows. A client given this
+    /// poller says when it expects each answer, from how long the latest requests of the
+    /// same shape took; a server, when it expects each session's next request, from how long
+    /// the session's latest pauses took.
     pub fn expecting(window: Duration, longest: Duration) -> io::Result<Self> {
         // SAFETY: epoll_create1 takes no pointers; a non-negative result is a new descriptor
         // that nothing else owns.
@@ -131,14 +143,14 @@ impl BusyPoll {
         self.inner.window
     }
 
-    /// How far past a request a parking worker polls for its expected answer (zero: not at
-    /// all; [`BusyPoll::expecting`]).
+    /// How far past a request a parking worker polls for its expected answer, or past an
+    /// answer for the next request (zero: not at all; [`BusyPoll::expecting`]).
     pub fn longest(&self) -> Duration {
         self.inner.longest
     }
 
-    /// When the latest answer expected so far should come (see [`BusyPoll::expecting`]), or
-    /// `None` when none was.
+    /// When the latest answer or request expected so far should come (see
+    /// [`BusyPoll::expecting`]), or `None` when none was.
     pub fn expected(&self) -> Option<Instant> {
         match self.inner.expected.load(Ordering::Relaxed) {
             0 => None,
@@ -146,9 +158,9 @@ impl BusyPoll {
         }
     }
 
-    /// An answer awaited since `sent` is expected `after` it: parking workers poll until
-    /// then, past their window (bounded by [`BusyPoll::longest`] after `sent`), while
-    /// anything is awaited.
+    /// Something awaited since `sent` (an answer, or a session's next request) is expected
+    /// `after` it: parking workers poll until then, past their window (bounded by
+    /// [`BusyPoll::longest`] after `sent`), while anything is awaited.
     pub(crate) fn expect(&self, sent: Instant, after: Duration) {
         let inner = &*self.inner;
         if inner.longest.is_zero() {
@@ -280,6 +292,17 @@ impl BusyPoll {
             std::hint::spin_loop();
         }
     }
+}
+
+/// When the next of a kind of wait is expected to end, from how long the recent ones took:
+/// after their median, plus a quarter. The median, so that one long wait (a request queued
+/// behind another session's, a client's pause) does not make the next ones poll longer.
+/// `None` without any.
+pub(crate) fn expected_after(times: impl Iterator<Item = Duration>) -> Option<Duration> {
+    let mut times: Vec<Duration> = times.collect();
+    times.sort_unstable();
+    let median = *times.get(times.len() / 2)?;
+    Some(median + median / 4)
 }
 
 /// A socket's read half, watched by a [`BusyPoll`] while it lives. The watch is dropped

@@ -16,6 +16,7 @@ mod metrics;
 mod outbox;
 mod plane;
 pub mod proto;
+mod ring;
 mod server;
 #[doc(hidden)]
 pub mod testing;

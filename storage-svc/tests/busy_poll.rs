@@ -1,7 +1,7 @@
 //! A unit and a client that both busy-poll their control sockets (each on its own runtime
 //! built with `BusyPoll::on_park`) store and read back values over TCP and Unix control
 //! sockets, and the pollers count what is awaited: one per open session, none once every
-//! answer arrived.
+//! answer arrived. Pollers that learn expect answers (a client's) and requests (a unit's).
 
 use std::time::{Duration, Instant};
 
@@ -105,6 +105,61 @@ fn a_client_expects_answers_of_a_shape_it_has_seen() {
                 (_, by) => panic!("expecting {expecting}: {by:?}"),
             }
         });
+        drop(client);
+        drop(client_rt);
+        unit_rt.block_on(server.shutdown());
+    }
+}
+
+/// A unit whose poller polls for expected requests learns how long a session pauses between
+/// its requests and, having answered, says when the next should come: after the pause;
+/// a plain poller expects nothing.
+#[test]
+fn a_unit_expects_the_next_request_of_a_session_that_pauses_steadily() {
+    let window = Duration::from_micros(50);
+    let longest = Duration::from_secs(2);
+    let pause = Duration::from_millis(20);
+    for expecting in [true, false] {
+        let unit_poll = match expecting {
+            true => BusyPoll::expecting(window, longest).unwrap(),
+            false => BusyPoll::new(window).unwrap(),
+        };
+        let client_poll = BusyPoll::new(window).unwrap();
+        let Pair {
+            unit_rt,
+            server,
+            client_rt,
+            client,
+        } = pair("127.0.0.1:0", &unit_poll, &client_poll);
+        let value = || vec![Value::Tensor(Tensor::from_slice(&[1], &[7u32]).unwrap())];
+        let sent = client_rt.block_on(async {
+            let mut sent = Instant::now();
+            // As many as the unit remembers, so that the handshake's quick ones are forgotten.
+            for i in 0..8 {
+                tokio::time::sleep(pause).await;
+                sent = Instant::now();
+                client
+                    .put("p", &[i], &[("x".into(), value())])
+                    .await
+                    .unwrap();
+            }
+            sent
+        });
+        if expecting {
+            // Set once the unit waits for the next request, which may come after the answer.
+            until("the next request is expected", || {
+                unit_poll.expected().is_some()
+            });
+            let by = unit_poll.expected().unwrap();
+            assert!(
+                by >= sent + pause,
+                "expected {:?} after the last request",
+                by - sent
+            );
+            assert!(by <= Instant::now() + longest);
+        } else {
+            assert_eq!(unit_poll.expected(), None);
+        }
         drop(client);
         drop(client_rt);
         unit_rt.block_on(server.shutdown());

@@ -27,6 +27,9 @@ const UNIT_ENV: &str = "TESSERA_BENCH_STORAGE_UNIT";
 const UNIT_CPU_ENV: &str = "TESSERA_BENCH_STORAGE_UNIT_CPU";
 /// Set: the unit process busy-polls its sessions for this many microseconds before parking.
 const UNIT_POLL_ENV: &str = "TESSERA_BENCH_STORAGE_UNIT_POLL_US";
+/// How far past an answer a polling unit process polls for a session's expected next request
+/// (`BusyPoll::expecting`); unset, the binary's default (`BusyPoll::SERVE_EXPECT_DEFAULT_US`).
+const UNIT_EXPECT_ENV: &str = "TESSERA_BENCH_STORAGE_UNIT_EXPECT_US";
 /// Set: only these parts of the suite run (comma-separated: `big`, `batch`, `rollouts`,
 /// `put16m`, `small`, `load32`, `unpinned`, `tcp`, `ucx`), to look at one closely (a profiler
 /// attached, say); unset, all of them.
@@ -138,10 +141,11 @@ async fn suite(report: &mut Report, poll: &BusyPoll, mask: Option<libc::cpu_set_
     let pinned = format!(
         "client pinned to cpu {CLIENT_CPU}, unit process to cpu {UNIT_CPU}, both busy-poll \
          their control sockets for up to {} us before parking (the client longer for an answer \
-         it expects later, up to {} us after the request), the unit's pool prefaulted \
-         (`--prefault-pool`)",
+         it expects later, up to {} us after the request; the unit for a request it expects \
+         later, up to {} us after the answer), the unit's pool prefaulted (`--prefault-pool`)",
         POLL.as_micros(),
-        EXPECT.as_micros()
+        EXPECT.as_micros(),
+        unit_expect()?.as_micros()
     );
     // memcpy reference: two pre-touched 256 MiB buffers.
     let src = vec![1u8; BIG];
@@ -654,6 +658,15 @@ impl Drop for UnitProc {
     }
 }
 
+/// How far past an answer the polling unit process polls for an expected request.
+fn unit_expect() -> Result<Duration> {
+    let us = match std::env::var(UNIT_EXPECT_ENV) {
+        Ok(us) => us.parse().context(UNIT_EXPECT_ENV)?,
+        Err(_) => BusyPoll::SERVE_EXPECT_DEFAULT_US,
+    };
+    Ok(Duration::from_micros(us))
+}
+
 fn unit_main(kind: &str) -> Result<()> {
     match std::env::var(UNIT_CPU_ENV).as_deref() {
         Ok("none") => {}
@@ -665,9 +678,10 @@ fn unit_main(kind: &str) -> Result<()> {
         other => bail!("the storage suite's unit runs shm, tcp or ucx, not {other}"),
     };
     let poll = match std::env::var(UNIT_POLL_ENV) {
-        Ok(us) => Some(BusyPoll::new(Duration::from_micros(
-            us.parse().context(UNIT_POLL_ENV)?,
-        ))?),
+        Ok(us) => Some(BusyPoll::expecting(
+            Duration::from_micros(us.parse().context(UNIT_POLL_ENV)?),
+            unit_expect()?,
+        )?),
         Err(_) => None,
     };
     let mut rt = tokio::runtime::Builder::new_multi_thread();

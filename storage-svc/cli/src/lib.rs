@@ -258,6 +258,11 @@ struct Serve {
     /// this much CPU time per idle moment.
     #[arg(long, default_value_t = BusyPoll::SERVE_DEFAULT_US)]
     busy_poll_us: u64,
+    /// Microseconds past an answer that a worker keeps polling, beyond --busy-poll-us, for
+    /// a session's next request when the session's latest pauses between requests say it
+    /// comes by then (0: never past the window). Needs --busy-poll-us above 0.
+    #[arg(long, default_value_t = BusyPoll::SERVE_EXPECT_DEFAULT_US)]
+    busy_poll_expect_us: u64,
     /// Control-plane address to listen on: HOST:PORT (port 0 picks one) or unix:PATH.
     /// Default 127.0.0.1:7470.
     #[arg(long, value_parser = parse_control_addr)]
@@ -451,8 +456,11 @@ fn start(cli: Cli) -> Result<()> {
     tracing_init(cli.log_level.as_deref())?;
     let poll = match &cli.cmd {
         Cmd::Serve(s) if s.busy_poll_us > 0 => Some(
-            BusyPoll::new(Duration::from_micros(s.busy_poll_us))
-                .context("setting up busy polling")?,
+            BusyPoll::expecting(
+                Duration::from_micros(s.busy_poll_us),
+                Duration::from_micros(s.busy_poll_expect_us),
+            )
+            .context("setting up busy polling")?,
         ),
         _ => None,
     };

@@ -14,12 +14,13 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, oneshot};
 
 use super::ClientConfig;
-use crate::busy_poll::{BusyPoll, Waiting};
+use crate::busy_poll::{self, BusyPoll, Waiting};
 use crate::core::client::PutOp;
 use crate::error::{ClientError, ErrorKind};
 use crate::outbox::{Direct, OutState};
 use crate::plane::BackendExt;
 use crate::proto::{self, Credit, Request, Response};
+use crate::ring::Ring;
 use tessera_framecodec::Frames;
 
 #[derive(Default)]
@@ -83,12 +84,6 @@ const TIMED: usize = 8;
 /// says), for at most [`SHAPES`] shapes: recording a new one past that starts the map over.
 struct PerShape<T, const N: usize>(HashMap<u64, Ring<T, N>>);
 
-/// The last `N` values of one shape, in a ring (`None`: not yet).
-struct Ring<T, const N: usize> {
-    items: [Option<T>; N],
-    next: usize,
-}
-
 impl<T, const N: usize> Default for PerShape<T, N> {
     fn default() -> Self {
         Self(HashMap::new())
@@ -98,22 +93,14 @@ impl<T, const N: usize> Default for PerShape<T, N> {
 impl<T: Copy, const N: usize> PerShape<T, N> {
     /// The last values recorded for `key`'s shape, in no particular order.
     fn recent(&self, key: u64) -> impl Iterator<Item = T> + '_ {
-        self.0
-            .get(&key)
-            .into_iter()
-            .flat_map(|r| r.items.iter().flatten().copied())
+        self.0.get(&key).into_iter().flat_map(Ring::iter)
     }
 
     fn record(&mut self, key: u64, value: T) {
         if self.0.len() >= SHAPES && !self.0.contains_key(&key) {
             self.0.clear();
         }
-        let r = self.0.entry(key).or_insert(Ring {
-            items: [None; N],
-            next: 0,
-        });
-        r.items[r.next] = Some(value);
-        r.next = (r.next + 1) % N;
+        self.0.entry(key).or_default().record(value);
     }
 
     fn forget(&mut self, key: u64) {
@@ -144,18 +131,13 @@ impl OfferSizes {
 }
 
 /// How long the answers to requests of each shape took lately ([`timing_key`]): the next
-/// such request's answer is expected after the median of the last [`TIMED`], plus a quarter.
-/// The median, so that one slow answer (a request queued behind another session's) does not
-/// make the next ones poll longer.
+/// such request's answer is expected from the last [`TIMED`] ([`busy_poll::expected_after`]).
 #[derive(Default)]
 struct Timings(PerShape<Duration, TIMED>);
 
 impl Timings {
     fn expected(&self, key: u64) -> Option<Duration> {
-        let mut times: Vec<Duration> = self.0.recent(key).collect();
-        times.sort_unstable();
-        let median = *times.get(times.len() / 2)?;
-        Some(median + median / 4)
+        busy_poll::expected_after(self.0.recent(key))
     }
 
     fn answered(&mut self, key: u64, took: Duration) {

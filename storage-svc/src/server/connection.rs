@@ -19,11 +19,12 @@ use super::fault;
 use super::timer::close_in_core;
 use super::transfers::{dispatch, executor};
 use super::{Listener, SessionHandle, Shared};
-use crate::busy_poll::BusyPoll;
+use crate::busy_poll::{self, BusyPoll};
 use crate::core::SessionId;
 use crate::error::ErrorKind;
 use crate::outbox::{Direct, OutState};
 use crate::proto::{self, Request, Response};
+use crate::ring::Ring;
 use tessera_sync::atomic::{AtomicU64, Ordering};
 use tessera_transport::{Agent, ConnectError};
 
@@ -264,6 +265,13 @@ async fn session(
     });
     let handshake_deadline = Instant::now() + shared.cfg.handshake_timeout;
     let mut authed = false;
+    let learns = shared
+        .cfg
+        .busy_poll
+        .as_ref()
+        .is_some_and(|p| !p.longest().is_zero());
+    // How long the session's client took to send its next request, lately.
+    let mut pauses = Ring::<Duration, PAUSES>::default();
     loop {
         // Backpressure: read the next request only once its answers fit in the reply queue
         // beside those the executor still owes (each queued GET and the one in flight), and
@@ -302,6 +310,15 @@ async fn session(
         } else {
             (shared.cfg.preauth_message_bytes, Some(handshake_deadline))
         };
+        // Waiting for the client (nothing of the next request read yet): from how long the
+        // session's latest pauses took, its next request is expected, and a unit whose
+        // poller learns (`BusyPoll::expecting`) polls until then rather than park.
+        let idle = (learns && r.buffer().is_empty()).then(Instant::now);
+        if let (Some(since), Some(poll)) = (idle, &shared.cfg.busy_poll) {
+            if let Some(after) = busy_poll::expected_after(pauses.iter()) {
+                poll.expect(since, after);
+            }
+        }
         let mut prefix = [0u8; proto::LEN_PREFIX];
         let first = async {
             match first_byte_by {
@@ -315,6 +332,9 @@ async fn session(
             _ = close_rx.changed() => break,
             r = first => r,
         };
+        if let Some(since) = idle {
+            pauses.record(since.elapsed());
+        }
         match read {
             Ok(Ok(_)) => {}
             Ok(Err(_)) => break,
@@ -722,6 +742,9 @@ impl Replies {
         self.tx.reserve_many(n).await.map(drop).map_err(drop)
     }
 }
+
+/// A session's pauses between requests that its next one is expected from: the last this many.
+const PAUSES: usize = 8;
 
 /// Frames larger than this decode off the session's worker.
 const LARGE_FRAME: usize = 1 << 20;

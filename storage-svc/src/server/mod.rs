@@ -123,7 +123,9 @@ pub struct ServerConfig {
     pub unit: UnitConfig,
     /// Polls the sessions' sockets before a worker of the server's runtime parks, when that
     /// runtime was built with [`BusyPoll::on_park`] (off by default; the binary's
-    /// `busy_poll_us`).
+    /// `busy_poll_us`). Built with [`BusyPoll::expecting`], it also polls past its window for
+    /// a session's next request while the session's latest pauses say it comes soon (the
+    /// binary's `busy_poll_expect_us`).
     #[serde(skip)]
     pub busy_poll: Option<BusyPoll>,
 }
