@@ -3,7 +3,9 @@
 Each Python figure is taken beside its Rust reference: the same operation through the same
 client (or agent) from this process, against the same unit, with the values made in Rust
 (`tessera._native._bench_*`). The unit runs in its own process (`python -m tessera.storage
-serve`), pinned to the last cpu, this process to the first, as the Rust storage suite does.
+serve`, with the binary's default busy polling), pinned to the last cpu, this process to the
+first, as the Rust storage suite does. Clients poll for their answers (the default) except
+where a figure says otherwise.
 Writes OUT/python.json (flat metrics) and OUT/python.md (the table).
 """
 
@@ -110,6 +112,16 @@ def main() -> None:
             how["py_small_put_vs_rust"] = (
                 "py_small_put_us / the Rust client's 4-byte PUT (goal <= 1.5)"
             )
+
+        # A client that sleeps while it waits for an answer (busy_poll=False).
+        with tessera.storage.Client(
+            units=[address], backend="shm", recv_pool_bytes=64 * MIB, busy_poll=False
+        ) as c:
+            unpolled = statistics.median(timed(lambda: c.put("small", [0], {"x": [tiny]}), 2000))
+            metrics["py_small_put_unpolled_us"] = unpolled * 1e6
+            metrics["py_small_put_vs_unpolled"] = py_small / unpolled
+            how["py_small_put_unpolled_us"] = "py_small_put_us with busy_poll=False"
+            how["py_small_put_vs_unpolled"] = "py_small_put_us / py_small_put_unpolled_us"
 
         a = tessera.Agent("bench-sender", backend="shm")
         b = tessera.Agent("bench-receiver", backend="shm")

@@ -155,6 +155,7 @@ fn config(
     payload_addr: Option<&str>,
     max_message_bytes: u64,
     prefault_recv_pool: bool,
+    busy_poll: bool,
 ) -> PyResult<ClientConfig> {
     if units.is_empty() {
         return Err(errors::usage(
@@ -186,6 +187,7 @@ fn config(
         prefault_recv_pool,
         max_message_bytes,
         timeout: Duration::from_secs_f64(timeout),
+        busy_poll: busy_poll.then(runtime::busy_poll).transpose()?,
         ..ClientConfig::default()
     })
 }
@@ -311,7 +313,7 @@ impl PyClient {
 #[pymethods]
 impl PyClient {
     #[new]
-    #[pyo3(signature = (units, backend="shm", recv_pool_bytes=1 << 30, token=None, tensor_type="numpy", timeout=60.0, payload_addr=None, max_message_bytes=256 << 20, replicas=1, placement="modulo", prefault_recv_pool=false))]
+    #[pyo3(signature = (units, backend="shm", recv_pool_bytes=1 << 30, token=None, tensor_type="numpy", timeout=60.0, payload_addr=None, max_message_bytes=256 << 20, replicas=1, placement="modulo", prefault_recv_pool=false, busy_poll=true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -326,6 +328,7 @@ impl PyClient {
         replicas: usize,
         placement: &str,
         prefault_recv_pool: bool,
+        busy_poll: bool,
     ) -> PyResult<Self> {
         let tensor_type = TensorType::parse(tensor_type)?;
         let cfg = config(
@@ -337,6 +340,7 @@ impl PyClient {
             payload_addr,
             max_message_bytes,
             prefault_recv_pool,
+            busy_poll,
         )?;
         let cfg = ClientConfig { replicas, ..cfg };
         let placement = placement_of(placement)?;
@@ -354,7 +358,7 @@ impl PyClient {
 
     /// `Client(...)`, connecting without blocking the event loop.
     #[staticmethod]
-    #[pyo3(signature = (units, backend="shm", recv_pool_bytes=1 << 30, token=None, tensor_type="numpy", timeout=60.0, payload_addr=None, max_message_bytes=256 << 20, replicas=1, placement="modulo", prefault_recv_pool=false))]
+    #[pyo3(signature = (units, backend="shm", recv_pool_bytes=1 << 30, token=None, tensor_type="numpy", timeout=60.0, payload_addr=None, max_message_bytes=256 << 20, replicas=1, placement="modulo", prefault_recv_pool=false, busy_poll=true))]
     #[allow(clippy::too_many_arguments)]
     fn connect_async<'py>(
         py: Python<'py>,
@@ -369,6 +373,7 @@ impl PyClient {
         replicas: usize,
         placement: &str,
         prefault_recv_pool: bool,
+        busy_poll: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
         let tensor_type = TensorType::parse(tensor_type)?;
         let cfg = config(
@@ -380,6 +385,7 @@ impl PyClient {
             payload_addr,
             max_message_bytes,
             prefault_recv_pool,
+            busy_poll,
         )?;
         let cfg = ClientConfig { replicas, ..cfg };
         let placement = placement_of(placement)?;

@@ -105,6 +105,7 @@ class Client:
         replicas: int = 1,
         placement: str = "modulo",
         prefault_recv_pool: bool = False,
+        busy_poll: bool = True,
     ) -> None: ...
     @staticmethod
     def connect_async(
@@ -119,6 +120,7 @@ class Client:
         replicas: int = 1,
         placement: str = "modulo",
         prefault_recv_pool: bool = False,
+        busy_poll: bool = True,
     ) -> Awaitable[Client]: ...
     @property
     def units(self) -> list[str]: ...

@@ -294,6 +294,34 @@ def test_many_concurrent_async_requests(unit):
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("busy_poll", [True, False])
+def test_polling_and_sleeping_clients_of_a_unit_process(busy_poll):
+    # The unit in its own process, with the binary's default polling; this client either
+    # polls for its answers (the default) or sleeps until they come, sync and async alike.
+    proc, address = tessera.storage.serve_process("--bind", "127.0.0.1:0", "--pool", "64MiB")
+    try:
+        rows = [np.full(i + 1, i, dtype=np.int64) for i in range(300)]
+        with tessera.storage.Client(
+            units=[address], recv_pool_bytes=16 << 20, busy_poll=busy_poll
+        ) as c:
+            for i, row in enumerate(rows):
+                c.put("s", [i], {"x": [row]})
+                np.testing.assert_array_equal(c.get("s", [i], ["x"])["x"][0], row)
+
+        async def main():
+            async with await tessera.storage.AsyncClient.connect(
+                units=[address], recv_pool_bytes=16 << 20, busy_poll=busy_poll
+            ) as c:
+                got = await asyncio.gather(*(c.get("s", [i], ["x"]) for i in range(300)))
+                for row, g in zip(rows, got, strict=True):
+                    np.testing.assert_array_equal(g["x"][0], row)
+
+        asyncio.run(main())
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
 def test_ctrl_c_during_a_wait_leaves_nothing_leased():
     with tessera.storage.Server(backend="tcp", pool_bytes=512 << 20) as u:
         with tessera.storage.Client(
