@@ -65,19 +65,27 @@ fn pair(bind: &str, unit_poll: &BusyPoll, client_poll: &BusyPoll) -> Pair {
     }
 }
 
+/// How far past a request (or an answer) an expecting poller of these tests polls.
+const LONGEST: Duration = Duration::from_secs(2);
+
+/// A poller with a 50 us window that, `expecting`, also polls for what it expects within
+/// [`LONGEST`].
+fn poller(expecting: bool) -> BusyPoll {
+    let window = Duration::from_micros(50);
+    match expecting {
+        true => BusyPoll::expecting(window, LONGEST).unwrap(),
+        false => BusyPoll::new(window).unwrap(),
+    }
+}
+
 /// A client whose poller polls for expected answers (`BusyPoll::expecting`) learns how long
 /// requests of one shape take and says when each next answer is expected, within the bound;
 /// a plain poller expects nothing.
 #[test]
 fn a_client_expects_answers_of_a_shape_it_has_seen() {
-    let longest = Duration::from_secs(2);
     for expecting in [true, false] {
-        let unit_poll = BusyPoll::new(Duration::from_micros(50)).unwrap();
-        let window = Duration::from_micros(50);
-        let client_poll = match expecting {
-            true => BusyPoll::expecting(window, longest).unwrap(),
-            false => BusyPoll::new(window).unwrap(),
-        };
+        let unit_poll = poller(false);
+        let client_poll = poller(expecting);
         let Pair {
             unit_rt,
             server,
@@ -100,7 +108,7 @@ fn a_client_expects_answers_of_a_shape_it_has_seen() {
                 drop(client.get("p", &indexes, &["x"]).await.unwrap());
             }
             match (expecting, client_poll.expected()) {
-                (true, Some(by)) => assert!(by > sent && by <= Instant::now() + longest),
+                (true, Some(by)) => assert!(by > sent && by <= Instant::now() + LONGEST),
                 (false, None) => {}
                 (_, by) => panic!("expecting {expecting}: {by:?}"),
             }
@@ -116,15 +124,10 @@ fn a_client_expects_answers_of_a_shape_it_has_seen() {
 /// a plain poller expects nothing.
 #[test]
 fn a_unit_expects_the_next_request_of_a_session_that_pauses_steadily() {
-    let window = Duration::from_micros(50);
-    let longest = Duration::from_secs(2);
     let pause = Duration::from_millis(20);
     for expecting in [true, false] {
-        let unit_poll = match expecting {
-            true => BusyPoll::expecting(window, longest).unwrap(),
-            false => BusyPoll::new(window).unwrap(),
-        };
-        let client_poll = BusyPoll::new(window).unwrap();
+        let unit_poll = poller(expecting);
+        let client_poll = poller(false);
         let Pair {
             unit_rt,
             server,
@@ -153,7 +156,7 @@ fn a_unit_expects_the_next_request_of_a_session_that_pauses_steadily() {
                 "the request after the last is expected a pause later",
                 || unit_poll.expected().is_some_and(|by| by >= sent + pause),
             );
-            assert!(unit_poll.expected().unwrap() <= Instant::now() + longest);
+            assert!(unit_poll.expected().unwrap() <= Instant::now() + LONGEST);
         } else {
             assert_eq!(unit_poll.expected(), None);
         }
