@@ -32,10 +32,10 @@
 //! answered, says when the next request should come. Only what is expected within a bound
 //! of the request (or the answer) is polled for: a spin to the bound would end before
 //! anything expected later came (a 16 MiB PUT's answer, a session that pauses for
-//! milliseconds). Past its window a spin
-//! yields at every round and stops once another thread took the core for a while: where
-//! client and unit share one core, a spin that is not preempted keeps the other end from
-//! sending what it waits for, so the longer it spins the later that comes.
+//! milliseconds). Past its window a spin yields at every round and stops once another
+//! thread took the core for a while: where client and unit share one core, a spin that is
+//! not preempted keeps the other end from sending what it waits for, so the longer it
+//! spins the later that comes.
 //!
 //! It is off unless asked for: build the runtime with [`BusyPoll::on_park`] and hand the
 //! same `BusyPoll` to the server (`ServerConfig::busy_poll`) or the client
@@ -64,6 +64,8 @@ use tessera_sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use tessera_sync::Arc;
 
 use tokio::io::{AsyncRead, ReadBuf};
+
+use crate::ring::Ring;
 
 /// A set of sockets that parking workers poll for up to `window` (see the module docs).
 /// Cheap to clone; clones share the set.
@@ -329,11 +331,17 @@ const GAVE_WAY: Duration = Duration::from_micros(200);
 /// When the next of a kind of wait is expected to end, from how long the recent ones took:
 /// after their median, plus a quarter. The median, so that one long wait (a request queued
 /// behind another session's, a client's pause) does not make the next ones poll longer.
-/// `None` without any.
-pub(crate) fn expected_after(times: impl Iterator<Item = Duration>) -> Option<Duration> {
-    let mut times: Vec<Duration> = times.collect();
+/// `None` without any. Sorted on the stack: it runs for every request that learns.
+pub(crate) fn expected_after<const N: usize>(recent: &Ring<Duration, N>) -> Option<Duration> {
+    let mut times = [Duration::ZERO; N];
+    let mut n = 0;
+    for (slot, t) in times.iter_mut().zip(recent.iter()) {
+        *slot = t;
+        n += 1;
+    }
+    let times = &mut times[..n];
     times.sort_unstable();
-    let median = *times.get(times.len() / 2)?;
+    let median = *times.get(n / 2)?;
     Some(median + median / 4)
 }
 

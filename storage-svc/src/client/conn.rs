@@ -91,9 +91,9 @@ impl<T, const N: usize> Default for PerShape<T, N> {
 }
 
 impl<T: Copy, const N: usize> PerShape<T, N> {
-    /// The last values recorded for `key`'s shape, in no particular order.
-    fn recent(&self, key: u64) -> impl Iterator<Item = T> + '_ {
-        self.0.get(&key).into_iter().flat_map(Ring::iter)
+    /// The last values recorded for `key`'s shape.
+    fn ring(&self, key: u64) -> Option<&Ring<T, N>> {
+        self.0.get(&key)
     }
 
     fn record(&mut self, key: u64, value: T) {
@@ -117,7 +117,7 @@ struct OfferSizes(PerShape<u64, RECENT>);
 
 impl OfferSizes {
     fn offer_for(&self, key: u64) -> Option<u64> {
-        let largest = self.0.recent(key).max()?;
+        let largest = self.0.ring(key)?.iter().max()?;
         Some(largest + largest / 8)
     }
 
@@ -137,7 +137,7 @@ struct Timings(PerShape<Duration, TIMED>);
 
 impl Timings {
     fn expected(&self, key: u64) -> Option<Duration> {
-        busy_poll::expected_after(self.0.recent(key))
+        self.0.ring(key).and_then(busy_poll::expected_after)
     }
 
     fn answered(&mut self, key: u64, took: Duration) {

@@ -315,7 +315,7 @@ async fn session(
         // poller learns (`BusyPoll::expecting`) polls until then rather than park.
         let idle = (learns && r.buffer().is_empty()).then(Instant::now);
         if let (Some(since), Some(poll)) = (idle, &shared.cfg.busy_poll) {
-            if let Some(after) = busy_poll::expected_after(pauses.iter()) {
+            if let Some(after) = busy_poll::expected_after(&pauses) {
                 poll.expect(since, after);
             }
         }
