@@ -35,6 +35,15 @@ struct Pair {
     client: Client,
 }
 
+impl Pair {
+    /// Closes the client, then shuts the unit down.
+    fn close(self) {
+        drop(self.client);
+        drop(self.client_rt);
+        self.unit_rt.block_on(self.server.shutdown());
+    }
+}
+
 fn pair(bind: &str, unit_poll: &BusyPoll, client_poll: &BusyPoll) -> Pair {
     let unit_rt = runtime(unit_poll);
     let server = unit_rt
@@ -86,26 +95,21 @@ fn a_client_expects_answers_of_a_shape_it_has_seen() {
     for expecting in [true, false] {
         let unit_poll = poller(false);
         let client_poll = poller(expecting);
-        let Pair {
-            unit_rt,
-            server,
-            client_rt,
-            client,
-        } = pair("127.0.0.1:0", &unit_poll, &client_poll);
+        let p = pair("127.0.0.1:0", &unit_poll, &client_poll);
         let batch: Vec<Value> = (0..64u32)
             .map(|i| Value::Tensor(Tensor::from_slice(&[1024], &[i; 1024]).unwrap()))
             .collect();
         let indexes: Vec<u64> = (0..64).collect();
         let cols = [("x".to_owned(), batch)];
-        client_rt.block_on(async {
-            client.put("p", &indexes, &cols).await.unwrap();
+        p.client_rt.block_on(async {
+            p.client.put("p", &indexes, &cols).await.unwrap();
             assert_eq!(client_poll.expected(), None, "a shape not seen yet");
             // Each kind of request (a first PUT, credited ones, GETs) is seen again.
             let mut sent = Instant::now();
             for _ in 0..3 {
                 sent = Instant::now();
-                client.put("p", &indexes, &cols).await.unwrap();
-                drop(client.get("p", &indexes, &["x"]).await.unwrap());
+                p.client.put("p", &indexes, &cols).await.unwrap();
+                drop(p.client.get("p", &indexes, &["x"]).await.unwrap());
             }
             match (expecting, client_poll.expected()) {
                 (true, Some(by)) => assert!(by > sent && by <= Instant::now() + LONGEST),
@@ -113,9 +117,7 @@ fn a_client_expects_answers_of_a_shape_it_has_seen() {
                 (_, by) => panic!("expecting {expecting}: {by:?}"),
             }
         });
-        drop(client);
-        drop(client_rt);
-        unit_rt.block_on(server.shutdown());
+        p.close();
     }
 }
 
@@ -128,20 +130,15 @@ fn a_unit_expects_the_next_request_of_a_session_that_pauses_steadily() {
     for expecting in [true, false] {
         let unit_poll = poller(expecting);
         let client_poll = poller(false);
-        let Pair {
-            unit_rt,
-            server,
-            client_rt,
-            client,
-        } = pair("127.0.0.1:0", &unit_poll, &client_poll);
+        let p = pair("127.0.0.1:0", &unit_poll, &client_poll);
         let value = || vec![Value::Tensor(Tensor::from_slice(&[1], &[7u32]).unwrap())];
-        let sent = client_rt.block_on(async {
+        let sent = p.client_rt.block_on(async {
             let mut sent = Instant::now();
             // As many as the unit remembers, so that the handshake's quick ones are forgotten.
             for i in 0..8 {
                 tokio::time::sleep(pause).await;
                 sent = Instant::now();
-                client
+                p.client
                     .put("p", &[i], &[("x".into(), value())])
                     .await
                     .unwrap();
@@ -160,9 +157,7 @@ fn a_unit_expects_the_next_request_of_a_session_that_pauses_steadily() {
         } else {
             assert_eq!(unit_poll.expected(), None);
         }
-        drop(client);
-        drop(client_rt);
-        unit_rt.block_on(server.shutdown());
+        p.close();
     }
 }
 
