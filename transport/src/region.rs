@@ -5,13 +5,15 @@
 //! memory; everything above them deals in (registration, offset, length).
 
 use std::any::Any;
+use std::collections::HashMap;
 use std::fmt;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;
 
 use crate::copy::Copier;
 use crate::error::RegionError;
-use tessera_sync::Arc;
+use tessera_sync::unchecked::OnceLock;
+use tessera_sync::{Arc, StaticMutex, Weak};
 
 /// Seals every memfd region carries once sized: nobody, us included, can grow or shrink it, so a
 /// peer that maps it never faults on a truncated page.
@@ -170,7 +172,14 @@ impl Region {
     /// Maps a memfd that another process shared with us (the `shm` backend's peer side).
     ///
     /// The memfd must carry the grow, shrink and seal seals and be at least `len` bytes long,
-    /// so that it can never be truncated under the mapping.
+    /// so that it can never be truncated under the mapping. The whole file is mapped, and the
+    /// region is as long as the file.
+    ///
+    /// A file this process has mapped already (the same memfd, reached through any descriptor
+    /// and any connection) is not mapped again: the region shares the live mapping. Pages are
+    /// mapped into a process once per mapping, each on its first touch, so every session of a
+    /// process to one peer would otherwise fault the same pages of the peer's pool in again
+    /// (32 sessions writing into a unit's pool paid 32 times for each page).
     pub(crate) fn map_sealed(fd: OwnedFd, len: u64) -> Result<Self, RegionError> {
         if len == 0 {
             return Err(RegionError::Empty);
@@ -186,22 +195,30 @@ impl Region {
         if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
             return Err(os_error("fstat"));
         }
-        if (st.st_size as u64) < len {
-            return Err(RegionError::TooSmall {
-                len,
-                actual: st.st_size as u64,
-            });
+        let size = st.st_size as u64;
+        if size < len {
+            return Err(RegionError::TooSmall { len, actual: size });
         }
-        let map_len = round_to_pages(len)?.min(st.st_size as usize);
+        let map_len = usize::try_from(size).map_err(|_| RegionError::TooLarge { len: size })?;
+        // The file's identity, not anything the peer says: a live mapping holds the file, so
+        // its inode cannot be reused while the entry can be upgraded.
+        let file = (st.st_dev as u64, st.st_ino as u64);
+        let mut mapped = peer_mappings().lock();
+        if let Some(inner) = mapped.get(&file).and_then(Weak::upgrade) {
+            return Ok(Self { inner });
+        }
         let ptr = map_shared(fd.as_fd(), map_len)?;
-        Ok(Self::from_mapping(
+        let region = Self::from_mapping(
             ptr,
-            len,
+            size,
             Kind::Mapped {
                 fd: Some(fd),
                 map_len,
             },
-        ))
+        );
+        mapped.retain(|_, m| m.strong_count() > 0);
+        mapped.insert(file, Arc::downgrade(&region.inner));
+        Ok(region)
     }
 
     /// Registers caller memory in place: `len` bytes at `ptr`. `owner`, if any, is dropped when
@@ -423,6 +440,14 @@ impl Region {
     }
 }
 
+/// The peers' memfds this process has mapped, by device and inode (see [`Region::map_sealed`]).
+type PeerMappings = StaticMutex<HashMap<(u64, u64), Weak<Mapping>>>;
+
+fn peer_mappings() -> &'static PeerMappings {
+    static MAPPED: OnceLock<PeerMappings> = OnceLock::new();
+    MAPPED.get_or_init(Default::default)
+}
+
 fn map_shared(fd: BorrowedFd<'_>, map_len: usize) -> Result<NonNull<u8>, RegionError> {
     // SAFETY: mapping a valid memfd shared at a kernel-chosen address aliases no Rust object;
     // the file is sealed against shrinking, so every mapped page stays backed.
@@ -537,6 +562,71 @@ mod tests {
             Region::map_sealed(fd, 4096),
             Err(RegionError::NotSealed)
         ));
+    }
+
+    /// How many mappings of `r`'s file this process holds, by `/proc/self/maps`.
+    fn mappings_of(r: &Region) -> usize {
+        // SAFETY: an all-zero `stat` is a valid value for fstat to overwrite.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        let fd = r.fd().unwrap().as_raw_fd();
+        // SAFETY: the descriptor is valid and `st` a writable stat buffer.
+        let rc = unsafe { libc::fstat(fd, &mut st) };
+        assert_eq!(rc, 0);
+        let ino = st.st_ino.to_string();
+        std::fs::read_to_string("/proc/self/maps")
+            .unwrap()
+            .lines()
+            .filter(|line| line.split_whitespace().nth(4) == Some(ino.as_str()))
+            .count()
+    }
+
+    /// A peer's file is mapped once however many descriptors of it arrive, and unmapped with
+    /// the last region that uses it; another file, or the same one after that, is mapped anew.
+    #[test]
+    fn a_peers_file_is_mapped_once_while_any_region_of_it_lives() {
+        let owner = Region::new(3 * 4096).unwrap();
+        let other = Region::new(4096).unwrap();
+        let map = |r: &Region, len| {
+            Region::map_sealed(r.fd().unwrap().try_clone_to_owned().unwrap(), len).unwrap()
+        };
+        let first = map(&owner, 4096);
+        let second = map(&owner, 3 * 4096);
+        assert_eq!(first.as_ptr(), second.as_ptr(), "one mapping for both");
+        assert_eq!(first.id(), second.id());
+        assert_eq!(
+            first.len(),
+            3 * 4096,
+            "the whole file, whatever length was asked"
+        );
+        assert_ne!(
+            first.as_ptr(),
+            owner.as_ptr(),
+            "the owner's own mapping is its own"
+        );
+        second.write_at(4096, b"seen").unwrap();
+        let mut out = [0u8; 4];
+        owner.read_at(4096, &mut out).unwrap();
+        assert_eq!(&out, b"seen");
+        let elsewhere = map(&other, 4096);
+        assert_ne!(
+            elsewhere.as_ptr(),
+            first.as_ptr(),
+            "another file, another mapping"
+        );
+        assert!(matches!(
+            Region::map_sealed(other.fd().unwrap().try_clone_to_owned().unwrap(), 8192),
+            Err(RegionError::TooSmall { .. })
+        ));
+
+        assert_eq!(mappings_of(&owner), 2, "the owner's and one more");
+        drop(first);
+        assert_eq!(mappings_of(&owner), 2, "still used by the second region");
+        drop(second);
+        assert_eq!(mappings_of(&owner), 1, "unmapped with the last region");
+        let again = map(&owner, 4096);
+        let mut out = [0u8; 4];
+        again.read_at(4096, &mut out).unwrap();
+        assert_eq!(&out, b"seen", "mapped anew, the same file");
     }
 
     #[test]

@@ -2769,6 +2769,8 @@ mod tests {
         };
         let plain = map();
         assert!(write_pages(plain.as_ptr(), len) >= pages / 2);
+        // Unmapped, so that the next mapping is a fresh one rather than this one shared.
+        drop(plain);
         let around = map();
         let before = thread_faults();
         // SAFETY: the mapping holds `len` bytes.
