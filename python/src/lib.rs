@@ -2,8 +2,8 @@
 //! `tessera-transfer`). The Python half (`python/tessera/`) wraps it; see its README.
 //!
 //! Every call that waits (a request, a fetch, a unit starting) releases the GIL and runs on
-//! the package's tokio runtime ([`runtime`]); values cross without a payload copy
-//! ([`convert`], [`tensor`]); Rust errors become `tessera.errors` exceptions ([`errors`]).
+//! the package's tokio runtime (module `runtime`); values cross without a payload copy
+//! (`convert`, `tensor`); Rust errors become `tessera.errors` exceptions (`errors`).
 
 mod agent;
 mod bench;
