@@ -11,7 +11,7 @@ use futures_util::StreamExt;
 use tessera_storage::{Backend, BusyPoll, Client, ClientConfig, DType, Tensor, Value};
 
 use super::{best, gbps, Bare, SMALL_N};
-use crate::hostile_load::{quantile, soak, SoakConfig, SoakReport, SMALL_VALUE};
+use crate::hostile_load::{quantile, quantile_index, soak, SoakConfig, SoakReport, SMALL_VALUE};
 use crate::Report;
 
 /// Rollouts per PUT and GET, as the demo's micro-batch.
@@ -439,9 +439,9 @@ fn p99_slowdown(r: &SoakReport) -> f64 {
         .zip(&r.put_bytes)
         .map(|(t, len)| t.as_secs_f64() / medians[&class(*len)].as_secs_f64())
         .collect();
+    if slowdowns.is_empty() {
+        return 0.0;
+    }
     slowdowns.sort_by(f64::total_cmp);
-    slowdowns
-        .get(((slowdowns.len().max(1) - 1) as f64 * 0.99).round() as usize)
-        .copied()
-        .unwrap_or(0.0)
+    slowdowns[quantile_index(slowdowns.len(), 0.99)]
 }

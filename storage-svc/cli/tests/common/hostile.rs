@@ -720,7 +720,12 @@ pub fn quantile(times: &[Duration], q: f64) -> Duration {
     }
     let mut v = times.to_vec();
     v.sort();
-    v[((v.len() - 1) as f64 * q).round() as usize]
+    v[quantile_index(v.len(), q)]
+}
+
+/// Where the `q` quantile lies among `len` sorted values (`len` > 0): the nearest rank.
+pub fn quantile_index(len: usize, q: f64) -> usize {
+    ((len - 1) as f64 * q).round() as usize
 }
 
 // ----- soak -------------------------------------------------------------------------------
