@@ -2754,6 +2754,21 @@ mod tests {
         thread_faults() - before
     }
 
+    /// A link's ring is faulted in where it is made and where it is mapped: the records of its
+    /// first lap stop neither side on a fresh page.
+    #[test]
+    fn a_rings_pages_are_faulted_in_on_both_sides() {
+        let made = MappedRing::create("tessera-test-ring").unwrap();
+        let fd = made.memory().fd().unwrap().try_clone_to_owned().unwrap();
+        let mapped = MappedRing::map(fd, RING_BYTES).unwrap();
+        assert_ne!(made.memory().as_ptr(), mapped.memory().as_ptr());
+        let pages = (RING_BYTES / 4096) as i64;
+        for (side, ring) in [("made", &made), ("mapped", &mapped)] {
+            let faults = write_pages(ring.memory().as_ptr(), RING_BYTES as usize);
+            assert!(faults <= 2, "{faults} faults over the {pages} pages {side}");
+        }
+    }
+
     /// The memory a peer already holds, mapped here afresh: written page by page it faults
     /// once a page; after `fault_around` (a read in each 64 KiB window) the same writes fault
     /// hardly at all, and `fault_around` itself about once a window.

@@ -104,6 +104,12 @@ impl MappedRing {
     }
 
     fn over(memory: Region) -> Option<Self> {
+        // Every page is faulted in up front, on both sides: each record of the ring's first
+        // lap would otherwise stop its writer on a fresh page (a batch PUT's record is a few
+        // KiB, so its first few dozen WRITEs each paid one), and its reader on the same page.
+        // A ring that cannot be populated (no memory for it now) still works, faulting as
+        // it goes.
+        let _ = memory.populate();
         let base = NonNull::new(memory.as_ptr())?;
         // SAFETY: a shared mapping of `RING_BYTES` of a memfd, page-aligned, that `memory`
         // keeps mapped for as long as the ring lives: a fresh one (zeroed), or one the target

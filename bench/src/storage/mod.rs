@@ -284,11 +284,12 @@ async fn batch(client: &Client, bare: &Bare, report: &mut Report, pinned: &str) 
     let cols = vec![("x".to_string(), vals)];
     // Warm-up: a replacing PUT leases a new block while the old one is still stored, so the
     // first few PUTs and GETs each touch fresh pool pages (page faults through both
-    // processes' mappings); the steady state reuses them. The PUTs also get faster over
-    // their first few dozen (from about 530 to 310 us each on the benchmark machine, before
-    // the client learned to expect their answers), so the figures are of the steady state:
-    // with 4 PUTs of warm-up, `batch_put_vs_write` read 0.48-0.50 against 0.58-0.61 after
-    // 100, in three alternations (about 30 ms of PUTs and GETs).
+    // processes' mappings); the steady state reuses them, and each end has learned when
+    // the other's next message comes (`BusyPoll::expecting`). The figures are of the steady
+    // state. (The first 60-odd PUTs of a link were also slower, about 430 us against 270,
+    // until the shm link's ring of WRITE records, which each PUT's record of a few KiB
+    // advances by a page, had been faulted in once; its pages are now faulted in when the
+    // ring is made and mapped.)
     for _ in 0..BATCH_WARMUP {
         client.put("batch", &indexes, &cols).await?;
         drop(client.get("batch", &indexes, &["x"]).await?);
