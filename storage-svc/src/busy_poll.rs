@@ -179,6 +179,46 @@ impl BusyPoll {
         inner.expected.fetch_max(by, Ordering::Relaxed);
     }
 
+    /// Spins on this thread for something that is coming (a credited PUT's WRITE record: the
+    /// client copies while its request travels) until `poll` says it came: for the window,
+    /// then, where this poller expects ([`BusyPoll::expecting`]), on until `longest` past
+    /// `since` while nothing else waits for this worker (a watched socket readable, a task
+    /// woken from outside the runtime), giving way at every round past the window and
+    /// stopping once another thread took the core (where both ends share one, the other is
+    /// the one copying). `poll(d)` looks for up to `d` and says whether it came. Whether it
+    /// came; if not, the caller waits for it parked.
+    ///
+    /// A spin that ended with the window parked and was woken by the engine's thread instead:
+    /// a batch PUT's copy of 4 MB outlasts its request's decoding plus the window, and half
+    /// of such PUTs paid that wake-up.
+    pub(crate) fn spin_for(&self, since: Instant, mut poll: impl FnMut(Duration) -> bool) -> bool {
+        if poll(self.inner.window) {
+            return true;
+        }
+        let deadline = since + self.inner.longest;
+        let runtime = tokio::runtime::Handle::try_current().ok();
+        while Instant::now() < deadline {
+            if self.other_work(runtime.as_ref()) || gave_way() {
+                return poll(Duration::ZERO);
+            }
+            if poll(SPIN_ROUND) {
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Whether a worker of `runtime` has something else to do: a watched socket is readable,
+    /// or a task woken from outside the runtime (a transfer completing on an engine's
+    /// thread) waits in its shared queue, where its worker's own poller, which no spin
+    /// watches, would have seen it.
+    fn other_work(&self, runtime: Option<&tokio::runtime::Handle>) -> bool {
+        let mut ev = [libc::epoll_event { events: 0, u64: 0 }; 1];
+        // SAFETY: `ev` has room for the one event asked for; timeout 0 never blocks.
+        let n = unsafe { libc::epoll_wait(self.inner.epoll.as_raw_fd(), ev.as_mut_ptr(), 1, 0) };
+        n != 0 || runtime.is_some_and(|h| h.metrics().global_queue_depth() > 0)
+    }
+
     /// How many things are awaited now: open server sessions plus client requests waiting
     /// for their answers, of the servers and clients given this poller.
     pub fn awaited(&self) -> usize {
@@ -272,27 +312,21 @@ impl BusyPoll {
         }
         // A task woken from outside the runtime (a transfer completing on an engine's thread,
         // a WRITE recorded by the target's) lands in the runtime's shared queue and wakes the
-        // worker through the runtime's own poller, which this spin does not watch: seen here,
-        // it ends the spin at once instead of at the window's end.
+        // worker through the runtime's own poller, which this spin does not watch: seen here
+        // (`other_work`), it ends the spin at once instead of at the window's end.
         let runtime = tokio::runtime::Handle::try_current().ok();
-        let woken = || {
-            runtime
-                .as_ref()
-                .is_some_and(|h| h.metrics().global_queue_depth() > 0)
-        };
         let window_end = Instant::now() + self.inner.window;
         // The window, or an answer expected later (zero when none ever was).
         let expected =
             self.inner.epoch + Duration::from_nanos(self.inner.expected.load(Ordering::Relaxed));
         let deadline = window_end.max(expected);
-        let mut ev = [libc::epoll_event { events: 0, u64: 0 }; 1];
         loop {
-            // SAFETY: `ev` has room for the one event asked for; timeout 0 never blocks.
-            let n =
-                unsafe { libc::epoll_wait(self.inner.epoll.as_raw_fd(), ev.as_mut_ptr(), 1, 0) };
-            let now = Instant::now();
             // Readable (or an error, which the worker's own poll will see): stop.
-            if n != 0 || !awaited() || woken() || now >= deadline {
+            if self.other_work(runtime.as_ref()) || !awaited() {
+                return;
+            }
+            let now = Instant::now();
+            if now >= deadline {
                 return;
             }
             // Within the window, no sched_yield: under EEVDF it can keep a thread woken on
@@ -320,6 +354,9 @@ fn gave_way() -> bool {
     unsafe { libc::sched_yield() };
     t.elapsed() > GAVE_WAY
 }
+
+/// How long [`BusyPoll::spin_for`] looks between two offers of its core, past the window.
+const SPIN_ROUND: Duration = Duration::from_micros(10);
 
 /// A yield that returns later than this ran another thread first. One with nothing else to
 /// run returns within a few microseconds, but a timer tick on a virtual machine can hold it
@@ -413,6 +450,7 @@ mod tests {
     use super::*;
     use std::io::Write;
     use std::os::unix::net::UnixStream;
+    use std::sync::atomic::AtomicBool;
 
     fn timed(f: impl FnOnce()) -> Duration {
         let t = Instant::now();
@@ -554,7 +592,7 @@ mod tests {
         let cpu = unsafe { libc::sched_getcpu() };
         assert!(cpu >= 0);
         pin(cpu);
-        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stop = Arc::new(AtomicBool::new(false));
         let other = std::thread::spawn({
             let stop = stop.clone();
             move || {
@@ -593,6 +631,76 @@ mod tests {
         plain.expect(Instant::now(), Duration::from_secs(3600));
         assert!(timed(plain.on_park()) < Duration::from_secs(5));
         assert!(plain.longest().is_zero());
+    }
+
+    /// What `spin_for` waits for: a flag another thread sets `after` from now; `poll(d)`
+    /// spins up to `d` for it.
+    fn coming(after: Duration) -> (Arc<AtomicBool>, std::thread::JoinHandle<()>) {
+        let flag = Arc::new(AtomicBool::new(false));
+        let setter = std::thread::spawn({
+            let flag = flag.clone();
+            move || {
+                std::thread::sleep(after);
+                flag.store(true, Ordering::Release);
+            }
+        });
+        (flag, setter)
+    }
+
+    fn spin_poll(flag: &AtomicBool) -> impl FnMut(Duration) -> bool + '_ {
+        move |d| {
+            let until = Instant::now() + d;
+            loop {
+                if flag.load(Ordering::Acquire) {
+                    return true;
+                }
+                if Instant::now() >= until {
+                    return false;
+                }
+                std::hint::spin_loop();
+            }
+        }
+    }
+
+    /// A record that comes after the window is spun for by an expecting poller, up to its
+    /// bound (in one of a few tries: past the window the spin ends when another thread takes
+    /// its core, and a busy machine's threads may); a plain poller spins for the window only.
+    #[test]
+    fn what_is_coming_is_spun_for_past_the_window_up_to_the_bound() {
+        let window = Duration::from_millis(1);
+        let expecting = BusyPoll::expecting(window, Duration::from_secs(2)).unwrap();
+        let came = (0..20).any(|_| {
+            let (flag, setter) = coming(Duration::from_millis(20));
+            let got = expecting.spin_for(Instant::now(), spin_poll(&flag));
+            setter.join().unwrap();
+            got
+        });
+        assert!(came, "never spun until it came");
+
+        let plain = BusyPoll::new(window).unwrap();
+        let (flag, setter) = coming(Duration::from_millis(500));
+        let took = timed(|| assert!(!plain.spin_for(Instant::now(), spin_poll(&flag))));
+        setter.join().unwrap();
+        assert!(took < Duration::from_millis(400), "{took:?}");
+
+        // Nothing comes: the spin ends at the bound, not later.
+        let bounded = BusyPoll::expecting(window, Duration::from_millis(50)).unwrap();
+        let never = AtomicBool::new(false);
+        let took = timed(|| assert!(!bounded.spin_for(Instant::now(), spin_poll(&never))));
+        assert!(took < Duration::from_secs(1), "{took:?}");
+    }
+
+    /// Past the window, a request on another watched socket (another session's, which this
+    /// worker should serve) ends the spin.
+    #[test]
+    fn other_work_ends_a_spin_past_the_window() {
+        let poll = BusyPoll::expecting(Duration::from_millis(1), Duration::from_secs(30)).unwrap();
+        let (a, mut b) = UnixStream::pair().unwrap();
+        let _w = BusyPoll::watched(Some(&poll), a.as_raw_fd(), (), true);
+        b.write_all(b"x").unwrap();
+        let never = AtomicBool::new(false);
+        let took = timed(|| assert!(!poll.spin_for(Instant::now(), spin_poll(&never))));
+        assert!(took < Duration::from_secs(5), "{took:?}");
     }
 
     #[test]

@@ -779,6 +779,7 @@ async fn credit_grace(
     bytes: u64,
     meta: &[u8],
 ) {
+    let since = Instant::now();
     let (landing, (decoder, align)) = {
         let unit = shared.unit.lock();
         let Some(landing) = unit.credit_landing(sid, credit) else {
@@ -793,9 +794,10 @@ async fn credit_grace(
         return;
     }
     // A busy-polling unit spins for the record where the client's engine leaves it for a
-    // spinning thread to take (`shm`'s ring): the client is copying as this request travels.
+    // spinning thread to take (`shm`'s ring): the client is copying as this request travels,
+    // so the record is expected, up to the poller's bound past the request.
     if let Some(p) = &shared.cfg.busy_poll {
-        if landing.spin_bytes(bytes, p.window()) {
+        if p.spin_for(since, |d| landing.spin_bytes(bytes, d)) {
             return;
         }
     }
