@@ -185,15 +185,22 @@ impl BusyPoll {
     /// `since` while nothing else waits for this worker (a watched socket readable, a task
     /// woken from outside the runtime), giving way at every round past the window and
     /// stopping once another thread took the core (where both ends share one, the other is
-    /// the one copying). `poll(d)` looks for up to `d` and says whether it came. Whether it
-    /// came; if not, the caller waits for it parked.
+    /// the one copying). `poll(d)` looks for up to `d` and says whether it came; one that
+    /// returns before `d` has nothing to spin on, and ends the spin. Whether it came; if not,
+    /// the caller waits for it parked.
     ///
     /// A spin that ended with the window parked and was woken by the engine's thread instead:
     /// a batch PUT's copy of 4 MB outlasts its request's decoding plus the window, and half
     /// of such PUTs paid that wake-up.
     pub(crate) fn spin_for(&self, since: Instant, mut poll: impl FnMut(Duration) -> bool) -> bool {
+        let start = Instant::now();
         if poll(self.inner.window) {
             return true;
+        }
+        // A look that ended before its window had nothing to spin on (an engine whose records
+        // come from its own thread, which a spin here would only hold up).
+        if start.elapsed() < self.inner.window {
+            return false;
         }
         let deadline = since + self.inner.longest;
         let runtime = tokio::runtime::Handle::try_current().ok();
@@ -682,6 +689,10 @@ mod tests {
         let took = timed(|| assert!(!plain.spin_for(Instant::now(), spin_poll(&flag))));
         setter.join().unwrap();
         assert!(took < Duration::from_millis(400), "{took:?}");
+
+        // Nothing to spin on (`poll` returns at once): no spin past the window either.
+        let took = timed(|| assert!(!expecting.spin_for(Instant::now(), |_| false)));
+        assert!(took < Duration::from_secs(1), "{took:?}");
 
         // Nothing comes: the spin ends at the bound, not later.
         let bounded = BusyPoll::expecting(window, Duration::from_millis(50)).unwrap();
