@@ -138,7 +138,7 @@ impl Decoder {
         Ok(Unbound {
             value: value.unwrap_or(Value::Null),
             places,
-            size: layout.size,
+            layout,
         })
     }
 
@@ -199,21 +199,27 @@ pub fn decode_contiguous(meta: &[u8], buf: &Bytes, align: u64) -> Result<Value, 
 pub struct Unbound {
     value: Value,
     places: Vec<Place>,
-    size: u64,
+    layout: RecvLayout,
 }
 
 impl Unbound {
     /// Bytes the buffer must hold: the layout's size.
     pub fn size(&self) -> u64 {
-        self.size
+        self.layout.size
+    }
+
+    /// Where each payload frame goes in the buffer: [`FrameTable::layout`] of the meta with
+    /// the alignment it was decoded with.
+    pub fn layout(&self) -> &RecvLayout {
+        &self.layout
     }
 
     /// The value, each payload a slice of `buf` (the frames written at the layout's offsets),
     /// as [`Decoder::decode_contiguous`] of the same meta and buffer returns it.
     pub fn bind(self, buf: &Bytes) -> Result<Value, DecodeError> {
-        if self.size > buf.len() as u64 {
+        if self.layout.size > buf.len() as u64 {
             return Err(DecodeError::BufferTooShort {
-                needed: self.size,
+                needed: self.layout.size,
                 available: buf.len() as u64,
             });
         }

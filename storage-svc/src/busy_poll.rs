@@ -181,18 +181,26 @@ impl BusyPoll {
 
     /// Spins on this thread for something that is coming (a credited PUT's WRITE record: the
     /// client copies while its request travels) until `poll` says it came: for the window,
-    /// then, where this poller expects ([`BusyPoll::expecting`]), on until `longest` past
-    /// `since` while nothing else waits for this worker (a watched socket readable, a task
-    /// woken from outside the runtime), giving way at every round past the window and
-    /// stopping once another thread took the core (where both ends share one, the other is
-    /// the one copying). `poll(d)` looks for up to `d` and says whether it came; one that
-    /// returns before `d` has nothing to spin on, and ends the spin. Whether it came; if not,
-    /// the caller waits for it parked.
+    /// then, where this poller expects ([`BusyPoll::expecting`]), on until `longest` plus
+    /// `work` (how long what is coming may take to make, such as that copy; at most
+    /// [`SPIN_MOST`]) past `since`
+    /// while nothing else waits for this worker (a watched socket readable, a task woken from
+    /// outside the runtime), giving way at every round past the window and stopping once
+    /// another thread took the core (where both ends share one, the other is the one
+    /// copying). `poll(d)` looks for up to `d` and says whether it came; one that returns
+    /// before `d` has nothing to spin on, and ends the spin. Whether it came; if not, the
+    /// caller waits for it parked.
     ///
     /// A spin that ended with the window parked and was woken by the engine's thread instead:
     /// a batch PUT's copy of 4 MB outlasts its request's decoding plus the window, and half
-    /// of such PUTs paid that wake-up.
-    pub(crate) fn spin_for(&self, since: Instant, mut poll: impl FnMut(Duration) -> bool) -> bool {
+    /// of such PUTs paid that wake-up; with `longest` alone as the bound, all of them did
+    /// where that copy took longer than it (about 55 us each).
+    pub(crate) fn spin_for(
+        &self,
+        since: Instant,
+        work: Duration,
+        mut poll: impl FnMut(Duration) -> bool,
+    ) -> bool {
         let start = Instant::now();
         if poll(self.inner.window) {
             return true;
@@ -202,7 +210,10 @@ impl BusyPoll {
         if start.elapsed() < self.inner.window {
             return false;
         }
-        let deadline = since + self.inner.longest;
+        if self.inner.longest.is_zero() {
+            return false;
+        }
+        let deadline = since + self.inner.longest + work.min(SPIN_MOST);
         let runtime = tokio::runtime::Handle::try_current().ok();
         while Instant::now() < deadline {
             if self.other_work(runtime.as_ref()) || gave_way() {
@@ -361,6 +372,9 @@ fn gave_way() -> bool {
     unsafe { libc::sched_yield() };
     t.elapsed() > GAVE_WAY
 }
+
+/// The most [`BusyPoll::spin_for`] adds to `longest` for the work it waits for.
+const SPIN_MOST: Duration = Duration::from_millis(50);
 
 /// How long [`BusyPoll::spin_for`] looks between two offers of its core, past the window.
 const SPIN_ROUND: Duration = Duration::from_micros(10);
@@ -670,15 +684,16 @@ mod tests {
     }
 
     /// A record that comes after the window is spun for by an expecting poller, up to its
-    /// bound (in one of a few tries: past the window the spin ends when another thread takes
-    /// its core, and a busy machine's threads may); a plain poller spins for the window only.
+    /// bound and the work it waits for (in one of a few tries: past the window the spin ends
+    /// when another thread takes its core, and a busy machine's threads may); a plain poller
+    /// spins for the window only, whatever the work.
     #[test]
     fn what_is_coming_is_spun_for_past_the_window_up_to_the_bound() {
         let window = Duration::from_millis(1);
         let expecting = BusyPoll::expecting(window, Duration::from_secs(2)).unwrap();
         let came = (0..20).any(|_| {
             let (flag, setter) = coming(Duration::from_millis(20));
-            let got = expecting.spin_for(Instant::now(), spin_poll(&flag));
+            let got = expecting.spin_for(Instant::now(), Duration::ZERO, spin_poll(&flag));
             setter.join().unwrap();
             got
         });
@@ -686,19 +701,39 @@ mod tests {
 
         let plain = BusyPoll::new(window).unwrap();
         let (flag, setter) = coming(Duration::from_millis(500));
-        let took = timed(|| assert!(!plain.spin_for(Instant::now(), spin_poll(&flag))));
+        let took = timed(|| {
+            assert!(!plain.spin_for(Instant::now(), Duration::from_secs(2), spin_poll(&flag)))
+        });
         setter.join().unwrap();
         assert!(took < Duration::from_millis(400), "{took:?}");
 
         // Nothing to spin on (`poll` returns at once): no spin past the window either.
-        let took = timed(|| assert!(!expecting.spin_for(Instant::now(), |_| false)));
+        let took =
+            timed(|| assert!(!expecting.spin_for(Instant::now(), Duration::ZERO, |_| false)));
         assert!(took < Duration::from_secs(1), "{took:?}");
 
         // Nothing comes: the spin ends at the bound, not later.
         let bounded = BusyPoll::expecting(window, Duration::from_millis(50)).unwrap();
         let never = AtomicBool::new(false);
-        let took = timed(|| assert!(!bounded.spin_for(Instant::now(), spin_poll(&never))));
+        let took =
+            timed(|| assert!(!bounded.spin_for(Instant::now(), Duration::ZERO, spin_poll(&never))));
         assert!(took < Duration::from_secs(1), "{took:?}");
+
+        // What takes long to make is spun for past `longest`, up to `longest` plus that work,
+        // and never `SPIN_MOST` past it, however long the work.
+        let short = BusyPoll::expecting(window, Duration::from_millis(5)).unwrap();
+        let came = (0..20).any(|_| {
+            let (flag, setter) = coming(Duration::from_millis(20));
+            let got = short.spin_for(Instant::now(), Duration::from_millis(40), spin_poll(&flag));
+            setter.join().unwrap();
+            got
+        });
+        assert!(came, "never spun past the bound for the work");
+        let took = timed(|| {
+            let forever = Duration::from_secs(u64::MAX / 2);
+            assert!(!short.spin_for(Instant::now(), forever, spin_poll(&never)));
+        });
+        assert!(took < SPIN_MOST * 20, "{took:?}");
     }
 
     /// Past the window, a request on another watched socket (another session's, which this
@@ -710,7 +745,8 @@ mod tests {
         let _w = BusyPoll::watched(Some(&poll), a.as_raw_fd(), (), true);
         b.write_all(b"x").unwrap();
         let never = AtomicBool::new(false);
-        let took = timed(|| assert!(!poll.spin_for(Instant::now(), spin_poll(&never))));
+        let took =
+            timed(|| assert!(!poll.spin_for(Instant::now(), Duration::ZERO, spin_poll(&never))));
         assert!(took < Duration::from_secs(5), "{took:?}");
     }
 

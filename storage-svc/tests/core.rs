@@ -1620,8 +1620,9 @@ fn credits_leave_a_sessions_largest_put_alone() {
 }
 
 /// A credited PUT's meta decoded ahead, while its WRITE lands (the driver does so off the
-/// lock), is what the PUT's handling binds to the block; one decoded for another request is
-/// not used, and a decode that failed refuses the PUT, its credit's memory going back.
+/// lock), is what the PUT's handling checks and binds to the block; one decoded for another
+/// request is not used, and a decode that failed refuses the PUT, its credit's memory going
+/// back.
 #[test]
 fn a_credited_put_binds_the_meta_decoded_ahead_for_it_alone() {
     let mut h = Harness::new(UnitConfig::default());
@@ -1668,6 +1669,11 @@ fn a_credited_put_binds_the_meta_decoded_ahead_for_it_alone() {
     // 3 the request's layout has the client write).
     assert_eq!(credited(&mut h, 2, 3, Some((0, 2))), Response::Done);
     assert_eq!(shape(&mut h, 2), [2]);
+    // And its layout is the one checked against the credit: decoded ahead as 4 bytes more
+    // than the 4 MiB credit holds, the PUT does not fit, although the request's meta would.
+    let r = credited(&mut h, 4, 3, Some((0, (1 << 20) + 1)));
+    assert_eq!(kind(&r), Some(ErrorKind::TooLarge), "{r:?}");
+    assert_eq!(h.get("p", &[4], &["f"]), Err(ErrorKind::Missing));
     // A decode that failed: refused, and the credit's block is back in the pool.
     let before = h.stats();
     let credit = h.credits.pop().expect("a credit");

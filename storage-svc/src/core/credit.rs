@@ -20,7 +20,7 @@ use std::collections::HashMap;
 
 use bytes::Bytes;
 use serde_bytes::ByteBuf;
-use tessera_framecodec::{DecodeError, Decoder, RecvLayout, Unbound};
+use tessera_framecodec::{DecodeError, Decoder, Unbound};
 
 use super::put::merged_ranges;
 use super::session::Quarantined;
@@ -28,8 +28,9 @@ use super::{err, Landed, Memory, SessionId, Unit};
 use crate::error::{ErrorKind, RemoteError};
 use crate::proto::{Credit, Response};
 
-/// A credited PUT that passed its checks: its layout and its frames' `(offset, len)` ranges.
-type Checked = (RecvLayout, Vec<(u64, u64)>);
+/// A credited PUT that passed its checks: its layout's size and its frames' `(offset, len)`
+/// ranges.
+type Checked = (u64, Vec<(u64, u64)>);
 
 /// One credit: its block and the block's standing exposure to the session's agent.
 pub(super) struct Held<B> {
@@ -41,10 +42,11 @@ pub(super) struct Held<B> {
 }
 
 /// A credited PUT's meta decoded before its payload landed ([`Unit::credit_decoded`]), for
-/// the request `id` alone.
+/// the request `id` alone: the value to bind, and its frames' merged ranges, so that the
+/// PUT's handling neither parses the frame table nor lays it out again.
 struct Early {
     id: u64,
-    decoded: Result<Unbound, DecodeError>,
+    decoded: Result<(Unbound, Vec<(u64, u64)>), DecodeError>,
 }
 
 /// The credits of every session.
@@ -175,14 +177,15 @@ impl<M: Memory> Unit<M> {
         out
     }
 
-    /// What credit `credit` of `session` records as written, for the driver to wait (off
-    /// the lock) for a credited PUT's WRITE to be recorded before it hands the PUT over.
-    pub fn credit_landing(&self, session: SessionId, credit: u64) -> Option<Landed> {
+    /// What credit `credit` of `session` records as written, and its block's length, for the
+    /// driver to wait (off the lock) for a credited PUT's WRITE to be recorded before it
+    /// hands the PUT over.
+    pub fn credit_landing(&self, session: SessionId, credit: u64) -> Option<(Landed, u64)> {
         self.credits
             .by_session
             .get(&session)?
             .get(&credit)
-            .map(|h| h.landing.clone())
+            .map(|h| (h.landing.clone(), h.len))
     }
 
     /// The decoder and alignment a credited PUT's meta is decoded with, for the driver to
@@ -208,6 +211,10 @@ impl<M: Memory> Unit<M> {
             .get_mut(&session)
             .and_then(|c| c.get_mut(&credit))
         {
+            let decoded = decoded.map(|u| {
+                let ranges = merged_ranges(&u.layout().offsets, &u.layout().lens);
+                (u, ranges)
+            });
             held.early = Some(Early { id, decoded });
         }
     }
@@ -235,7 +242,8 @@ impl<M: Memory> Unit<M> {
                 format!("no credit {credit} held by this session"),
             )
         })?;
-        let (layout, ranges) = match self.check_credited(partition, indexes, fields, &meta, &held) {
+        let (size, ranges) = match self.check_credited(id, partition, indexes, fields, &meta, &held)
+        {
             Ok(checked) => checked,
             Err((e, written)) => {
                 if !written {
@@ -268,17 +276,17 @@ impl<M: Memory> Unit<M> {
         } = held;
         // Withdrawn first, so the block is this unit's alone; its unused end goes back.
         drop(landing);
-        M::shrink(&mut block, layout.size);
+        M::shrink(&mut block, size);
         let block_len = M::block_len(&block);
-        let buf: Bytes = self.mem.freeze(block, layout.size);
+        let buf: Bytes = self.mem.freeze(block, size);
         // Laid out with the unit's alignment, as the client laid the frames out and the
         // checks above took their ranges.
         let value = match early.filter(|e| e.id == id) {
-            Some(e) => e.decoded.and_then(|u| u.bind(&buf)),
+            Some(e) => e.decoded.and_then(|(u, _)| u.bind(&buf)),
             None => self.decoder.decode_contiguous(&meta, &buf, self.cfg.align),
         }
         .map_err(|e| err(ErrorKind::Protocol, format!("decode: {e}")))?;
-        self.puts.count_in(layout.size);
+        self.puts.count_in(size);
         let block_id = self.store.new_block(block_len, partition);
         let r = self.store_value(partition, indexes, fields, value, Some(block_id));
         self.store.drop_if_unused(block_id);
@@ -286,42 +294,49 @@ impl<M: Memory> Unit<M> {
         Ok(self.stored(session))
     }
 
-    /// The checks of a credited PUT before its payload is looked at: its layout and its
-    /// frames' ranges, or why it is refused and whether its frames are all recorded as
-    /// written (only then may the block go straight back to the pool).
+    /// The checks of request `id`, a credited PUT, before its payload is looked at: its
+    /// layout's size and its frames' ranges (as decoded while its WRITE landed, where they
+    /// were), or why it is refused and whether its frames are all recorded as written (only
+    /// then may the block go straight back to the pool).
     fn check_credited(
         &self,
+        id: u64,
         partition: &str,
         indexes: &[u64],
         fields: &[String],
         meta: &ByteBuf,
         held: &Held<M::Block>,
     ) -> Result<Checked, (RemoteError, bool)> {
-        let table = self
-            .decoder
-            .frame_table(meta)
-            .map_err(|e| (meta_error(e), false))?;
-        let layout = table
-            .layout(self.cfg.align)
-            .map_err(|e| (err(ErrorKind::Protocol, format!("layout: {e}")), false))?;
-        if layout.size > held.len {
+        let early = held.early.as_ref().filter(|e| e.id == id);
+        let (size, ranges) = match early.map(|e| &e.decoded) {
+            Some(Ok((u, ranges))) => (u.size(), ranges.clone()),
+            _ => {
+                let table = self
+                    .decoder
+                    .frame_table(meta)
+                    .map_err(|e| (meta_error(e), false))?;
+                let layout = table
+                    .layout(self.cfg.align)
+                    .map_err(|e| (err(ErrorKind::Protocol, format!("layout: {e}")), false))?;
+                let ranges = merged_ranges(&layout.offsets, &layout.lens);
+                (layout.size, ranges)
+            }
+        };
+        if size > held.len {
             let e = err(
                 ErrorKind::TooLarge,
                 format!(
-                    "a PUT of {} bytes laid out does not fit its credit of {} bytes",
-                    layout.size, held.len
+                    "a PUT of {size} bytes laid out does not fit its credit of {} bytes",
+                    held.len
                 ),
             );
             return Err((e, false));
         }
-        let ranges = merged_ranges(&layout.offsets, &layout.lens);
         let written = held.landing.ranges_written(&ranges);
         self.check_keys(indexes, fields)
-            .and_then(|()| {
-                self.admit_put(partition, indexes, fields, layout.size, meta.len() as u64)
-            })
+            .and_then(|()| self.admit_put(partition, indexes, fields, size, meta.len() as u64))
             .map_err(|e| (e, written))?;
-        Ok((layout, ranges))
+        Ok((size, ranges))
     }
 
     /// The credits of a closed session: quarantined like its exposed blocks (a WRITE into
