@@ -518,6 +518,25 @@ impl Answer<'_> {
         meta.ok()?.ok()
     }
 
+    /// The caller worked on after sending (a credited PUT's copy, on this thread) and waits
+    /// from now: the answer's time is learned from now, and parking workers expect it from
+    /// now. Timed from the request instead, an answer that comes soon after the copy was
+    /// expected past the poller's bound, so not polled for, and its worker woken for it.
+    pub(super) fn waiting_from_now(&self) {
+        let now = Instant::now();
+        let mut w = self.waiters.lock();
+        let Pending {
+            map, poll, timings, ..
+        } = &mut *w;
+        let Some((key, from)) = map.get_mut(&self.id).and_then(|w| w.timed.as_mut()) else {
+            return;
+        };
+        *from = now;
+        if let (Some(poll), Some(after)) = (poll.as_ref(), timings.expected(*key)) {
+            poll.expect(now, after);
+        }
+    }
+
     pub(super) async fn wait(self) -> Result<(u64, Response), ClientError> {
         let Self {
             unit,
@@ -782,6 +801,55 @@ mod tests {
         }
         assert_eq!(t.expected(1), None);
         assert_eq!(t.expected(SHAPES as u64 + 1), Some(us(10)));
+    }
+
+    /// A caller that worked after sending (a credited PUT's copy) and waits from now: its
+    /// answer's time counts from now, and the poller expects it the learned time from now,
+    /// not from the request (which put it past the poller's bound: not polled for).
+    #[test]
+    fn an_answer_waited_for_after_the_copy_is_timed_and_expected_from_then() {
+        let us = Duration::from_micros;
+        let poll = BusyPoll::expecting(us(50), us(500)).unwrap();
+        let waiters: Waiters = Arc::new(Mutex::new(Pending {
+            poll: Some(poll.clone()),
+            ..Pending::default()
+        }));
+        let key = 7;
+        let sent = Instant::now() - Duration::from_millis(2);
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut w = waiters.lock();
+            w.timings.answered(key, us(100));
+            w.map.insert(
+                1,
+                Waiter {
+                    tx,
+                    from_thread: false,
+                    ahead: None,
+                    timed: Some((key, sent)),
+                },
+            );
+        }
+        let answer = Answer {
+            unit: 0,
+            id: 1,
+            rx,
+            sent: None,
+            ahead: None,
+            waiters: &waiters,
+            timeout: Duration::from_secs(1),
+            _polled: None,
+        };
+        let before = Instant::now();
+        answer.waiting_from_now();
+        let after = Instant::now();
+        let (_, from) = waiters.lock().map[&1].timed.unwrap();
+        assert!(
+            from >= before && from <= after,
+            "timed from the request still"
+        );
+        let expected = poll.expected().expect("expected from now");
+        assert!(expected >= before + us(125) && expected <= after + us(125));
     }
 
     /// Requests of one kind, fields, count and (for a credited PUT) payload size class share

@@ -128,7 +128,10 @@ impl Client {
         let answer = conn.send(req, false)?;
         let written = self.write_frames(conn, &descs, &frames, None).await;
         let step = match op.on_written(written, true) {
-            PutStep::Await => op.on_answer(answer.wait().await),
+            PutStep::Await => {
+                answer.waiting_from_now();
+                op.on_answer(answer.wait().await)
+            }
             other => {
                 // The unit waits for frames that will not come before it refuses the PUT;
                 // the session's next requests would wait behind it.
