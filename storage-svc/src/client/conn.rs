@@ -518,10 +518,11 @@ impl Answer<'_> {
         meta.ok()?.ok()
     }
 
-    /// The caller worked on after sending (a credited PUT's copy, on this thread) and waits
-    /// from now: the answer's time is learned from now, and parking workers expect it from
-    /// now. Timed from the request instead, an answer that comes soon after the copy was
-    /// expected past the poller's bound, so not polled for, and its worker woken for it.
+    /// The caller worked on after sending (a credited PUT's copy, on this thread; a GET's
+    /// decoding of the meta sent ahead) and waits from now: the answer's time is learned
+    /// from now, and parking workers expect it from now. Timed from the request instead, an
+    /// answer that comes soon after that work was expected past the poller's bound, so not
+    /// polled for, and its worker woken for it.
     pub(super) fn waiting_from_now(&self) {
         let now = Instant::now();
         let mut w = self.waiters.lock();

@@ -76,9 +76,10 @@ impl Client {
                 GetStep::Send(req @ Request::GetOffer { .. }) => match conn.send_offer(req) {
                     Ok(mut answer) => {
                         // A large meta comes ahead of the WRITE: decoded while the values
-                        // land.
+                        // land. The answer is awaited from then.
                         if let Some(meta) = answer.ahead().await {
                             op.on_ahead(meta);
+                            answer.waiting_from_now();
                         }
                         match answer.wait().await {
                             Err(ClientError::Timeout { .. }) => op.on_timeout(self.timeout),
