@@ -183,11 +183,10 @@ impl BusyPoll {
     /// client copies while its request travels) until `poll` says it came: for the window,
     /// then, where this poller expects ([`BusyPoll::expecting`]), on until `longest` plus
     /// `work` (how long what is coming may take to make, such as that copy; at most
-    /// [`SPIN_MOST`]) past `since`
-    /// while nothing else waits for this worker (a watched socket readable, a task woken from
-    /// outside the runtime), giving way at every round past the window and stopping once
-    /// another thread took the core (where both ends share one, the other is the one
-    /// copying). `poll(d)` looks for up to `d` and says whether it came; one that returns
+    /// [`SPIN_MOST`]) past `since` while nothing else waits for this worker (a watched socket
+    /// readable, a task woken from outside the runtime), giving way at every round past the
+    /// window and stopping once another thread took the core (where both ends share one, the
+    /// other is the one copying). `poll(d)` looks for up to `d` and says whether it came; one that returns
     /// before `d` has nothing to spin on, and ends the spin. Whether it came; if not, the
     /// caller waits for it parked.
     ///
