@@ -186,9 +186,9 @@ impl BusyPoll {
     /// [`SPIN_MOST`]) past `since` while nothing else waits for this worker (a watched socket
     /// readable, a task woken from outside the runtime), giving way at every round past the
     /// window and stopping once another thread took the core (where both ends share one, the
-    /// other is the one copying). `poll(d)` looks for up to `d` and says whether it came; one that returns
-    /// before `d` has nothing to spin on, and ends the spin. Whether it came; if not, the
-    /// caller waits for it parked.
+    /// other is the one copying). `poll(d)` looks for up to `d` and says whether it came; one
+    /// that returns before `d` has nothing to spin on, and ends the spin. Whether it came; if
+    /// not, the caller waits for it parked.
     ///
     /// A spin that ended with the window parked and was woken by the engine's thread instead:
     /// a batch PUT's copy of 4 MB outlasts its request's decoding plus the window, and half

@@ -236,24 +236,26 @@ impl<M: Memory> Unit<M> {
         meta: ByteBuf,
         credit: u64,
     ) -> Result<Response, RemoteError> {
-        let held = self.credits.take(session, credit).ok_or_else(|| {
+        let mut held = self.credits.take(session, credit).ok_or_else(|| {
             err(
                 ErrorKind::UnknownTransfer,
                 format!("no credit {credit} held by this session"),
             )
         })?;
-        let (size, ranges) = match self.check_credited(id, partition, indexes, fields, &meta, &held)
-        {
-            Ok(checked) => checked,
-            Err((e, written)) => {
-                if !written {
-                    let Held { block, len, .. } = held;
-                    self.sessions
-                        .quarantine(session, Box::new(block), len, String::new());
+        // What was decoded while the WRITE landed, if it was this request's meta.
+        let early = held.early.take().filter(|e| e.id == id);
+        let (size, ranges) =
+            match self.check_credited(partition, indexes, fields, &meta, &held, early.as_ref()) {
+                Ok(checked) => checked,
+                Err((e, written)) => {
+                    if !written {
+                        let Held { block, len, .. } = held;
+                        self.sessions
+                            .quarantine(session, Box::new(block), len, String::new());
+                    }
+                    return Err(e);
                 }
-                return Err(e);
-            }
-        };
+            };
         if !held.landing.ranges_written(&ranges) {
             // Refused rather than stored: the block would publish what it held before. The
             // WRITE may still come: the block waits in quarantine.
@@ -269,10 +271,7 @@ impl<M: Memory> Unit<M> {
             ));
         }
         let Held {
-            mut block,
-            landing,
-            early,
-            ..
+            mut block, landing, ..
         } = held;
         // Withdrawn first, so the block is this unit's alone; its unused end goes back.
         drop(landing);
@@ -281,7 +280,7 @@ impl<M: Memory> Unit<M> {
         let buf: Bytes = self.mem.freeze(block, size);
         // Laid out with the unit's alignment, as the client laid the frames out and the
         // checks above took their ranges.
-        let value = match early.filter(|e| e.id == id) {
+        let value = match early {
             Some(e) => e.decoded.and_then(|(u, _)| u.bind(&buf)),
             None => self.decoder.decode_contiguous(&meta, &buf, self.cfg.align),
         }
@@ -294,20 +293,19 @@ impl<M: Memory> Unit<M> {
         Ok(self.stored(session))
     }
 
-    /// The checks of request `id`, a credited PUT, before its payload is looked at: its
-    /// layout's size and its frames' ranges (as decoded while its WRITE landed, where they
-    /// were), or why it is refused and whether its frames are all recorded as written (only
-    /// then may the block go straight back to the pool).
+    /// The checks of a credited PUT before its payload is looked at: its layout's size and
+    /// its frames' ranges (from `early`, its meta decoded while its WRITE landed, where that
+    /// succeeded), or why it is refused and whether its frames are all recorded as written
+    /// (only then may the block go straight back to the pool).
     fn check_credited(
         &self,
-        id: u64,
         partition: &str,
         indexes: &[u64],
         fields: &[String],
         meta: &ByteBuf,
         held: &Held<M::Block>,
+        early: Option<&Early>,
     ) -> Result<Checked, (RemoteError, bool)> {
-        let early = held.early.as_ref().filter(|e| e.id == id);
         let (size, ranges) = match early.map(|e| &e.decoded) {
             Some(Ok((u, ranges))) => (u.size(), ranges.clone()),
             _ => {
