@@ -11,36 +11,58 @@
 //!   derives from the cache size (240 MiB on the benchmark machine): there its 64 MiB copy
 //!   runs at about 13.7 GB/s and the streamed one at 20.3. A segment this large leaves the
 //!   cache to its reader either way.
-//! - **The core is offered to other threads every [`SLICE`] bytes** (`sched_yield`). A 64
-//!   MiB copy holds a core for several milliseconds; a thread woken on that core (a unit's
-//!   worker with a 4-byte PUT to answer) waited for the copy's whole time slice. The yield
-//!   moves the copy's deadline, not its share of the core, and returns at once when nothing
-//!   else waits.
+//! - **The core is offered to other threads every slice of the copy** (`sched_yield`), 4 MiB
+//!   unless the agent says otherwise ([`Agent::set_copy_slice`](crate::Agent::set_copy_slice)).
+//!   A 64 MiB copy holds a core for several milliseconds; a thread woken on that core (a
+//!   unit's worker with a 4-byte PUT to answer) waited for the copy's whole time slice. The
+//!   yield moves the copy's deadline, not its share of the core, and returns at once when
+//!   nothing else waits.
 //!
 //! Measured by `cargo xtask bench storage` (BENCHMARKS.md): the 256 MiB PUT and GET over shm
 //! and the 16 MiB PUTs about 1.5 times as fast; under 32 sessions of mixed PUT/GET
 //! (`load32`) the median PUT half as long and the small PUTs' p99 about two thirds, the
 //! large ones' p99 unchanged. Offering the core every 1 MiB halved the median again but
 //! made the large PUTs' p99 a third longer; the small requests and batches, whose segments
-//! are smaller, did not move.
+//! are smaller, did not move. That was the client's copies: a storage unit's agent, whose
+//! other workers serve other sessions, offers its core every 1 MiB (see the storage crate's
+//! `ServerConfig::copy_slice_bytes`).
 
 use std::ptr;
 
 /// Segments from this length on are copied with non-temporal stores.
 const STREAM_MIN: usize = 4 << 20;
 
-/// Bytes copied between offers of the core to other threads.
-const SLICE: usize = 4 << 20;
+/// Bytes copied between offers of the core to other threads, unless the agent sets its own.
+pub(crate) const SLICE: usize = 4 << 20;
+
+/// The shortest slice an agent may set: shorter ones would spend more on `sched_yield` than
+/// they gain.
+pub(crate) const MIN_SLICE: usize = 64 << 10;
 
 /// One transfer's copy, segment by segment. Dropping it orders its streamed stores before
 /// whatever the thread stores next (the record or message saying the data landed).
-#[derive(Default)]
 pub(crate) struct Copier {
     /// Whether a non-temporal store was issued (then a fence is due).
     streamed: bool,
+    /// Bytes copied between offers of the core.
+    slice: usize,
+}
+
+impl Default for Copier {
+    fn default() -> Self {
+        Self::with_slice(SLICE)
+    }
 }
 
 impl Copier {
+    /// A copier that offers its core every `slice` bytes (at least [`MIN_SLICE`]).
+    pub(crate) fn with_slice(slice: usize) -> Self {
+        Self {
+            streamed: false,
+            slice: slice.max(MIN_SLICE),
+        }
+    }
+
     /// Copies `len` bytes from `src` to `dst`; ranges that overlap are copied as `memmove`
     /// would.
     ///
@@ -59,7 +81,7 @@ impl Copier {
             if at > 0 {
                 std::thread::yield_now();
             }
-            let n = (len - at).min(SLICE);
+            let n = (len - at).min(self.slice);
             // SAFETY: `at + n <= len`, so both subranges lie in what the caller vouched for,
             // and the ranges do not overlap.
             unsafe { stream_copy(src.add(at), dst.add(at), n) };
@@ -141,7 +163,7 @@ fn store_fence() {
 
 #[cfg(test)]
 mod tests {
-    use super::{Copier, SLICE, STREAM_MIN};
+    use super::{Copier, MIN_SLICE, SLICE, STREAM_MIN};
 
     fn pattern(len: usize) -> Vec<u8> {
         (0..len).map(|i| (i * 31 + i / 251) as u8).collect()
@@ -165,22 +187,28 @@ mod tests {
                 if s_off + len > src.len() {
                     continue;
                 }
-                let mut dst = vec![0xAAu8; len + d_off + 9];
-                {
-                    let mut c = Copier::default();
-                    // SAFETY: both ranges lie inside their vectors.
-                    unsafe { c.copy(src.as_ptr().add(s_off), dst.as_mut_ptr().add(d_off), len) };
+                // The default slice, and the shortest, which cuts the large copies into
+                // dozens of slices.
+                for slice in [SLICE, MIN_SLICE] {
+                    let mut dst = vec![0xAAu8; len + d_off + 9];
+                    {
+                        let mut c = Copier::with_slice(slice);
+                        // SAFETY: both ranges lie inside their vectors.
+                        unsafe {
+                            c.copy(src.as_ptr().add(s_off), dst.as_mut_ptr().add(d_off), len)
+                        };
+                    }
+                    assert_eq!(
+                        &dst[d_off..d_off + len],
+                        &src[s_off..s_off + len],
+                        "{len} {s_off} {d_off} {slice}"
+                    );
+                    assert!(dst[..d_off].iter().all(|&b| b == 0xAA), "before, {len}");
+                    assert!(
+                        dst[d_off + len..].iter().all(|&b| b == 0xAA),
+                        "after, {len}"
+                    );
                 }
-                assert_eq!(
-                    &dst[d_off..d_off + len],
-                    &src[s_off..s_off + len],
-                    "{len} {s_off} {d_off}"
-                );
-                assert!(dst[..d_off].iter().all(|&b| b == 0xAA), "before, {len}");
-                assert!(
-                    dst[d_off + len..].iter().all(|&b| b == 0xAA),
-                    "after, {len}"
-                );
             }
         }
     }

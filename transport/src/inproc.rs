@@ -165,7 +165,7 @@ impl InprocConnection {
                     reason,
                 },
             })?;
-        let mut copier = Copier::default();
+        let mut copier = Copier::with_slice(self.local.copy_slice());
         for (i, seg) in segments.iter().enumerate() {
             let (remote, len) = grant.span(i);
             let (src, dst) = match xfer.plan().op() {

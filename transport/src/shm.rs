@@ -1563,7 +1563,7 @@ impl ShmConnection {
         // The mapping of the current registration, held (not cloned) across its segments: an
         // atomic per segment would wait for the previous copy's stores to drain.
         let mut current: Option<(u64, Arc<Mapped>)> = None;
-        let mut copier = Copier::default();
+        let mut copier = Copier::with_slice(self.local.copy_slice());
         for seg in plan.segments() {
             let m: &Mapped = match &mut current {
                 Some((reg, m)) if *reg == seg.remote_reg => m,

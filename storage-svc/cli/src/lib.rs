@@ -45,7 +45,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Run a unit until Ctrl-C (or SIGTERM).
-    Serve(Serve),
+    Serve(Box<Serve>),
     /// Store a file's bytes (or a string) at one index and field.
     Put {
         #[command(flatten)]
@@ -292,6 +292,11 @@ struct Serve {
     /// the start; --idle-pool is then ignored).
     #[arg(long)]
     prefault_pool: bool,
+    /// Bytes a large copy of the unit (a GET's WRITE over shm) runs between offers of its
+    /// core to other threads, at least 64 KiB (default 1MiB): shorter lets another session's
+    /// small request in sooner, at a small cost to the copy.
+    #[arg(long, value_parser = parse_size)]
+    copy_slice: Option<u64>,
     /// Registered memory leased to prepared PUTs at most; PUTs beyond it are refused.
     #[arg(long, value_parser = parse_size)]
     leased_limit: Option<u64>,
@@ -518,7 +523,7 @@ async fn client(c: Conn) -> Result<Client> {
 async fn execute(cli: Cli, poll: Option<BusyPoll>) -> Result<()> {
     let say = Say { quiet: cli.quiet };
     match cli.cmd {
-        Cmd::Serve(s) => serve(s, poll, say).await,
+        Cmd::Serve(s) => serve(*s, poll, say).await,
         Cmd::Put {
             conn,
             key,
@@ -758,6 +763,9 @@ async fn serve(s: Serve, poll: Option<BusyPoll>, say: Say) -> Result<()> {
     }
     if s.prefault_pool {
         cfg.prefault_pool = true;
+    }
+    if let Some(v) = s.copy_slice {
+        cfg.copy_slice_bytes = v;
     }
     if let Some(v) = s.leased_limit {
         cfg.unit.leased_limit = v;

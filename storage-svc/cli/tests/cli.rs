@@ -273,8 +273,13 @@ fn sizes_durations_and_addresses_are_read_as_people_write_them() {
         "localhost:7471",
     ]);
     assert!(text.contains("prefault_pool = false"), "{text}");
-    let prefaulted = cfg(&["--prefault-pool"]);
+    assert!(text.contains("copy_slice_bytes = \"1MiB\""), "{text}");
+    let prefaulted = cfg(&["--prefault-pool", "--copy-slice", "256KiB"]);
     assert!(prefaulted.contains("prefault_pool = true"), "{prefaulted}");
+    assert!(
+        prefaulted.contains("copy_slice_bytes = \"256KiB\""),
+        "{prefaulted}"
+    );
     assert!(text.contains("capacity_bytes = \"1GB\""), "{text}");
     assert!(text.contains("pool_bytes = \"4GiB\""), "{text}");
     assert!(text.contains("late_write_grace = \"2s\""), "{text}");

@@ -119,6 +119,14 @@ pub struct ServerConfig {
     /// session reads its next request only when one more fits; a transfer that still finds
     /// the queue full is answered with `ErrorKind::Busy`.
     pub transfer_queue: usize,
+    /// Bytes a large copy of the unit's agent (over `shm`, a GET's WRITE into a client's
+    /// block) runs between offers of its core to other threads
+    /// ([`Agent::set_copy_slice`](tessera_transport::Agent::set_copy_slice)). 1 MiB
+    /// ([`ServerConfig::COPY_SLICE_DEFAULT`]), a quarter of the transport's default: a worker
+    /// woken on the copy's core with another session's small request is let in four times as
+    /// often, for about 3 % of a lone 256 MiB GET's speed (BENCHMARKS.md).
+    #[serde(with = "crate::units::size")]
+    pub copy_slice_bytes: u64,
     /// The protocol core's settings.
     pub unit: UnitConfig,
     /// Polls the sessions' sockets before a worker of the server's runtime parks, when that
@@ -128,6 +136,11 @@ pub struct ServerConfig {
     /// binary's `busy_poll_expect_us`).
     #[serde(skip)]
     pub busy_poll: Option<BusyPoll>,
+}
+
+impl ServerConfig {
+    /// The default of [`ServerConfig::copy_slice_bytes`].
+    pub const COPY_SLICE_DEFAULT: u64 = 1 << 20;
 }
 
 impl Default for ServerConfig {
@@ -150,6 +163,7 @@ impl Default for ServerConfig {
             transfer_timeout: Duration::from_secs(60),
             reply_queue: 1024,
             transfer_queue: 64,
+            copy_slice_bytes: Self::COPY_SLICE_DEFAULT,
             unit: UnitConfig::default(),
             busy_poll: None,
         }
@@ -348,8 +362,10 @@ impl Server {
             prefault: cfg.prefault_pool,
         };
         let token = cfg.unit.token.clone();
+        let copy_slice = cfg.copy_slice_bytes;
         let (agent, pool) = tokio::task::spawn_blocking(move || {
             let agent = Arc::new(backend.role_agent_at("unit", payload_addr, token.as_ref())?);
+            agent.set_copy_slice(usize::try_from(copy_slice).unwrap_or(usize::MAX));
             let pool = ChunkPool::new(agent.clone(), limits)?;
             Ok::<_, ServerError>((agent, pool))
         })

@@ -854,3 +854,28 @@ async fn a_batch_get_decodes_its_meta_while_the_values_land() {
     drop(c);
     server.shutdown().await;
 }
+
+/// The unit's agent copies in the slices its configuration says: 1 MiB by default, and what
+/// the configuration sets otherwise (the transport's floor applies).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_units_agent_copies_in_the_configured_slices() {
+    let server = unit().await;
+    assert_eq!(
+        server.agent().copy_slice() as u64,
+        ServerConfig::COPY_SLICE_DEFAULT
+    );
+    server.shutdown().await;
+    for (set, used) in [(8 << 20, 8 << 20), (1, 64 << 10)] {
+        let server = Server::start(ServerConfig {
+            bind: "127.0.0.1:0".into(),
+            backend: Backend::Inproc,
+            pool_bytes: 32 << 20,
+            copy_slice_bytes: set,
+            ..ServerConfig::default()
+        })
+        .await
+        .unwrap();
+        assert_eq!(server.agent().copy_slice(), used, "{set}");
+        server.shutdown().await;
+    }
+}

@@ -174,6 +174,7 @@ impl Agent {
             copied_write: Counter::default(),
             standing_writes: Counter::default(),
             copied_read: Counter::default(),
+            copy_slice: AtomicUsize::new(crate::copy::SLICE),
             inbound: Mutex::new(HashMap::new()),
         });
         transport.start(Host {
@@ -193,6 +194,24 @@ impl Agent {
     /// The agent's name.
     pub fn name(&self) -> &str {
         &self.core.host.name
+    }
+
+    /// Sets how many bytes a large copy this agent makes (its WRITEs and READs over the
+    /// memory engines, `shm` and `inproc`) runs between offers of its core to other threads
+    /// (`sched_yield`); at least 64 KiB, 4 MiB unless set. A shorter slice lets a thread
+    /// woken on the copy's core (another worker of a server, with a small request to answer)
+    /// in sooner, and costs the copy itself where a thread that spins shares its core.
+    pub fn set_copy_slice(&self, bytes: usize) {
+        self.core
+            .host
+            .copy_slice
+            .store(bytes.max(crate::copy::MIN_SLICE), Ordering::Relaxed);
+    }
+
+    /// Bytes a copy of this agent runs between offers of its core
+    /// ([`Agent::set_copy_slice`]).
+    pub fn copy_slice(&self) -> usize {
+        self.core.host.copy_slice.load(Ordering::Relaxed)
     }
 
     /// The backend's kind, such as `"shm"`.

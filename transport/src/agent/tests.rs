@@ -89,6 +89,21 @@ fn cache_answers_sub_ranges_and_refcounts() {
     assert!(agent.register_range(&other, 50, 51).is_err());
 }
 
+/// The copy slice an agent sets is the one its engine's copies use, never below the floor.
+#[test]
+fn the_copy_slice_reaches_the_engine_and_has_a_floor() {
+    let engine = Arc::new(Counting::default());
+    let agent = Agent::new("a", engine.clone()).unwrap();
+    let host = engine.host.lock().clone().unwrap();
+    assert_eq!(agent.copy_slice(), crate::copy::SLICE);
+    assert_eq!(host.copy_slice(), crate::copy::SLICE);
+    agent.set_copy_slice(1 << 20);
+    assert_eq!(host.copy_slice(), 1 << 20);
+    agent.set_copy_slice(1);
+    assert_eq!(host.copy_slice(), crate::copy::MIN_SLICE);
+    assert_eq!(agent.copy_slice(), crate::copy::MIN_SLICE);
+}
+
 /// A sub-range's descriptors name the registration's bytes: offsets are relative to the
 /// registration, windows end exactly at the sub-range's end, and the address is the byte's.
 #[test]

@@ -10,7 +10,7 @@ use crate::notify::Notifications;
 use crate::registry::{RegEntry, Registry};
 use crate::transfer::Op;
 use crate::Region;
-use tessera_sync::atomic::{AtomicBool, Ordering};
+use tessera_sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use tessera_sync::{Arc, Counter, Mutex};
 
 /// The part of an agent its engine may hold: registrations and notifications, never the engine.
@@ -26,6 +26,9 @@ pub(crate) struct HostShared {
     pub(crate) copied_read: Counter,
     /// WRITEs made inside a peer's standing ranges, with no grant asked for.
     pub(crate) standing_writes: Counter,
+    /// Bytes a memory engine's copy runs between offers of its core
+    /// ([`Agent::set_copy_slice`](crate::Agent::set_copy_slice)).
+    pub(crate) copy_slice: AtomicUsize,
     /// Inbound links by peer name: how many of the engine's readers serving that peer are
     /// still running (engines that track them, see `Transport::tracks_links`).
     pub(crate) inbound: Mutex<HashMap<String, usize>>,
@@ -122,6 +125,12 @@ impl Host {
             Op::Write => self.shared.copied_write.add(bytes),
             Op::Read => self.shared.copied_read.add(bytes),
         }
+    }
+
+    /// Bytes a copy this agent's engine makes runs between offers of its core to other
+    /// threads (see [`Agent::set_copy_slice`](crate::Agent::set_copy_slice)).
+    pub fn copy_slice(&self) -> usize {
+        self.shared.copy_slice.load(Ordering::Relaxed)
     }
 
     /// Counts a WRITE made inside a peer's standing ranges without asking for a grant, for the
