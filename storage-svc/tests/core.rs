@@ -1767,8 +1767,9 @@ fn credits_stop_at_each_limit() {
 }
 
 /// Once the unit's credit limit cannot give every session that can hold credits its
-/// `session_credits`, it is split evenly: each session holds its share (at least one), so
-/// that those that asked first do not keep the others on prepared PUTs. A session not yet
+/// `session_credits`, it is split evenly: each session holds its share (at least one credit,
+/// a smaller one where one of `credit_bytes` is more than the split), so that those that
+/// asked first do not keep the others on prepared PUTs. A session not yet
 /// connected on the payload plane does not count, and one that holds more than its share
 /// (it asked while fewer were open) keeps them without being topped up past it.
 #[test]
@@ -1792,7 +1793,17 @@ fn credits_are_split_evenly_once_the_limit_binds() {
         assert!(matches!(out[..], [Output::Accept { .. }]));
         h.unit.session_ready(id, &format!("client-{id}"));
     };
-    for (others, share) in [(0, 4), (1, 2), (2, 1), (3, 1), (7, 1)] {
+    // Others connected, then the credits and the size of each: a split of the limit of less
+    // than one credit gives one credit of the split (from 64 KiB, rounded down to 64 KiB).
+    for (others, share, size) in [
+        (0, 4, CREDIT),
+        (1, 2, CREDIT),
+        (2, 1, CREDIT),
+        (3, 1, CREDIT),
+        (7, 1, CREDIT / 2),
+        (9, 1, 192 << 10),
+        (63, 1, 64 << 10),
+    ] {
         let mut h = Harness::new(cfg.clone());
         for id in 0..others {
             connect(&mut h, 100 + id);
@@ -1801,7 +1812,11 @@ fn credits_are_split_evenly_once_the_limit_binds() {
         h.unit.open_session(99);
         assert_eq!(h.put("p", &[1], &["f"], &value), Response::Done);
         assert_eq!(h.credits.len(), share, "{others} others");
-        assert_eq!(h.stats().credit_bytes, share as u64 * CREDIT);
+        assert!(
+            h.credits.iter().all(|c| c.block.len == size),
+            "{others} others"
+        );
+        assert_eq!(h.stats().credit_bytes, share as u64 * size);
     }
     // Four credits while alone; three sessions more, and the one it spends is not replaced.
     let mut h = Harness::new(cfg);

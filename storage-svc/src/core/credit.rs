@@ -28,6 +28,10 @@ use super::{err, Landed, Memory, SessionId, Unit};
 use crate::error::{ErrorKind, RemoteError};
 use crate::proto::{Credit, Response};
 
+/// What a credit's size is rounded down to when the credit limit is split among many
+/// sessions ([`Unit::credit_share`]).
+const CREDIT_GRAIN: u64 = 64 << 10;
+
 /// A credited PUT that passed its checks: its layout's size and its frames' `(offset, len)`
 /// ranges.
 type Checked = (u64, Vec<(u64, u64)>);
@@ -135,18 +139,18 @@ impl<M: Memory> Unit<M> {
         }
     }
 
-    /// New credits for `session`, up to its share ([`Unit::credit_share`]), while the
-    /// unit-wide `credit_limit`, the leased limits (with the prepared PUTs' leases) and the
-    /// pool allow. None when any of them says no: the session then PUTs through prepared
-    /// blocks.
+    /// New credits for `session`, up to its share and of its size ([`Unit::credit_share`]),
+    /// while the unit-wide `credit_limit`, the leased limits (with the prepared PUTs' leases)
+    /// and the pool allow. None when any of them says no: the session then PUTs through
+    /// prepared blocks.
     fn top_up(&mut self, session: SessionId) -> Vec<Credit> {
-        let size = self.cfg.credit_bytes;
+        let (share, size) = self.credit_share();
         let mut out = Vec::new();
         let peer = self.sessions.peer(session).to_owned();
         if peer.is_empty() {
             return out;
         }
-        for _ in self.credits.held(session)..self.credit_share() {
+        for _ in self.credits.held(session)..share {
             let mine = self.puts.session_leased(session) + self.credits.session_bytes(session);
             let fits = self.credits.bytes() + size <= self.cfg.credit_limit
                 && mine + size <= self.cfg.session_leased_limit
@@ -178,17 +182,30 @@ impl<M: Memory> Unit<M> {
         out
     }
 
-    /// How many credits one session may hold: `session_credits`, or fewer where that many
-    /// for every session that can hold credits (one whose agent the driver connected to)
-    /// would pass `credit_limit`: an even split of the limit, at least one. Granted first come, first served, the limit went to the sessions that asked first,
-    /// two credits each, and the others PUT through prepared blocks (two round trips) for as
-    /// long as those held theirs: under 32 sessions of mixed requests, 60 % of the PUTs that
-    /// fit a credit. A session that holds more than its share (it opened when fewer were
-    /// open) keeps them and is not topped up past it.
-    fn credit_share(&self) -> u64 {
+    /// How many credits one session may hold, and how large each is: `session_credits` of
+    /// `credit_bytes`, or, where that many for every session that can hold credits (one
+    /// whose agent the driver connected to) would pass `credit_limit`, an even split of the
+    /// limit: fewer credits (at least one), and where even one of `credit_bytes` each would
+    /// pass it, one smaller credit (the split rounded down to [`CREDIT_GRAIN`], no smaller
+    /// than the unit's `inline_max`, below which PUTs travel in their request).
+    ///
+    /// Granted first come, first served, the limit went to the sessions that asked first, two
+    /// credits each, and the others PUT through prepared blocks (two round trips) for as long
+    /// as those held theirs: under 32 sessions of mixed requests, 60 % of the PUTs that fit a
+    /// credit. A session that holds more than its share (it asked while fewer sessions were
+    /// open) keeps what it holds and is not topped up past its share.
+    fn credit_share(&self) -> (u64, u64) {
         let ready = self.sessions.ready().max(1) as u64;
-        let each = self.cfg.credit_limit / self.cfg.credit_bytes.saturating_mul(ready).max(1);
-        each.max(1).min(self.cfg.session_credits)
+        let split = self.cfg.credit_limit / ready;
+        let floor = self.cfg.inline_max.max(CREDIT_GRAIN);
+        let size = match split >= self.cfg.credit_bytes {
+            true => self.cfg.credit_bytes,
+            false => (split / CREDIT_GRAIN * CREDIT_GRAIN)
+                .max(floor)
+                .min(self.cfg.credit_bytes),
+        };
+        let each = split / size.max(1);
+        (each.max(1).min(self.cfg.session_credits), size)
     }
 
     /// What credit `credit` of `session` records as written, and its block's length, for the
