@@ -404,6 +404,24 @@ pub(super) async fn load32(
             small.len()
         ),
     );
+    // The PUTs that take a credit when their session holds one (up to the unit's default
+    // `credit_bytes`).
+    let medium: Vec<Duration> = sized(&r, |len| len > SMALL_VALUE && len <= MEDIUM_VALUE);
+    report.put(
+        "load32_medium_put_p50_us",
+        crate::timing::us(quantile(&medium, 0.5)),
+        format!(
+            "median of the {} PUTs of values over 64 KiB and up to 4 MiB in the same load (a \
+             credit's size: one round trip where the session holds a credit, PREPARE and \
+             COMMIT where not)",
+            medium.len()
+        ),
+    );
+    report.put(
+        "load32_medium_put_p99_us",
+        crate::timing::us(quantile(&medium, 0.99)),
+        "p99 of the same PUTs",
+    );
     report.put(
         "load32_put_p99_slowdown",
         p99_slowdown(&r),
@@ -413,6 +431,9 @@ pub(super) async fn load32(
     );
     Ok(())
 }
+
+/// The largest value of `load32_medium_put_*`: the unit's default credit.
+const MEDIUM_VALUE: usize = 4 << 20;
 
 /// The PUT times of `r` whose value size passes `keep`.
 fn sized(r: &SoakReport, keep: impl Fn(usize) -> bool) -> Vec<Duration> {
