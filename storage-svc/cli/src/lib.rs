@@ -293,7 +293,7 @@ struct Serve {
     #[arg(long)]
     prefault_pool: bool,
     /// Bytes a large copy of the unit (a GET's WRITE over shm) runs between offers of its
-    /// core to other threads, at least 64 KiB (default 1MiB): shorter lets another session's
+    /// core to other threads, at least 64 KiB (default 1 MiB): shorter lets another session's
     /// small request in sooner, at a small cost to the copy.
     #[arg(long, value_parser = parse_size)]
     copy_slice: Option<u64>,

@@ -124,7 +124,7 @@ pub struct ServerConfig {
     /// ([`Agent::set_copy_slice`](tessera_transport::Agent::set_copy_slice)). 1 MiB
     /// ([`ServerConfig::COPY_SLICE_DEFAULT`]), a quarter of the transport's default: a worker
     /// woken on the copy's core with another session's small request is let in four times as
-    /// often, for about 3 % of a lone 256 MiB GET's speed (BENCHMARKS.md).
+    /// often, for about 2 % of a lone 256 MiB GET's speed (BENCHMARKS.md).
     #[serde(with = "crate::units::size")]
     pub copy_slice_bytes: u64,
     /// The protocol core's settings.
