@@ -30,19 +30,23 @@ const S: u64 = 1;
 impl Harness {
     fn new(cfg: UnitConfig) -> Self {
         let mem = VecMem::new(1 << 24);
-        let mut unit = Unit::new(cfg, mem);
-        unit.open_session(S);
-        let now = Instant::now();
-        let out = handshake::open(&mut unit, now, S, 0, vec![], None);
-        assert!(matches!(out[..], [Output::Accept { .. }]));
-        unit.session_ready(S, "client");
-        Self {
-            unit,
-            now,
+        let mut h = Self {
+            unit: Unit::new(cfg, mem),
+            now: Instant::now(),
             next: 1,
             pull: false,
             credits: Vec::new(),
-        }
+        };
+        h.connect(S, "client");
+        h
+    }
+
+    /// Opens `session`, through its handshake, and connects it to the agent `peer`.
+    fn connect(&mut self, session: u64, peer: &str) {
+        self.unit.open_session(session);
+        let out = handshake::open(&mut self.unit, self.now, session, 0, vec![], None);
+        assert!(matches!(out[..], [Output::Accept { .. }]));
+        self.unit.session_ready(session, peer);
     }
 
     /// A unit whose backend pulls PUT payloads.
@@ -1787,12 +1791,6 @@ fn credits_are_split_evenly_once_the_limit_binds() {
             Tensor::from_slice(&[1000], &[1u8; 1000]).unwrap(),
         )],
     );
-    let connect = |h: &mut Harness, id: u64| {
-        h.unit.open_session(id);
-        let out = handshake::open(&mut h.unit, h.now, id, 0, vec![], None);
-        assert!(matches!(out[..], [Output::Accept { .. }]));
-        h.unit.session_ready(id, &format!("client-{id}"));
-    };
     // Others connected, then the credits and the size of each: a split of the limit of less
     // than one credit gives one credit of the split (from 64 KiB, rounded down to 64 KiB).
     for (others, share, size) in [
@@ -1806,7 +1804,7 @@ fn credits_are_split_evenly_once_the_limit_binds() {
     ] {
         let mut h = Harness::new(cfg.clone());
         for id in 0..others {
-            connect(&mut h, 100 + id);
+            h.connect(100 + id, &format!("client-{id}"));
         }
         // Past its Hello only: not counted.
         h.unit.open_session(99);
@@ -1823,7 +1821,7 @@ fn credits_are_split_evenly_once_the_limit_binds() {
     assert_eq!(h.put("p", &[1], &["f"], &value), Response::Done);
     assert_eq!(h.credits.len(), 4);
     for id in 0..3 {
-        connect(&mut h, 100 + id);
+        h.connect(100 + id, &format!("client-{id}"));
     }
     assert_eq!(h.put("p", &[2], &["f"], &value), Response::Done);
     assert_eq!(h.credits.len(), 3, "kept, not topped up past its share");
