@@ -173,6 +173,7 @@ impl Decoder {
             specs: table.frames(),
             limits: &self.limits,
             nodes: 0,
+            runs: table.runs(),
             places: Vec::new(),
         };
         let out = st.node(1, path)?;
@@ -500,6 +501,8 @@ struct State<'a, 'f> {
     specs: &'f [FrameSpec],
     limits: &'f Limits,
     nodes: u64,
+    /// The header allows tensor list runs (`FLAG_RUNS`).
+    runs: bool,
     /// Where each payload lies in the buffer, in the order the value's payloads are met,
     /// while no buffer is bound.
     places: Vec<Place>,
@@ -508,8 +511,24 @@ struct State<'a, 'f> {
 /// A payload's range in the buffer (`None`: it has no bytes).
 type Place = Option<(usize, usize)>;
 
+/// What a tensor node says of its tensor besides its payload.
+#[derive(Clone)]
+struct TensorHead {
+    dtype: DType,
+    shape: Dims,
+    strides: Option<Dims>,
+}
+
+/// Where the payloads of a tensor list run lie: frames `frame ..` one each, or `packed` as
+/// `(offset, len, stride)` in `frame`.
+struct RunRef {
+    frame: u64,
+    packed: Option<(u64, u64, u64)>,
+    count: u64,
+}
+
 /// How many items a node array of each tag has, the tag included.
-const ARITY: [u64; 10] = [1, 2, 2, 2, 2, 2, 2, 2, 2, 5];
+const ARITY: [u64; 11] = [1, 2, 2, 2, 2, 2, 2, 2, 2, 5, 5];
 
 impl State<'_, '_> {
     fn count(&mut self, extra: u64) -> Result<(), DecodeError> {
@@ -559,6 +578,9 @@ impl State<'_, '_> {
         }
         let t = self.rd.uint()?;
         let arity = match ARITY.get(t as usize) {
+            Some(_) if t == u64::from(tag::TENSORS) && !self.runs => {
+                return Err(DecodeError::UnknownTag { tag: t, node })
+            }
             Some(&a) if t < ARITY.len() as u64 => a,
             _ => return Err(DecodeError::UnknownTag { tag: t, node }),
         };
@@ -604,6 +626,18 @@ impl State<'_, '_> {
                     _ => Ok(None),
                 }
             }
+            (tag::TENSORS, Some((PathSeg::Index(i), rest))) => {
+                let (head, run) = self.tensors_head(node)?;
+                if *i >= run.count {
+                    return Ok(None);
+                }
+                self.count(1)?;
+                let item = self.run_item(node, &head, &run, *i)?;
+                match rest.is_empty() {
+                    true => Ok(Some(Value::Tensor(item))),
+                    false => Ok(tensor_pointer(&item, rest)),
+                }
+            }
             _ => {
                 for _ in 1..arity {
                     self.rd.skip(0, self.skip_limit())?;
@@ -646,11 +680,107 @@ impl State<'_, '_> {
                 }
                 Value::Map(entries)
             }
+            tag::TENSORS => {
+                let (head, run) = self.tensors_head(node)?;
+                // Counted as the tensors a list node would hold, and refused past the limits
+                // before anything is reserved for them.
+                self.check_len(run.count)?;
+                self.count(run.count)?;
+                let mut items = Vec::with_capacity(run.count as usize);
+                for i in 0..run.count {
+                    items.push(Value::Tensor(self.run_item(node, &head, &run, i)?));
+                }
+                Value::List(items)
+            }
             _ => Value::Tensor(self.tensor(node)?),
         })
     }
 
+    /// The items of a tensor list node (tag 10) after its tag: what its tensors share, and
+    /// where their payloads lie, checked to lie inside the frames before any is built.
+    fn tensors_head(&mut self, node: u64) -> Result<(TensorHead, RunRef), DecodeError> {
+        let head = self.tensor_head(node)?;
+        let n = self.rd.array()?;
+        let (frame, packed) = match n {
+            2 => (self.rd.uint()?, None),
+            5 => {
+                let frame = self.rd.uint()?;
+                let (offset, len, stride) = (self.rd.uint()?, self.rd.uint()?, self.rd.uint()?);
+                (frame, Some((offset, len, stride)))
+            }
+            _ => {
+                return Err(self
+                    .rd
+                    .malformed(format!("tensor list run has {n} items, 2 or 5 expected")))
+            }
+        };
+        let count = self.rd.uint()?;
+        if count == 0 {
+            return Err(self.rd.malformed("tensor list run of no tensors"));
+        }
+        let frames = self.frames.count() as u64;
+        let run = RunRef {
+            frame,
+            packed,
+            count,
+        };
+        let fits = match packed {
+            // One frame each: all of them in the table.
+            None => frame.checked_add(count).is_some_and(|end| end <= frames),
+            // Every item inside the frame, none overlapping the next (so their count is
+            // bounded by the frame's bytes).
+            Some((offset, len, stride)) => {
+                let frame_len = usize::try_from(frame)
+                    .ok()
+                    .and_then(|f| self.frames.frame(f))
+                    .map(|(_, _, l)| l as u64);
+                let end = (count - 1)
+                    .checked_mul(stride)
+                    .and_then(|d| d.checked_add(offset))
+                    .and_then(|d| d.checked_add(len));
+                len > 0
+                    && stride >= len
+                    && matches!((end, frame_len), (Some(end), Some(fl)) if end <= fl)
+            }
+        };
+        if !fits {
+            return Err(self.rd.malformed(format!(
+                "tensor list run of {count} from frame {frame} does not lie inside the frames"
+            )));
+        }
+        Ok((head, run))
+    }
+
+    /// Tensor `i` of a tensor list run.
+    fn run_item(
+        &mut self,
+        node: u64,
+        head: &TensorHead,
+        run: &RunRef,
+        i: u64,
+    ) -> Result<Tensor, DecodeError> {
+        let r = match run.packed {
+            None => {
+                let frame = run.frame + i;
+                let len = usize::try_from(frame)
+                    .ok()
+                    .and_then(|f| self.frames.frame(f))
+                    .map_or(0, |(_, _, l)| l as u64);
+                (frame, 0, len)
+            }
+            Some((offset, len, stride)) => (run.frame, offset + i * stride, len),
+        };
+        self.tensor_of(node, head.clone(), Some(r))
+    }
+
     fn tensor(&mut self, node: u64) -> Result<Tensor, DecodeError> {
+        let head = self.tensor_head(node)?;
+        let r = self.reference()?;
+        self.tensor_of(node, head, r)
+    }
+
+    /// A tensor node's dtype, shape and strides.
+    fn tensor_head(&mut self, node: u64) -> Result<TensorHead, DecodeError> {
         let code = self.rd.uint()?;
         let Some(dtype) = u8::try_from(code).ok().and_then(DType::from_code) else {
             return Err(DecodeError::UnknownDType { code, node });
@@ -661,7 +791,25 @@ impl State<'_, '_> {
         } else {
             Some(self.dims(node)?)
         };
-        let r = self.reference()?;
+        Ok(TensorHead {
+            dtype,
+            shape,
+            strides,
+        })
+    }
+
+    /// The tensor of `head` over the payload `r` points at.
+    fn tensor_of(
+        &mut self,
+        node: u64,
+        head: TensorHead,
+        r: Option<(u64, u64, u64)>,
+    ) -> Result<Tensor, DecodeError> {
+        let TensorHead {
+            dtype,
+            shape,
+            strides,
+        } = head;
         let len = r.map_or(0, |(_, _, len)| len);
         let data = self.payload(node, r, dtype.align() as u64)?;
         // A broadcast tensor's logical size may exceed its payload: bound it like the payloads,
@@ -900,7 +1048,7 @@ mod tests {
     /// Hand-written meta frames, to reach errors the encoder never produces.
     fn meta_with(frames: &[FrameSpec], body: &[u8]) -> Vec<u8> {
         let mut out = Vec::new();
-        crate::wire::write_header(&mut out, frames);
+        crate::wire::write_header(&mut out, frames, false);
         out.extend_from_slice(body);
         out
     }

@@ -244,6 +244,14 @@ pub enum DecodeError {
         /// The unknown flag bits.
         flags: u16,
     },
+    /// A frame table written as runs ([`crate::FLAG_RUNS`]) that does not add up: an entry
+    /// repeated zero times, more entries than frames, or runs that hold another number of
+    /// frames than the header says.
+    #[error("frame table runs: {reason}")]
+    FrameRuns {
+        /// What does not add up.
+        reason: String,
+    },
     /// A reserved field is not zero.
     #[error("reserved field at byte {offset} of the meta frame is not zero")]
     Reserved {

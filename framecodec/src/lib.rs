@@ -12,12 +12,12 @@ mod wire;
 
 pub use decode::{decode, decode_contiguous, Decoder, Limits, Unbound};
 pub use dtype::DType;
-pub use encode::{encode, Encoder, DEFAULT_PACK_BELOW};
+pub use encode::{encode, Encoder, DEFAULT_PACK_BELOW, MIN_RUN};
 pub use error::{DecodeError, EncodeError, LayoutError, TensorError, ViewError};
 pub use tensor::{Dims, Element, Tensor};
 pub use value::{PathSeg, Value};
 pub use wire::{
-    layout, FrameList, FrameSpec, FrameTable, Frames, RecvLayout, DEFAULT_ALIGN, MAGIC,
+    layout, FrameList, FrameSpec, FrameTable, Frames, RecvLayout, DEFAULT_ALIGN, FLAG_RUNS, MAGIC,
     MAX_FRAME_ALIGN, VERSION,
 };
 

@@ -15,6 +15,9 @@ pub const VERSION: u16 = 1;
 pub const DEFAULT_ALIGN: u64 = 64;
 /// The largest alignment a frame table entry may carry.
 pub const MAX_FRAME_ALIGN: u64 = 4096;
+/// Header flag: the frame table is written as runs of equal frames, and the body may hold
+/// tensor lists (tag 10). See `WIRE.md`.
+pub const FLAG_RUNS: u16 = 1;
 
 pub(crate) const HEADER_LEN: usize = 16;
 pub(crate) const ENTRY_LEN: usize = 16;
@@ -66,6 +69,7 @@ pub struct FrameSpec {
 pub struct FrameTable {
     frames: Vec<FrameSpec>,
     total: u64,
+    runs: bool,
     pub(crate) body_start: usize,
 }
 
@@ -98,11 +102,15 @@ impl FrameTable {
             });
         }
         let flags = u16::from_le_bytes([header[6], header[7]]);
-        if flags != 0 {
-            return Err(DecodeError::UnknownFlags { flags });
+        if flags & !FLAG_RUNS != 0 {
+            return Err(DecodeError::UnknownFlags {
+                flags: flags & !FLAG_RUNS,
+            });
         }
+        let runs = flags & FLAG_RUNS != 0;
         let count = u32::from_le_bytes([header[8], header[9], header[10], header[11]]);
-        if header[12..16] != [0; 4] {
+        let entries = u32::from_le_bytes([header[12], header[13], header[14], header[15]]);
+        if !runs && entries != 0 {
             return Err(DecodeError::Reserved { offset: 12 });
         }
         if count > limits.max_frames {
@@ -111,7 +119,14 @@ impl FrameTable {
                 limit: limits.max_frames,
             });
         }
-        let needed = HEADER_LEN as u64 + ENTRY_LEN as u64 * u64::from(count);
+        // Without runs, one entry per frame.
+        let entries = if runs { entries } else { count };
+        if entries > count {
+            return Err(DecodeError::FrameRuns {
+                reason: format!("{entries} table entries for {count} frames"),
+            });
+        }
+        let needed = HEADER_LEN as u64 + ENTRY_LEN as u64 * u64::from(entries);
         if needed > available {
             return Err(DecodeError::Truncated { needed, available });
         }
@@ -125,31 +140,64 @@ impl FrameTable {
             let align = u64::from(u32::from_le_bytes(
                 entry[8..12].try_into().unwrap_or_default(),
             ));
-            if entry[12..16] != [0; 4] {
-                return Err(DecodeError::Reserved {
-                    offset: (HEADER_LEN + i * ENTRY_LEN + 12) as u64,
+            let repeat = u32::from_le_bytes(entry[12..16].try_into().unwrap_or_default());
+            let repeat = match (runs, repeat) {
+                (false, 0) => 1,
+                (false, _) => {
+                    return Err(DecodeError::Reserved {
+                        offset: (HEADER_LEN + i * ENTRY_LEN + 12) as u64,
+                    })
+                }
+                (true, 0) => {
+                    return Err(DecodeError::FrameRuns {
+                        reason: format!("table entry {i} repeats its frame 0 times"),
+                    })
+                }
+                (true, r) => r,
+            };
+            // The repeats are checked against the header's count before they are allocated.
+            if frames.len() as u64 + u64::from(repeat) > u64::from(count) {
+                return Err(DecodeError::FrameRuns {
+                    reason: format!("the table's runs hold more than the {count} frames"),
                 });
             }
             if !align.is_power_of_two() || align > MAX_FRAME_ALIGN {
                 return Err(DecodeError::FrameAlign {
-                    frame: i as u64,
+                    frame: frames.len() as u64,
                     align,
                 });
             }
-            total = total.saturating_add(len);
+            total = total.saturating_add(len.saturating_mul(repeat.into()));
             if total > limits.max_total_bytes {
                 return Err(DecodeError::TooLarge {
                     bytes: total,
                     limit: limits.max_total_bytes,
                 });
             }
-            frames.push(FrameSpec { len, align });
+            frames.extend(std::iter::repeat_n(
+                FrameSpec { len, align },
+                repeat as usize,
+            ));
+        }
+        if frames.len() != count as usize {
+            return Err(DecodeError::FrameRuns {
+                reason: format!(
+                    "the table's runs hold {} frames, the header says {count}",
+                    frames.len()
+                ),
+            });
         }
         Ok(Self {
             frames,
             total,
+            runs,
             body_start: needed as usize,
         })
+    }
+
+    /// Whether the header says [`FLAG_RUNS`]: the body may hold tensor list runs.
+    pub fn runs(&self) -> bool {
+        self.runs
     }
 
     /// The payload frames, in order.
@@ -294,18 +342,43 @@ fn recv_layout(
     })
 }
 
-/// Writes the header and table for `frames` (length, alignment) into a fresh meta buffer.
-pub(crate) fn write_header(out: &mut Vec<u8>, frames: &[FrameSpec]) {
+/// Writes the header and table for `frames` (length, alignment) into a fresh meta buffer:
+/// one entry per frame, or with `runs` ([`FLAG_RUNS`]) one per run of equal frames.
+pub(crate) fn write_header(out: &mut Vec<u8>, frames: &[FrameSpec], runs: bool) {
     out.extend_from_slice(&MAGIC);
     out.extend_from_slice(&VERSION.to_le_bytes());
-    out.extend_from_slice(&0u16.to_le_bytes());
-    out.extend_from_slice(&(frames.len() as u32).to_le_bytes());
-    out.extend_from_slice(&[0; 4]);
-    for f in frames {
-        out.extend_from_slice(&f.len.to_le_bytes());
-        out.extend_from_slice(&(f.align as u32).to_le_bytes());
+    if !runs {
+        out.extend_from_slice(&0u16.to_le_bytes());
+        out.extend_from_slice(&(frames.len() as u32).to_le_bytes());
         out.extend_from_slice(&[0; 4]);
+        for f in frames {
+            entry(out, f, 0);
+        }
+        return;
     }
+    out.extend_from_slice(&FLAG_RUNS.to_le_bytes());
+    out.extend_from_slice(&(frames.len() as u32).to_le_bytes());
+    let entries_at = out.len();
+    out.extend_from_slice(&[0; 4]);
+    let mut entries = 0u32;
+    for run in frames.chunk_by(|a, b| a == b) {
+        entry(out, &run[0], run.len() as u32);
+        entries += 1;
+    }
+    out[entries_at..entries_at + 4].copy_from_slice(&entries.to_le_bytes());
+}
+
+/// Whether the frame table written as runs would hold a run of at least `min` equal frames.
+pub(crate) fn has_run(frames: &[FrameSpec], min: usize) -> bool {
+    frames.chunk_by(|a, b| a == b).any(|run| run.len() >= min)
+}
+
+/// One table entry: the frame's length and alignment, and how many times it repeats (0 in
+/// a table without runs).
+fn entry(out: &mut Vec<u8>, f: &FrameSpec, repeat: u32) {
+    out.extend_from_slice(&f.len.to_le_bytes());
+    out.extend_from_slice(&(f.align as u32).to_le_bytes());
+    out.extend_from_slice(&repeat.to_le_bytes());
 }
 
 #[cfg(test)]
@@ -315,7 +388,7 @@ mod tests {
 
     fn meta(frames: &[FrameSpec]) -> Vec<u8> {
         let mut out = Vec::new();
-        write_header(&mut out, frames);
+        write_header(&mut out, frames, false);
         out
     }
 

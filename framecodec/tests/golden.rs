@@ -87,7 +87,29 @@ fn vectors() -> Vec<(&'static str, Encoder, Value)> {
                 .into(),
         ),
     ]);
+    // Runs: four 16-byte tensors in frames of their own, five 2-byte ones packed at a stride
+    // of 2 after a 1-byte string.
+    let runs = Value::map([
+        (
+            "framed",
+            Value::List(
+                (0..4u8)
+                    .map(|i| Tensor::from_slice(&[2, 2], &[i as f32; 4]).unwrap().into())
+                    .collect(),
+            ),
+        ),
+        ("s", Value::Bytes(Bytes::from_static(b"!"))),
+        (
+            "packed",
+            Value::List(
+                (0..5u16)
+                    .map(|i| Tensor::from_slice(&[1], &[i]).unwrap().into())
+                    .collect(),
+            ),
+        ),
+    ]);
     vec![
+        ("runs", Encoder::new().pack_below(16), runs),
         ("scalars", Encoder::new(), scalars),
         ("widths", Encoder::new().pack_below(0), widths),
         ("all_dtypes", Encoder::new(), all_dtypes),

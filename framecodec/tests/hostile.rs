@@ -179,6 +179,10 @@ proptest! {
         pack_below in prop_oneof![Just(0usize), Just(4096)],
         mutations in proptest::collection::vec(mutation(), 1..4),
     ) {
+        // With lists of same-shaped tensors beside it, framed and packed: runs to mutate.
+        let framed = Value::List(vec![Value::Tensor(common::sized(16, 1)); 5]);
+        let packed = Value::List(vec![Value::Tensor(common::sized(3, 2)); 6]);
+        let v = Value::List(vec![framed, v, packed]);
         let frames = Encoder::new().pack_below(pack_below).encode(&v).unwrap();
         let buf = common::contiguous(&frames, 64);
         let mut meta = frames.meta.to_vec();

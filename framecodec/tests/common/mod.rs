@@ -118,3 +118,8 @@ pub(crate) fn meta(frames: &[(u64, u32)], body: &[u8]) -> Vec<u8> {
     m.extend_from_slice(body);
     m
 }
+
+/// A u8 tensor of shape `[n]` filled with `fill`.
+pub(crate) fn sized(n: usize, fill: u8) -> Tensor {
+    Tensor::new(DType::U8, &[n as u64], Bytes::from(vec![fill; n])).unwrap()
+}
