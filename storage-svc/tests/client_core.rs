@@ -326,10 +326,11 @@ fn a_pulled_put_is_answered_after_the_units_read() {
 #[test]
 fn a_meta_sent_ahead_is_decoded_while_the_values_land() {
     let mut p = Pair::new(false);
-    // Values of 4 KiB each travel as frames of their own: an entry of the meta each.
+    // Values of 4 KiB and more travel as frames of their own, each of another length: an
+    // entry of the meta each (equal ones would be one run of the table).
     let n = 800u64;
     let idx: Vec<u64> = (0..n).collect();
-    let vals: Vec<Value> = (0..n).map(|i| bytes(i, 4096)).collect();
+    let vals: Vec<Value> = (0..n).map(|i| bytes(i, 4096 + i as usize)).collect();
     p.put(&idx, &Value::List(vec![Value::List(vals)])).unwrap();
     let offer = |p: &mut Pair| {
         p.block = vec![0xee; 4 << 20];
@@ -411,10 +412,11 @@ fn credited_puts_and_offered_gets_take_one_round_trip() {
     assert_eq!(credits.len(), 2, "the session's credits");
     // The second goes into a credit: the request and the WRITE together, then the answer.
     let frames = encode(&v(2)).unwrap();
-    assert!(PutOp::fits(&frames, ALIGN, credits[0].block.len));
+    let layout = frames.layout(ALIGN).unwrap();
+    assert!(layout.size <= credits[0].block.len);
     let credit = credits.remove(0);
     let (mut op, step) =
-        PutOp::credited(0, "p", vec![2], vec!["x".into()], &frames, ALIGN, &credit);
+        PutOp::credited(0, "p", vec![2], vec!["x".into()], &frames, layout, &credit);
     let PutStep::SendWrite { req, descs } = step else {
         panic!("{step:?}")
     };
@@ -431,8 +433,9 @@ fn credited_puts_and_offered_gets_take_one_round_trip() {
     // A failed WRITE into a credit: the PUT fails with it, and nothing is stored.
     let frames = encode(&v(3)).unwrap();
     let credit = credits.remove(0);
+    let layout = frames.layout(ALIGN).unwrap();
     let (mut op, step) =
-        PutOp::credited(0, "p", vec![3], vec!["x".into()], &frames, ALIGN, &credit);
+        PutOp::credited(0, "p", vec![3], vec!["x".into()], &frames, layout, &credit);
     let PutStep::SendWrite { .. } = step else {
         panic!("{step:?}")
     };

@@ -1647,8 +1647,18 @@ fn a_credited_put_binds_the_meta_decoded_ahead_for_it_alone() {
         other => panic!("{other:?}"),
     };
     assert_eq!(h.put("p", &[0], &["f"], &zeros(4)), Response::Done);
-    let (decoder, align) = h.unit.meta_decoder();
+    let (decoder, align) = h.unit.meta_decoder(UnitConfig::default().credit_bytes);
     let meta = |n: usize| encode(&zeros(n)).unwrap().meta;
+    // A meta whose payload passes the credit's bytes is refused before its values are built.
+    let (small, _) = h.unit.meta_decoder(64);
+    assert!(matches!(
+        small.decode_unbound(&meta(17), align),
+        Err(tessera_framecodec::DecodeError::TooLarge {
+            bytes: 68,
+            limit: 64
+        })
+    ));
+    assert!(small.decode_unbound(&meta(16), align).is_ok());
     let credited = |h: &mut Harness, i: u64, n: usize, ahead: Option<(u64, usize)>| {
         let credit = h.credits.pop().expect("a credit");
         if let Some((id, m)) = ahead {
@@ -1837,10 +1847,14 @@ fn a_large_meta_goes_ahead_of_the_write_into_an_offered_block() {
         inline_max: 1024,
         ..UnitConfig::default()
     });
-    // Tensors of 4 KiB each travel as frames of their own: a meta entry each.
+    // Tensors of 4 KiB and more travel as frames of their own, each of another shape: a meta
+    // entry each (same-shaped ones would be one run, a few bytes of meta).
     let n = 300u64;
     let vals: Vec<Value> = (0..n)
-        .map(|i| Value::Tensor(Tensor::from_slice(&[4096], &vec![i as u8; 4096]).unwrap()))
+        .map(|i| {
+            let len = 4096 + i as usize;
+            Value::Tensor(Tensor::from_slice(&[len as u64], &vec![i as u8; len]).unwrap())
+        })
         .collect();
     let indexes: Vec<u64> = (0..n).collect();
     assert_eq!(

@@ -15,13 +15,11 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::ClientConfig;
 use crate::busy_poll::{self, BusyPoll, Waiting};
-use crate::core::client::PutOp;
 use crate::error::{ClientError, ErrorKind};
 use crate::outbox::{Direct, OutState};
 use crate::plane::BackendExt;
 use crate::proto::{self, Credit, Request, Response};
 use crate::ring::Ring;
-use tessera_framecodec::Frames;
 
 #[derive(Default)]
 struct Pending {
@@ -319,14 +317,12 @@ impl Conn {
         self.shapes.lock().laid_out(key, size);
     }
 
-    /// Takes a credit whose block holds `frames` laid out with the unit's alignment, if the
-    /// session has one: the oldest, whose standing exposure the client's engine has most
-    /// likely read by now (then its WRITE needs no grant).
-    pub(super) fn take_credit(&self, frames: &Frames) -> Option<Credit> {
+    /// Takes a credit whose block holds `size` bytes (frames laid out with the unit's
+    /// alignment), if the session has one: the oldest, whose standing exposure the client's
+    /// engine has most likely read by now (then its WRITE needs no grant).
+    pub(super) fn take_credit(&self, size: u64) -> Option<Credit> {
         let mut credits = self.credits.lock();
-        let at = credits
-            .iter()
-            .position(|c| PutOp::fits(frames, self.align, c.block.len))?;
+        let at = credits.iter().position(|c| c.block.len >= size)?;
         Some(credits.remove(at))
     }
 

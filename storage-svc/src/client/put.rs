@@ -2,7 +2,7 @@
 //! the frames, and feeds it the answers.
 
 use serde_bytes::ByteBuf;
-use tessera_framecodec::Frames;
+use tessera_framecodec::{Frames, RecvLayout};
 use tessera_sync::Arc;
 use tessera_transport::{LocalDesc, RemoteDesc};
 
@@ -31,12 +31,19 @@ impl Client {
                 .put_pulled(conn, partition, indexes, fields, &frames)
                 .await;
         }
-        if !inline {
-            if let Some(credit) = conn.take_credit(&frames) {
-                return self
-                    .put_credited(conn, partition, indexes, fields, frames, &credit)
-                    .await;
-            }
+        // Laid out once, for the credit it fits and the WRITE into it (a layout that fails
+        // is reported by the prepared PUT below).
+        let credited = match inline {
+            true => None,
+            false => frames
+                .layout(conn.align)
+                .ok()
+                .and_then(|l| Some((conn.take_credit(l.size)?, l))),
+        };
+        if let Some(credited) = credited {
+            return self
+                .put_credited(conn, partition, indexes, fields, frames, credited)
+                .await;
         }
         let (mut op, first) = PutOp::new(
             unit,
@@ -106,9 +113,10 @@ impl Client {
         }
     }
 
-    /// A PUT into one of the session's credits: one `PutCredited` stores the frames WRITEn into
-    /// the credit's block while it travels (over `shm` a plain copy: the block is a standing
-    /// exposure), so the copy overlaps the request's trip and the unit's wake-up.
+    /// A PUT into one of the session's credits, which the frames' `layout` fits: one
+    /// `PutCredited` stores the frames WRITEn into the credit's block while it travels (over
+    /// `shm` a plain copy: the block is a standing exposure), so the copy overlaps the
+    /// request's trip and the unit's wake-up.
     async fn put_credited(
         &self,
         conn: &Conn,
@@ -116,10 +124,10 @@ impl Client {
         indexes: Vec<u64>,
         fields: Vec<String>,
         frames: Frames,
-        credit: &Credit,
+        (credit, layout): (Credit, RecvLayout),
     ) -> Result<(), ClientError> {
         let (mut op, first) = PutOp::credited(
-            conn.unit, partition, indexes, fields, &frames, conn.align, credit,
+            conn.unit, partition, indexes, fields, &frames, layout, &credit,
         );
         let frames = Arc::new(frames);
         let PutStep::SendWrite { req, descs } = first else {

@@ -187,8 +187,8 @@ impl PutOp {
         (op, PutStep::Send(req))
     }
 
-    /// A PUT of `frames` into `credit`, one of the session's credits, whose frames laid out
-    /// with the unit's `align` fit it (see [`PutOp::fits`]). The first step sends the
+    /// A PUT of `frames` into `credit`, one of the session's credits, which `layout` (the
+    /// frames laid out with the unit's alignment) fits. The first step sends the
     /// `PutCredited` and WRITEs the frames into the credit's block meanwhile
     /// ([`PutStep::SendWrite`]): the request's trip and the unit's wake-up overlap the copy.
     #[allow(clippy::too_many_arguments)]
@@ -198,7 +198,7 @@ impl PutOp {
         indexes: Vec<u64>,
         fields: Vec<String>,
         frames: &Frames,
-        align: u64,
+        layout: RecvLayout,
         credit: &Credit,
     ) -> (Self, PutStep) {
         let req = Request::PutCredited {
@@ -211,7 +211,7 @@ impl PutOp {
         };
         let mut op = Self {
             unit,
-            layout: Some(frames.layout(align)),
+            layout: Some(Ok(layout)),
             nonempty: frames.payloads.iter().filter(|f| !f.is_empty()).count(),
             state: PutState::Done,
             credits: Vec::new(),
@@ -225,11 +225,6 @@ impl PutOp {
             Err(e) => PutStep::Done(Err(e)),
         };
         (op, step)
-    }
-
-    /// Whether `frames`, laid out with the unit's `align`, fit in `len` bytes (a credit).
-    pub fn fits(frames: &Frames, align: u64, len: u64) -> bool {
-        frames.layout(align).is_ok_and(|l| l.size <= len)
     }
 
     /// The credits the unit granted with its answer, and its new agent metadata (to add

@@ -219,10 +219,15 @@ impl<M: Memory> Unit<M> {
             .map(|h| (h.landing.clone(), h.len))
     }
 
-    /// The decoder and alignment a credited PUT's meta is decoded with, for the driver to
-    /// decode it off the lock while the PUT's WRITE lands ([`Decoder::decode_unbound`]).
-    pub fn meta_decoder(&self) -> (Decoder, u64) {
-        (self.decoder.clone(), self.cfg.align)
+    /// The decoder and alignment the meta of a credited PUT into a credit of `len` bytes is
+    /// decoded with, for the driver to decode it off the lock while the PUT's WRITE lands
+    /// ([`Decoder::decode_unbound`]). Its payload may add up to the credit's bytes at most: a
+    /// meta that says more is refused before its values are built (a few bytes of meta can
+    /// declare runs of many tensors).
+    pub fn meta_decoder(&self, len: u64) -> (Decoder, u64) {
+        let mut limits = self.decoder.limits().clone();
+        limits.max_total_bytes = limits.max_total_bytes.min(len);
+        (Decoder::with_limits(limits), self.cfg.align)
     }
 
     /// What the driver decoded (with [`Unit::meta_decoder`]) of request `id`'s meta, a
@@ -351,6 +356,11 @@ impl<M: Memory> Unit<M> {
                 (layout.size, ranges)
             }
         };
+        // This request's meta, decoded ahead, was refused (a payload past the credit's bytes
+        // among others): refused as the decoder said.
+        if let Some(Err(e)) = early.map(|e| &e.decoded) {
+            return Err((meta_error(e.clone()), held.landing.ranges_written(&ranges)));
+        }
         if size > held.len {
             let e = err(
                 ErrorKind::TooLarge,

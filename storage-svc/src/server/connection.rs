@@ -790,7 +790,8 @@ async fn credit_grace(
         let Some(landing) = unit.credit_landing(sid, credit) else {
             return;
         };
-        (landing, unit.meta_decoder())
+        let decoder = unit.meta_decoder(landing.1);
+        (landing, decoder)
     };
     let decoded = decoder.decode_unbound(meta, align);
     shared.unit.lock().credit_decoded(sid, credit, id, decoded);
