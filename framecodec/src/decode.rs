@@ -687,8 +687,16 @@ impl State<'_, '_> {
                 self.check_len(run.count)?;
                 self.count(run.count)?;
                 let mut items = Vec::with_capacity(run.count as usize);
-                for i in 0..run.count {
-                    items.push(Value::Tensor(self.run_item(node, &head, &run, i)?));
+                // The first tensor is checked as any; those after it differ from it only in
+                // where their payload lies.
+                let first = self.run_item(node, &head, &run, 0)?;
+                items.push(Value::Tensor(first.clone()));
+                for i in 1..run.count {
+                    let next = match self.run_next(&first, &run, i) {
+                        Some(t) => t,
+                        None => self.run_item(node, &head, &run, i)?,
+                    };
+                    items.push(Value::Tensor(next));
                 }
                 Value::List(items)
             }
@@ -749,6 +757,41 @@ impl State<'_, '_> {
             )));
         }
         Ok((head, run))
+    }
+
+    /// Tensor `i` of a tensor list run whose first tensor `first` was built and checked:
+    /// `None` where `i` needs checks of its own (a strided run, a frame of another length or
+    /// alignment, a stride off the dtype's alignment), for [`State::run_item`] to make.
+    fn run_next(&mut self, first: &Tensor, run: &RunRef, i: u64) -> Option<Tensor> {
+        if first.strides().is_some() {
+            return None;
+        }
+        // Its payload's length (unbound, its data is still empty).
+        let len = crate::tensor::contiguous_bytes(first.dtype(), first.shape())?;
+        let align = first.dtype().align() as u64;
+        let (frame, offset) = match run.packed {
+            // The run's extent was checked against the frame (`tensors_head`).
+            Some((offset, _, stride)) if stride % align == 0 => (run.frame, offset + i * stride),
+            Some(_) => return None,
+            None => {
+                let f = usize::try_from(run.frame + i).ok()?;
+                let spec = self.specs.get(f)?;
+                if spec.len != len || spec.align < align {
+                    return None;
+                }
+                (run.frame + i, 0)
+            }
+        };
+        let (data, start, _) = self.frames.frame(usize::try_from(frame).ok()?)?;
+        let at = start + offset as usize;
+        let data = match data {
+            Some(data) => data.slice(at..at + len as usize),
+            None => {
+                self.places.push(Some((at, len as usize)));
+                Bytes::new()
+            }
+        };
+        Some(first.with_data(data))
     }
 
     /// Tensor `i` of a tensor list run.

@@ -216,7 +216,7 @@ impl Walk<'_> {
         self.enter(1)?;
         lists.iter().try_for_each(|items| {
             self.enter(2)?;
-            self.run_lists += usize::from(uniform_tensors(items));
+            self.runs_of(items);
             items.iter().try_for_each(|v| self.visit(v, 3))
         })
     }
@@ -230,13 +230,34 @@ impl Walk<'_> {
                 self.payload(t.data(), t.dtype().align() as u64)
             }
             Value::List(items) => {
-                self.run_lists += usize::from(uniform_tensors(items));
+                self.runs_of(items);
                 items.iter().try_for_each(|v| self.visit(v, depth + 1))
             }
             Value::Map(entries) => entries
                 .iter()
                 .try_for_each(|(_, v)| self.visit(v, depth + 1)),
             _ => Ok(()),
+        }
+    }
+
+    /// Counts `items` as a list that may be written as a run, and makes room for their
+    /// payloads at once (a batch of a thousand would grow each list ten times).
+    fn runs_of(&mut self, items: &[Value]) {
+        let Some(Value::Tensor(first)) = items.first() else {
+            return;
+        };
+        if !uniform_tensors(items) {
+            return;
+        }
+        self.run_lists += 1;
+        let n = items.len();
+        self.refs.reserve(n);
+        if first.data().len() < self.pack_below {
+            self.small.reserve(n);
+            self.small_layouts.reserve(n);
+        } else {
+            self.frames.reserve(n);
+            self.specs.reserve(n);
         }
     }
 

@@ -116,6 +116,17 @@ impl Tensor {
     }
 
     /// Puts in the payload this tensor was checked against (`from_parts_of_len`).
+    /// The same dtype, shape and strides over `data`, which holds (or, unbound, will hold) as
+    /// many bytes as this tensor's payload: the next tensor of a checked run.
+    pub(crate) fn with_data(&self, data: Bytes) -> Self {
+        Self {
+            dtype: self.dtype,
+            shape: self.shape.clone(),
+            strides: self.strides.clone(),
+            data,
+        }
+    }
+
     pub(crate) fn bind(&mut self, data: Bytes) {
         self.data = data;
     }

@@ -242,9 +242,25 @@ fn lying_runs_are_refused_with_typed_errors() {
             "{run:?}"
         );
     }
-    // Items whose length is not the shape's.
+    // Items whose length is not the shape's: the first, or a later one of the frames.
     let meta = runs_meta(4, &table, &list_node(8, &[0x92, 0, 4]));
     assert!(matches!(check(&meta, &four), DecodeError::Tensor { .. }));
+    let mut uneven = four.clone();
+    uneven[2] = Bytes::from(vec![1u8; 17]);
+    let meta = runs_meta(
+        4,
+        &[(16, 1, 2), (17, 1, 1), (16, 1, 1)],
+        &list_node(16, &[0x92, 0, 4]),
+    );
+    assert!(matches!(check(&meta, &uneven), DecodeError::Tensor { .. }));
+    // u16 items packed at an odd stride: the second is misaligned.
+    let mut body = vec![0x95, 10, 3, 0x91, 1, 0xc0];
+    body.extend_from_slice(&[0x95, 0, 0, 2, 3, 4]);
+    let meta = runs_meta(1, &[(16, 2, 1)], &body);
+    assert!(matches!(
+        check(&meta, &four[..1]),
+        DecodeError::Misaligned { offset: 3, .. }
+    ));
     // Tag 10 without the flag is an unknown tag, as it is to a decoder that predates runs.
     let mut plain = common::meta(&[(16, 1); 4], &[]);
     plain.extend(list_node(16, &[0x92, 0, 4]));
