@@ -15,8 +15,10 @@ use crate::error::{ErrorKind, MemoryError, WireError};
 /// [`Request::PutCredited`]): a PUT that fits one takes one round trip; a GET may offer its
 /// receive block up front ([`Request::GetOffer`], [`Response::Written`]), one round trip too.
 /// Version 6: a GET written into its offered block may have its meta sent ahead of the WRITE
-/// ([`Response::Writing`]), for the client to decode it while the payload lands.
-pub const PROTOCOL_VERSION: u16 = 6;
+/// ([`Response::Writing`]), for the client to decode it while the payload lands. Version 7:
+/// meta frames may hold runs (framecodec's `FLAG_RUNS`), and index lists may travel as runs
+/// of consecutive indexes ([`index_runs`]).
+pub const PROTOCOL_VERSION: u16 = 7;
 
 /// Label of the unit's proof in [`Response::Challenge`].
 pub const UNIT_PROOF: &str = "tessera-storage-unit-v4";
@@ -57,6 +59,7 @@ pub enum Request {
         /// Partition.
         partition: String,
         /// Global indexes, in the order of each field's list.
+        #[serde(with = "index_runs")]
         indexes: Vec<u64>,
         /// Field names.
         fields: Vec<String>,
@@ -79,6 +82,7 @@ pub enum Request {
         /// Partition.
         partition: String,
         /// Global indexes, in the order of each field's list.
+        #[serde(with = "index_runs")]
         indexes: Vec<u64>,
         /// Field names.
         fields: Vec<String>,
@@ -107,6 +111,7 @@ pub enum Request {
         /// Partition.
         partition: String,
         /// Global indexes.
+        #[serde(with = "index_runs")]
         indexes: Vec<u64>,
         /// Field names.
         fields: Vec<String>,
@@ -121,6 +126,7 @@ pub enum Request {
         /// Partition.
         partition: String,
         /// Global indexes.
+        #[serde(with = "index_runs")]
         indexes: Vec<u64>,
         /// Field names.
         fields: Vec<String>,
@@ -139,6 +145,7 @@ pub enum Request {
         /// Partition.
         partition: String,
         /// Global indexes.
+        #[serde(with = "index_runs")]
         indexes: Vec<u64>,
         /// Only these fields; all when `None`.
         fields: Option<Vec<String>>,
@@ -363,6 +370,122 @@ pub fn frame_descs(
         .collect())
 }
 
+/// A request's index list on the wire: a msgpack array of the indexes, or, where the list is
+/// runs of consecutive indexes (a batch's `0..1000`), a `bin` of little-endian `(first,
+/// count)` u64 pairs, one per run: 16 bytes instead of up to 9 per index, encoded and decoded
+/// without a call per index. A list of runs expands to at most [`index_runs::MAX`] indexes
+/// (a longer one travels as an array), so a few bytes cannot ask for more memory than that.
+pub mod index_runs {
+    use serde::de::{self, SeqAccess, Visitor};
+    use serde::{Deserializer, Serialize, Serializer};
+
+    /// The most indexes a list of runs expands to.
+    pub const MAX: u64 = 1 << 20;
+
+    /// Bytes of one run on the wire.
+    const RUN: usize = 16;
+
+    /// The runs of `indexes`, when they are at most an eighth as many as the indexes and add
+    /// up to at most [`MAX`].
+    fn runs(indexes: &[u64]) -> Option<Vec<u8>> {
+        let n = indexes.len();
+        if n < 16 || n as u64 > MAX {
+            return None;
+        }
+        let mut out = Vec::with_capacity(RUN * 4);
+        let (mut first, mut count) = (indexes[0], 1u64);
+        for &i in &indexes[1..] {
+            if first.checked_add(count) == Some(i) {
+                count += 1;
+                continue;
+            }
+            if out.len() / RUN + 1 > n / 8 {
+                return None;
+            }
+            out.extend_from_slice(&first.to_le_bytes());
+            out.extend_from_slice(&count.to_le_bytes());
+            (first, count) = (i, 1);
+        }
+        out.extend_from_slice(&first.to_le_bytes());
+        out.extend_from_slice(&count.to_le_bytes());
+        Some(out)
+    }
+
+    /// Writes `indexes` as runs where that is shorter, else as an array.
+    pub fn serialize<S: Serializer>(indexes: &Vec<u64>, s: S) -> Result<S::Ok, S::Error> {
+        match runs(indexes) {
+            Some(bytes) => s.serialize_bytes(&bytes),
+            None => indexes.serialize(s),
+        }
+    }
+
+    /// Reads an array of indexes or a `bin` of runs.
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u64>, D::Error> {
+        d.deserialize_any(Indexes)
+    }
+
+    struct Indexes;
+
+    impl<'de> Visitor<'de> for Indexes {
+        type Value = Vec<u64>;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("an array of indexes or a bin of (first, count) runs")
+        }
+
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<u64>, A::Error> {
+            // Reserved for no more than a few thousand at first: the array's declared length
+            // is the peer's word.
+            let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(4096));
+            while let Some(i) = seq.next_element()? {
+                out.push(i);
+            }
+            Ok(out)
+        }
+
+        fn visit_bytes<E: de::Error>(self, b: &[u8]) -> Result<Vec<u64>, E> {
+            if b.len() % RUN != 0 {
+                return Err(E::custom(format!(
+                    "index runs of {} bytes: 16 per run expected",
+                    b.len()
+                )));
+            }
+            let pair = |c: &[u8]| {
+                let word = |at: usize| {
+                    let mut w = [0u8; 8];
+                    w.copy_from_slice(&c[at..at + 8]);
+                    u64::from_le_bytes(w)
+                };
+                (word(0), word(8))
+            };
+            // Checked in full before anything is reserved for them.
+            let mut total = 0u64;
+            for (first, count) in b.chunks_exact(RUN).map(pair) {
+                if count == 0 || first.checked_add(count - 1).is_none() {
+                    return Err(E::custom(format!(
+                        "index run of {count} from {first} is empty or passes u64::MAX"
+                    )));
+                }
+                total = total.saturating_add(count);
+            }
+            if total > MAX {
+                return Err(E::custom(format!(
+                    "index runs of {total} indexes: at most {MAX} travel as runs"
+                )));
+            }
+            let mut out = Vec::with_capacity(total as usize);
+            for (first, count) in b.chunks_exact(RUN).map(pair) {
+                out.extend(first..=first + (count - 1));
+            }
+            Ok(out)
+        }
+
+        fn visit_byte_buf<E: de::Error>(self, b: Vec<u8>) -> Result<Vec<u64>, E> {
+            self.visit_bytes(&b)
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -398,6 +521,97 @@ mod tests {
         let err = decode_body::<Request>(&buf).unwrap_err();
         assert_eq!(err.0, 3);
         assert!(matches!(err.1, WireError::Version { got: 9 }));
+    }
+
+    fn get_of(indexes: Vec<u64>) -> Request {
+        Request::Get {
+            partition: "p".into(),
+            indexes,
+            fields: vec!["a".into()],
+        }
+    }
+
+    /// Lists of long runs of consecutive indexes travel as 16 bytes a run, others as arrays;
+    /// both come back as they were.
+    #[test]
+    fn index_lists_travel_as_runs_where_shorter() {
+        let batch: Vec<u64> = (1000..2000).collect();
+        let mut two: Vec<u64> = (0..500).collect();
+        two.extend(u64::MAX - 499..=u64::MAX);
+        let scattered: Vec<u64> = (0..1000).map(|i| i * 3).collect();
+        let short: Vec<u64> = (0..15).collect();
+        for (indexes, runs) in [
+            (batch, true),
+            (two, true),
+            (scattered, false),
+            (short, false),
+        ] {
+            let req = get_of(indexes.clone());
+            let buf = encode_frame(1, &req).unwrap();
+            let plain = indexes
+                .iter()
+                .map(|&i| rmp_serde::to_vec(&i).unwrap().len())
+                .sum::<usize>();
+            if runs {
+                assert!(buf.len() < 100, "{} bytes", buf.len());
+            } else {
+                assert!(
+                    buf.len() > plain,
+                    "{} bytes for {plain} of indexes",
+                    buf.len()
+                );
+            }
+            assert_eq!(decode_body::<Request>(&buf[4..]).unwrap(), (1, req));
+        }
+    }
+
+    /// Runs that are empty, pass `u64::MAX`, are cut short or expand past `index_runs::MAX`
+    /// are refused as decode errors, before anything is reserved for them.
+    #[test]
+    fn lying_index_runs_are_refused() {
+        let runs = |pairs: &[(u64, u64)], extra: usize| {
+            let mut b: Vec<u8> = pairs
+                .iter()
+                .flat_map(|(f, c)| f.to_le_bytes().into_iter().chain(c.to_le_bytes()))
+                .collect();
+            b.extend(std::iter::repeat_n(0u8, extra));
+            #[derive(Serialize)]
+            struct Get<'a> {
+                partition: &'a str,
+                indexes: ByteBuf,
+                fields: Vec<String>,
+            }
+            #[derive(Serialize)]
+            enum Body<'a> {
+                Get(Get<'a>),
+            }
+            let env = Envelope {
+                v: PROTOCOL_VERSION,
+                id: 5,
+                body: Body::Get(Get {
+                    partition: "p",
+                    indexes: ByteBuf::from(b),
+                    fields: vec!["a".into()],
+                }),
+            };
+            rmp_serde::to_vec_named(&env).unwrap()
+        };
+        let ok = runs(&[(7, 3)], 0);
+        assert_eq!(
+            decode_body::<Request>(&ok).unwrap(),
+            (5, get_of(vec![7, 8, 9]))
+        );
+        for bad in [
+            runs(&[(7, 0)], 0),
+            runs(&[(u64::MAX, 2)], 0),
+            runs(&[(7, 3)], 5),
+            runs(&[(0, index_runs::MAX), (u64::MAX - 1, 1)], 0),
+            runs(&[(0, u64::MAX / 2), (0, u64::MAX / 2)], 0),
+        ] {
+            let (id, e) = decode_body::<Request>(&bad).unwrap_err();
+            assert_eq!(id, 5);
+            assert!(matches!(e, WireError::Decode(_)), "{e}");
+        }
     }
 
     /// Frames land at the block's offset plus the layout's; empty frames get nothing; a
