@@ -4,7 +4,7 @@
 use anyhow::{ensure, Result};
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
-use tessera_framecodec::{decode, decode_contiguous, encode, DType, Tensor, Value};
+use tessera_framecodec::{decode, decode_contiguous, encode, DType, Encoder, Tensor, Value};
 
 use crate::timing::{best_of, us};
 use crate::Report;
@@ -169,7 +169,29 @@ pub fn run(report: &mut Report) -> Result<()> {
     report.put(
         "codec_1000x4k_meta_bytes",
         f.meta.len() as f64,
-        "meta frame size",
+        "meta frame size (the list of same-shaped tensors is a run: FLAG_RUNS)",
+    );
+    // The same batch written out, one table entry and one node per tensor: what a decoder
+    // that predates runs reads, and what every batch cost before them.
+    let plain = Encoder::new().runs(false);
+    let pf = plain.encode(&v)?;
+    let plain_both = best_of(
+        200,
+        || (),
+        |_| {
+            let f = plain.encode(&v).expect("encodes");
+            decode(&f.meta, &f.payloads).expect("decodes")
+        },
+    );
+    report.put(
+        "codec_1000x4k_plain_us",
+        us(plain_both),
+        "codec_1000x4k_us with Encoder::runs(false), best of 200",
+    );
+    report.put(
+        "codec_1000x4k_plain_meta_bytes",
+        pf.meta.len() as f64,
+        "meta frame size with Encoder::runs(false)",
     );
 
     // 1,000 tensors of 16 bytes: packed into one shared frame.
