@@ -422,19 +422,32 @@ impl<M: Memory> Unit<M> {
         // Reserve the whole block: the stored values are never larger than it, plus scalars;
         // and what each new key costs besides its value (an empty value is not free).
         let overhead = self.cfg.key_overhead_bytes;
-        let replaced = self.store.replaced(partition, indexes, fields, overhead);
         let keys_cost: u64 = fields
             .iter()
             .map(|f| super::store::key_cost(overhead, f))
             .sum::<u64>()
             .saturating_mul(indexes.len() as u64);
-        let new_keys = (indexes.len() as u64 * fields.len() as u64) - replaced.keys;
+        let keys = indexes.len() as u64 * fields.len() as u64;
         let incoming = size + meta_len + keys_cost;
-        let credit = replaced.bytes + replaced.overhead;
         let used = self.store.used() + self.store.overhead();
         let reserved = self.puts.reserved();
-        let need = (used + reserved + incoming).saturating_sub(credit);
-        if need > self.cfg.capacity_bytes {
+        let stored = self.store.keys();
+        let fits = |credit: u64, new_keys: u64| {
+            let need = (used + reserved + incoming).saturating_sub(credit);
+            (
+                need <= self.cfg.capacity_bytes,
+                stored + new_keys <= self.cfg.max_stored_keys,
+            )
+        };
+        // What the keys it replaces free counts only where the PUT would not fit without it:
+        // a look-up of each key, under the unit's lock, saved for the PUTs that need it.
+        if fits(0, keys) == (true, true) {
+            return Ok(incoming);
+        }
+        let replaced = self.store.replaced(partition, indexes, fields, overhead);
+        let new_keys = keys - replaced.keys;
+        let (room, key_room) = fits(replaced.bytes + replaced.overhead, new_keys);
+        if !room {
             return Err(err(
                 ErrorKind::Capacity,
                 format!(
@@ -445,8 +458,7 @@ impl<M: Memory> Unit<M> {
                 ),
             ));
         }
-        let stored = self.store.keys();
-        if stored + new_keys > self.cfg.max_stored_keys {
+        if !key_room {
             return Err(err(
                 ErrorKind::Capacity,
                 format!(
