@@ -229,11 +229,17 @@ async fn session(
     let mut r = tokio::io::BufReader::with_capacity(proto::READ_BUFFER, r);
     let (reply_tx, mut reply_rx) = mpsc::channel::<Reply>(shared.cfg.reply_queue);
     let state = Arc::new(Mutex::new(OutState::new(direct)));
+    let learns = shared
+        .cfg
+        .busy_poll
+        .as_ref()
+        .is_some_and(|p| !p.longest().is_zero());
     // The loop's own handle on the replies, to wait for room in their queue; dropped before
     // the writer is awaited (the writer ends once every handle is gone).
     let gate = Arc::new(Replies {
         tx: reply_tx,
         state: state.clone(),
+        next: NextRequest::new(shared.cfg.busy_poll.clone().filter(|_| learns)),
     });
     let (close_tx, mut close_rx) = watch::channel(false);
     let depth = Arc::new(AtomicU64::new(0));
@@ -265,11 +271,6 @@ async fn session(
     });
     let handshake_deadline = Instant::now() + shared.cfg.handshake_timeout;
     let mut authed = false;
-    let learns = shared
-        .cfg
-        .busy_poll
-        .as_ref()
-        .is_some_and(|p| !p.longest().is_zero());
     // How long the session's client took to send its next request, lately.
     let mut pauses = Ring::<Duration, PAUSES>::default();
     loop {
@@ -314,10 +315,8 @@ async fn session(
         // session's latest pauses took, its next request is expected, and a unit whose
         // poller learns (`BusyPoll::expecting`) polls until then rather than park.
         let idle = (learns && r.buffer().is_empty()).then(Instant::now);
-        if let (Some(since), Some(poll)) = (idle, &shared.cfg.busy_poll) {
-            if let Some(after) = busy_poll::expected_after(&pauses) {
-                poll.expect(since, after);
-            }
+        if let Some(since) = idle {
+            gate.next.expect_from(since);
         }
         let mut prefix = [0u8; proto::LEN_PREFIX];
         let first = async {
@@ -333,7 +332,11 @@ async fn session(
             r = first => r,
         };
         if let Some(since) = idle {
-            pauses.record(since.elapsed());
+            // From the later of the loop's idling and the last answer: a GET's answer leaves
+            // the executor once its WRITE is over, after the loop went idle.
+            let from = gate.next.answered().map_or(since, |a| a.max(since));
+            pauses.record(from.elapsed());
+            gate.next.learned(busy_poll::expected_after(&pauses));
         }
         match read {
             Ok(Ok(_)) => {}
@@ -704,6 +707,70 @@ pub(super) fn send(shared: &Shared, sid: SessionId, id: u64, resp: &Response) {
 pub(super) struct Replies {
     tx: mpsc::Sender<Reply>,
     state: Arc<Mutex<OutState>>,
+    /// When the session's next request is expected, from its last answer.
+    next: NextRequest,
+}
+
+/// When a session's next request is expected, for a unit whose poller learns
+/// ([`BusyPoll::expecting`]): as long after an answer as its client's latest pauses after
+/// answers took (`busy_poll::expected_after`). Expected from each answer as it leaves, since
+/// a GET's answer leaves the executor once its WRITE is over, long after the session's loop
+/// went idle: counted from the loop's idling, the pause after a GET (its WRITE, then the
+/// client's next step) passed the poller's bound, so no request of a client that alternates
+/// GETs and PUTs was polled for, and each one's write woke the unit's core.
+struct NextRequest {
+    poll: Option<BusyPoll>,
+    epoch: Instant,
+    /// Nanoseconds from `epoch` to the last answer; 0 before one.
+    answered: AtomicU64,
+    /// The pause expected after an answer, in nanoseconds; 0 while none is known.
+    after: AtomicU64,
+}
+
+impl NextRequest {
+    fn new(poll: Option<BusyPoll>) -> Self {
+        Self {
+            poll,
+            epoch: Instant::now(),
+            answered: AtomicU64::new(0),
+            after: AtomicU64::new(0),
+        }
+    }
+
+    /// The pause the session's next request is now expected after (`None`: not known).
+    fn learned(&self, after: Option<Duration>) {
+        let ns = after.map_or(0, |d| {
+            u64::try_from(d.as_nanos()).unwrap_or(u64::MAX).max(1)
+        });
+        self.after.store(ns, Ordering::Relaxed);
+    }
+
+    /// Expects the next request within the learned pause from `since`.
+    fn expect_from(&self, since: Instant) {
+        let after = self.after.load(Ordering::Relaxed);
+        if let (Some(poll), true) = (&self.poll, after > 0) {
+            poll.expect(since, Duration::from_nanos(after));
+        }
+    }
+
+    /// An answer left now.
+    fn answer_left(&self) {
+        if self.poll.is_none() {
+            return;
+        }
+        let now = Instant::now();
+        let ns = u64::try_from(now.duration_since(self.epoch).as_nanos()).unwrap_or(u64::MAX);
+        self.answered.store(ns.max(1), Ordering::Relaxed);
+        self.expect_from(now);
+    }
+
+    /// When the last answer left, if one did.
+    fn answered(&self) -> Option<Instant> {
+        match self.answered.load(Ordering::Relaxed) {
+            0 => None,
+            ns => Some(self.epoch + Duration::from_nanos(ns)),
+        }
+    }
 }
 
 /// An answer for the writer task, from byte `from` on (the bytes before went out directly).
@@ -721,6 +788,8 @@ impl Replies {
             return Ok(());
         };
         if from == buf.len() {
+            drop(state);
+            self.next.answer_left();
             return Ok(());
         }
         state.queue();
@@ -915,4 +984,43 @@ pub(super) async fn accept_peer(shared: Arc<Shared>, sid: SessionId, id: u64, md
         .tasks
         .lock()
         .spawn(executor(s, sid, peer, rx, depth).in_current_span());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each answer, whoever sends it, expects the session's next request the learned pause
+    /// later; before a pause is learned, or without a learning poller, nothing is expected,
+    /// and the last answer's time is what the next pause counts from.
+    #[test]
+    fn each_answer_expects_the_next_request_after_the_learned_pause() {
+        let poll =
+            BusyPoll::expecting(Duration::from_micros(50), Duration::from_millis(1)).unwrap();
+        let next = NextRequest::new(Some(poll.clone()));
+        assert!(next.answered().is_none());
+        next.answer_left();
+        assert!(poll.expected().is_none(), "nothing learned yet");
+        let first = next.answered().expect("the answer's time");
+        let pause = Duration::from_micros(200);
+        next.learned(Some(pause));
+        std::thread::sleep(Duration::from_millis(2));
+        let before = Instant::now();
+        next.answer_left();
+        let after = Instant::now();
+        let at = next.answered().unwrap();
+        assert!(at > first && before <= at && at <= after);
+        let expected = poll.expected().expect("the next request expected");
+        assert!(before + pause <= expected && expected <= after + pause);
+        // Forgotten: a later answer expects nothing more.
+        next.learned(None);
+        std::thread::sleep(Duration::from_millis(2));
+        next.answer_left();
+        assert_eq!(poll.expected(), Some(expected));
+        // A unit that does not poll keeps no times.
+        let unpolled = NextRequest::new(None);
+        unpolled.learned(Some(pause));
+        unpolled.answer_left();
+        assert!(unpolled.answered().is_none());
+    }
 }
