@@ -417,6 +417,17 @@ impl Body<'_> {
         dims.iter().try_for_each(|&d| self.uint(d))
     }
 
+    /// What a tensor node (and a tensor list node, for all its tensors) says besides where
+    /// the payload lies: dtype, shape, and strides (`nil` when contiguous).
+    fn tensor_head(&mut self, t: &Tensor) -> Result<(), EncodeError> {
+        self.uint(u64::from(t.dtype().code()))?;
+        self.dims(t.shape())?;
+        match t.strides() {
+            Some(strides) => self.dims(strides),
+            None => mp::write_nil(self.out).map_err(msgpack),
+        }
+    }
+
     /// The next payload reference: `nil` or `[frame, offset, len]`.
     fn reference(&mut self) -> Result<(), EncodeError> {
         let r = self.refs.get(self.at);
@@ -482,12 +493,7 @@ impl Body<'_> {
             return Err(msgpack("a tensor run without tensors"));
         };
         self.head(5, tag::TENSORS)?;
-        self.uint(u64::from(first.dtype().code()))?;
-        self.dims(first.shape())?;
-        match first.strides() {
-            Some(strides) => self.dims(strides)?,
-            None => mp::write_nil(self.out).map_err(msgpack)?,
-        }
+        self.tensor_head(first)?;
         let count = items.len() as u64;
         match run {
             Run::Frames { first } => {
@@ -569,12 +575,7 @@ impl Body<'_> {
             }
             Value::Tensor(tensor) => {
                 self.head(5, tag::TENSOR)?;
-                self.uint(u64::from(tensor.dtype().code()))?;
-                self.dims(tensor.shape())?;
-                match tensor.strides() {
-                    Some(strides) => self.dims(strides)?,
-                    None => mp::write_nil(self.out).map_err(msgpack)?,
-                }
+                self.tensor_head(tensor)?;
                 self.reference()
             }
         }
