@@ -346,16 +346,20 @@ struct Body<'a> {
 }
 
 /// Whether `items` are at least [`MIN_RUN`] tensors of one dtype, shape and strides, each
-/// with a payload: a list the body may write as one tag-10 node, if their payloads follow
-/// each other.
+/// with a payload of the same length: a list the body may write as one tag-10 node, if their
+/// payloads follow each other. (Strided tensors of one shape may hold payloads of different
+/// lengths, on both sides of the packing threshold: one packed at the start of the shared
+/// frame would pass for a frame of its own.)
 fn uniform_tensors(items: &[Value]) -> bool {
     let Some(Value::Tensor(first)) = items.first() else {
         return false;
     };
-    items.len() >= MIN_RUN
+    let len = first.data().len();
+    len > 0
+        && items.len() >= MIN_RUN
         && items.iter().all(|v| match v {
             Value::Tensor(t) => {
-                !t.data().is_empty()
+                t.data().len() == len
                     && t.dtype() == first.dtype()
                     && t.shape() == first.shape()
                     && t.strides() == first.strides()

@@ -139,6 +139,27 @@ fn only_uniform_lists_of_min_run_become_runs() {
     }
 }
 
+/// Strided tensors of one shape and strides may hold payloads of different lengths: such a
+/// list is written out, even where its payloads would look like a run of whole frames (the
+/// last one packed, at the start of the shared frame that also holds what follows).
+#[test]
+fn strided_tensors_of_other_lengths_are_no_run() {
+    let t = |len: usize, fill: u8| -> Value {
+        Tensor::with_strides(DType::U8, &[2, 2], &[1, 2], Bytes::from(vec![fill; len]))
+            .unwrap()
+            .into()
+    };
+    let v = Value::map([
+        (
+            "l",
+            Value::List(vec![t(4097, 1), t(4097, 2), t(4096, 3), t(4095, 4)]),
+        ),
+        ("z", t(8, 5)),
+    ]);
+    let frames = Encoder::new().encode(&v).unwrap();
+    decodes_everywhere(&frames, &v);
+}
+
 /// Selecting into a run builds the one tensor on the path, and its rows.
 #[test]
 fn selecting_into_a_run_builds_one_tensor() {
