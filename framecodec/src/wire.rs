@@ -75,7 +75,8 @@ pub struct FrameTable {
 
 impl FrameTable {
     /// Reads and checks the header and frame table of `meta` against `limits`. Allocates only
-    /// after the table's length has been checked against the bytes present.
+    /// after the table's length has been checked against the bytes present, and a run's
+    /// frames after its repeat has been checked against the header's frame count.
     pub fn parse(meta: &[u8], limits: &Limits) -> Result<Self, DecodeError> {
         let available = meta.len() as u64;
         if available > limits.max_meta_bytes {
@@ -130,7 +131,10 @@ impl FrameTable {
         if needed > available {
             return Err(DecodeError::Truncated { needed, available });
         }
-        let mut frames = Vec::with_capacity(count as usize);
+        // Reserved for what the entries present can hold: with runs, the entries' repeats are
+        // reserved as they are checked (each within the header's count, itself within
+        // `max_frames`).
+        let mut frames = Vec::with_capacity(entries as usize);
         let mut total = 0u64;
         for (i, entry) in meta[HEADER_LEN..needed as usize]
             .chunks_exact(ENTRY_LEN)
