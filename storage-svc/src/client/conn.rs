@@ -9,6 +9,7 @@ use tessera_sync::atomic::{AtomicU64, Ordering};
 use tessera_sync::{Arc, Mutex};
 
 use serde_bytes::ByteBuf;
+use tessera_framecodec::{Frames, RecvLayout};
 use tessera_transport::{auth, Agent, Peer};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, oneshot};
@@ -317,13 +318,18 @@ impl Conn {
         self.shapes.lock().laid_out(key, size);
     }
 
-    /// Takes a credit whose block holds `size` bytes (frames laid out with the unit's
-    /// alignment), if the session has one: the oldest, whose standing exposure the client's
-    /// engine has most likely read by now (then its WRITE needs no grant).
-    pub(super) fn take_credit(&self, size: u64) -> Option<Credit> {
+    /// Takes a credit whose block holds `frames` laid out with the unit's alignment, if the
+    /// session has one: the oldest, whose standing exposure the client's engine has most
+    /// likely read by now (then its WRITE needs no grant). With it comes the layout, for the
+    /// WRITE's descriptors; the frames are laid out only where the session holds credits.
+    pub(super) fn take_credit(&self, frames: &Frames) -> Option<(Credit, RecvLayout)> {
+        if self.credits.lock().is_empty() {
+            return None;
+        }
+        let layout = frames.layout(self.align).ok()?;
         let mut credits = self.credits.lock();
-        let at = credits.iter().position(|c| c.block.len >= size)?;
-        Some(credits.remove(at))
+        let at = credits.iter().position(|c| c.block.len >= layout.size)?;
+        Some((credits.remove(at), layout))
     }
 
     /// Credits the unit granted with an answer.

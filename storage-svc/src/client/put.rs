@@ -33,13 +33,7 @@ impl Client {
         }
         // Laid out once, for the credit it fits and the WRITE into it (a layout that fails
         // is reported by the prepared PUT below).
-        let credited = match inline {
-            true => None,
-            false => frames
-                .layout(conn.align)
-                .ok()
-                .and_then(|l| Some((conn.take_credit(l.size)?, l))),
-        };
+        let credited = (!inline).then(|| conn.take_credit(&frames)).flatten();
         if let Some(credited) = credited {
             return self
                 .put_credited(conn, partition, indexes, fields, frames, credited)
