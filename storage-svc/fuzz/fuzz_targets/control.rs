@@ -6,58 +6,12 @@
 //! already opened by a proper handshake, so the requests after it are reached too.
 #![no_main]
 
-use std::sync::Arc;
 use std::time::Instant;
 
-use bytes::Bytes;
 use libfuzzer_sys::fuzz_target;
-use tessera_storage::core::{Exposed, Memory, Output, PoolStats, Unit, UnitConfig, Written};
+use tessera_storage::core::{Output, Unit, UnitConfig};
 use tessera_storage::proto::{decode_body, frame_len, Request};
-use tessera_storage::MemoryError;
-use tessera_transport::RemoteDesc;
-
-struct VecMem(bool);
-
-impl Memory for VecMem {
-    type Block = Vec<u8>;
-    fn lease(&mut self, size: u64, _: u64) -> Result<Vec<u8>, MemoryError> {
-        if size > 1 << 20 {
-            return Err(MemoryError::LeaseTooLarge { size });
-        }
-        Ok(vec![0; size as usize])
-    }
-    type Dest = RemoteDesc;
-    fn remote(&self, _: &Vec<u8>, offset: u64, len: u64) -> Result<RemoteDesc, MemoryError> {
-        Ok(RemoteDesc::new(1, offset, len))
-    }
-    fn dest(&self, block: &Vec<u8>, offset: u64, len: u64) -> Result<RemoteDesc, MemoryError> {
-        self.remote(block, offset, len)
-    }
-    fn freeze(&self, block: Vec<u8>, len: u64) -> Bytes {
-        Bytes::from(block).slice(..len as usize)
-    }
-    fn block_len(b: &Vec<u8>) -> u64 {
-        b.len() as u64
-    }
-    fn copy_in(&mut self, data: &[u8], _: u64) -> Result<Bytes, MemoryError> {
-        Ok(Bytes::copy_from_slice(data))
-    }
-    fn expose(&self, _: &Vec<u8>, _: &str, _: &[(u64, u64)]) -> Result<Exposed, MemoryError> {
-        Ok(Arc::new(Landed(self.0)))
-    }
-    fn usage(&self) -> PoolStats {
-        PoolStats::default()
-    }
-}
-
-/// A pushed PUT's frames: written or not, as the input's first byte says.
-struct Landed(bool);
-
-impl Written for Landed {
-    fn is_written(&self) -> bool {
-        self.0
-    }
-}
+use tessera_storage::testing::VecMem;
 
 fuzz_target!(|data: &[u8]| {
     let cfg = UnitConfig {
@@ -65,9 +19,11 @@ fuzz_target!(|data: &[u8]| {
         inline_max: 4096,
         ..UnitConfig::default()
     };
-    // Whether a pushed PUT's WRITE landed before its COMMIT.
-    let landed = data.first().is_some_and(|b| b & 0x20 == 0);
-    let mut unit = Unit::new(cfg, VecMem(landed));
+    // The crate's own test memory (16 MiB); whether a pushed PUT's WRITE landed before its
+    // COMMIT.
+    let mem = VecMem::new(16 << 20);
+    mem.writes_land(data.first().is_some_and(|b| b & 0x20 == 0));
+    let mut unit = Unit::new(cfg, mem);
     // Both ways a PUT's payload can arrive: pushed (READY, COMMIT) or pulled (READ).
     unit.set_pull_puts(data.first().is_some_and(|b| b & 0x80 != 0));
     unit.open_session(1);
