@@ -86,6 +86,9 @@ enum Cmd {
     },
 }
 
+/// Crates of fuzz targets, outside the workspace (`cargo fuzz run <target>` from their parent).
+const FUZZ_CRATES: [&str; 2] = ["framecodec/fuzz", "storage-svc/fuzz"];
+
 /// Crates with loom tests (`--cfg tessera_loom`), run in release in their own target dir.
 const LOOM_CRATES: &[&str] = &[
     "tessera-sync",
@@ -250,6 +253,16 @@ fn test(root: &Path) -> Result<()> {
     let mut doc = cargo(&["doc", "--no-deps", "--locked"]);
     doc.env("RUSTDOCFLAGS", "-D warnings");
     step("cargo doc", doc)?;
+    // The fuzz targets are crates of their own (cargo fuzz builds them on nightly features):
+    // checked here on stable so that they keep up with the APIs they drive.
+    for dir in FUZZ_CRATES {
+        let manifest = root.join(dir).join("Cargo.toml");
+        let mut check = cargo(&["check", "--locked", "--manifest-path"]);
+        check
+            .arg(&manifest)
+            .env("CARGO_TARGET_DIR", root.join("target").join("fuzz-check"));
+        step(&format!("cargo check of the fuzz targets in {dir}"), check)?;
+    }
     deps::install(root).context("installing the backends' dependencies (cargo xtask deps)")?;
     step("cargo test", cargo(&["test", "--locked"]))?;
     let loom_dir = root.join("target-loom");
