@@ -198,7 +198,19 @@ impl BusyPoll {
         &self,
         since: Instant,
         work: Duration,
+        poll: impl FnMut(Duration) -> bool,
+    ) -> bool {
+        self.spin_giving_way(since, work, poll, gave_way)
+    }
+
+    /// [`BusyPoll::spin_for`], offering the core with `give_way` (true: another thread took
+    /// it).
+    fn spin_giving_way(
+        &self,
+        since: Instant,
+        work: Duration,
         mut poll: impl FnMut(Duration) -> bool,
+        mut give_way: impl FnMut() -> bool,
     ) -> bool {
         let start = Instant::now();
         if poll(self.inner.window) {
@@ -215,7 +227,7 @@ impl BusyPoll {
         let deadline = since + self.inner.longest + work.min(SPIN_MOST);
         let runtime = tokio::runtime::Handle::try_current().ok();
         while Instant::now() < deadline {
-            if self.other_work(runtime.as_ref()) || gave_way() {
+            if self.other_work(runtime.as_ref()) || give_way() {
                 return poll(Duration::ZERO);
             }
             if poll(SPIN_ROUND) {
@@ -683,16 +695,18 @@ mod tests {
     }
 
     /// A record that comes after the window is spun for by an expecting poller, up to its
-    /// bound and the work it waits for (in one of a few tries: past the window the spin ends
-    /// when another thread takes its core, and a busy machine's threads may); a plain poller
-    /// spins for the window only, whatever the work.
+    /// bound and the work it waits for; a plain poller spins for the window only, whatever
+    /// the work. The spin's core is never taken here (`kept`): whether it is depends on what
+    /// else the machine runs, and a taken core ends the spin (the test below). The tries
+    /// allow for the thread that sets the flag being late on a busy machine.
     #[test]
     fn what_is_coming_is_spun_for_past_the_window_up_to_the_bound() {
         let window = Duration::from_millis(1);
         let expecting = BusyPoll::expecting(window, Duration::from_secs(2)).unwrap();
         let came = (0..20).any(|_| {
             let (flag, setter) = coming(Duration::from_millis(20));
-            let got = expecting.spin_for(Instant::now(), Duration::ZERO, spin_poll(&flag));
+            let got =
+                expecting.spin_giving_way(Instant::now(), Duration::ZERO, spin_poll(&flag), kept);
             setter.join().unwrap();
             got
         });
@@ -701,7 +715,12 @@ mod tests {
         let plain = BusyPoll::new(window).unwrap();
         let (flag, setter) = coming(Duration::from_millis(500));
         let took = timed(|| {
-            assert!(!plain.spin_for(Instant::now(), Duration::from_secs(2), spin_poll(&flag)))
+            assert!(!plain.spin_giving_way(
+                Instant::now(),
+                Duration::from_secs(2),
+                spin_poll(&flag),
+                kept
+            ))
         });
         setter.join().unwrap();
         assert!(took < Duration::from_millis(400), "{took:?}");
@@ -714,8 +733,14 @@ mod tests {
         // Nothing comes: the spin ends at the bound, not later.
         let bounded = BusyPoll::expecting(window, Duration::from_millis(50)).unwrap();
         let never = AtomicBool::new(false);
-        let took =
-            timed(|| assert!(!bounded.spin_for(Instant::now(), Duration::ZERO, spin_poll(&never))));
+        let took = timed(|| {
+            assert!(!bounded.spin_giving_way(
+                Instant::now(),
+                Duration::ZERO,
+                spin_poll(&never),
+                kept
+            ))
+        });
         assert!(took < Duration::from_secs(1), "{took:?}");
 
         // What takes long to make is spun for past `longest`, up to `longest` plus that work,
@@ -723,16 +748,55 @@ mod tests {
         let short = BusyPoll::expecting(window, Duration::from_millis(5)).unwrap();
         let came = (0..20).any(|_| {
             let (flag, setter) = coming(Duration::from_millis(20));
-            let got = short.spin_for(Instant::now(), Duration::from_millis(40), spin_poll(&flag));
+            let got = short.spin_giving_way(
+                Instant::now(),
+                Duration::from_millis(40),
+                spin_poll(&flag),
+                kept,
+            );
             setter.join().unwrap();
             got
         });
         assert!(came, "never spun past the bound for the work");
         let took = timed(|| {
             let forever = Duration::from_secs(u64::MAX / 2);
-            assert!(!short.spin_for(Instant::now(), forever, spin_poll(&never)));
+            assert!(!short.spin_giving_way(Instant::now(), forever, spin_poll(&never), kept));
         });
         assert!(took < SPIN_MOST * 20, "{took:?}");
+    }
+
+    /// The core is never taken.
+    fn kept() -> bool {
+        false
+    }
+
+    /// Past the window, a spin whose core another thread took ends there, with one last
+    /// look; within the window the core is not offered.
+    #[test]
+    fn a_taken_core_ends_a_spin_past_the_window() {
+        let window = Duration::from_millis(20);
+        let poll = BusyPoll::expecting(window, Duration::from_secs(30)).unwrap();
+        let never = AtomicBool::new(false);
+        let mut looks = Vec::new();
+        let took = timed(|| {
+            let look = |d: Duration| {
+                looks.push(d);
+                spin_poll(&never)(d)
+            };
+            assert!(!poll.spin_giving_way(Instant::now(), Duration::ZERO, look, || true));
+        });
+        assert!(took < Duration::from_secs(5), "{took:?}");
+        assert_eq!(looks, [window, Duration::ZERO]);
+        // What came meanwhile is found by the last look.
+        let came = AtomicBool::new(true);
+        let mut first = true;
+        let look = |d: Duration| {
+            if std::mem::take(&mut first) {
+                return spin_poll(&never)(d);
+            }
+            spin_poll(&came)(d)
+        };
+        assert!(poll.spin_giving_way(Instant::now(), Duration::ZERO, look, || true));
     }
 
     /// Past the window, a request on another watched socket (another session's, which this
