@@ -75,6 +75,14 @@ impl SharedAllocator {
         self.lock().report()
     }
 
+    /// Bytes held by live blocks, and how many blocks: [`SharedAllocator::report`]'s `used`
+    /// and `live_blocks` without its scan for the largest free range, for a caller that
+    /// asks often.
+    pub fn held(&self) -> (u64, u64) {
+        let a = self.lock();
+        (a.capacity() - a.free_bytes(), a.live_blocks())
+    }
+
     /// Size of the managed range.
     pub fn capacity(&self) -> u64 {
         self.lock().capacity()
@@ -187,6 +195,25 @@ mod tests {
         std::thread::spawn(move || drop(lease)).join().unwrap();
         assert_eq!(shared.report().used, 0);
         assert_eq!(shared.report().free_ranges, 1);
+    }
+
+    #[test]
+    fn held_is_the_reports_used_bytes_and_live_blocks() {
+        let shared = SharedAllocator::new(1 << 20);
+        let held = |s: &SharedAllocator| {
+            let r = s.report();
+            assert_eq!(s.held(), (r.used, r.live_blocks));
+            r.used
+        };
+        assert_eq!(held(&shared), 0);
+        let a = shared.lease(1000, 64).unwrap();
+        let mut b = shared.lease(5000, 4096).unwrap();
+        let _empty = shared.lease(0, 8).unwrap();
+        assert_eq!(held(&shared), 6000);
+        b.shrink(100);
+        assert_eq!(held(&shared), 1100);
+        drop(a);
+        assert_eq!(shared.held(), (100, 1));
     }
 
     #[test]

@@ -196,6 +196,11 @@ impl Allocator {
         self.free_bytes
     }
 
+    /// Live non-empty blocks.
+    pub fn live_blocks(&self) -> u64 {
+        self.live_blocks
+    }
+
     /// Grants `size` bytes at an offset that is a multiple of `align` (a power of two).
     ///
     /// The block is exactly `size` bytes: nothing is rounded up, so requests whose sizes add up

@@ -45,6 +45,9 @@ pub(crate) trait Chunk {
     fn populate(&self) -> Result<(), MemoryError>;
     /// Leased bytes, largest free range and live blocks.
     fn usage(&self) -> (u64, u64, u64);
+    /// Leased bytes and live blocks: `usage` without the search for the largest free range,
+    /// for the trim after every request.
+    fn held(&self) -> (u64, u64);
 }
 
 impl ChunkSource for Arc<Agent> {
@@ -75,6 +78,10 @@ impl Chunk for RegisteredPool {
     fn usage(&self) -> (u64, u64, u64) {
         let r = self.report();
         (r.used, r.largest_free, r.live_blocks)
+    }
+
+    fn held(&self) -> (u64, u64) {
+        RegisteredPool::held(self)
     }
 }
 
@@ -187,13 +194,13 @@ impl<S: ChunkSource> ChunkPool<S> {
 
     /// Deregisters entirely free chunks, newest first, while the idle bytes exceed `keep`.
     fn release_free(&mut self, keep: u64) -> u64 {
-        let used: u64 = self.chunks.iter().map(|c| c.usage().0).sum();
+        let used: u64 = self.chunks.iter().map(|c| c.held().0).sum();
         let mut idle = self.registered - used;
         let mut freed = 0;
         let mut i = self.chunks.len();
         while idle > keep && i > 0 {
             i -= 1;
-            let (used, _, live) = self.chunks[i].usage();
+            let (used, live) = self.chunks[i].held();
             if used == 0 && live == 0 {
                 let chunk = self.chunks.remove(i);
                 let bytes = chunk.capacity();

@@ -123,6 +123,11 @@ impl RegisteredPool {
         self.alloc.report()
     }
 
+    /// Bytes held by live blocks and how many blocks ([`SharedAllocator::held`]).
+    pub fn held(&self) -> (u64, u64) {
+        self.alloc.held()
+    }
+
     /// Capacity in bytes.
     pub fn capacity(&self) -> u64 {
         self.reg.len()
