@@ -272,9 +272,16 @@ pub struct Envelope<T> {
     pub body: T,
 }
 
+/// What [`encode_frame`] reserves up front: a 4-byte PUT's request, a GET's answer with
+/// its value inline.
+const SMALL_FRAME: usize = 128;
+
 /// Encodes `body` as a length-prefixed frame.
 pub fn encode_frame<T: Serialize>(id: u64, body: &T) -> Result<Vec<u8>, WireError> {
-    let mut out = vec![0u8; LEN_PREFIX];
+    // Room for a small message from the start: growing from the prefix alone reallocated
+    // three times for each answer.
+    let mut out = Vec::with_capacity(SMALL_FRAME);
+    out.extend_from_slice(&[0u8; LEN_PREFIX]);
     let env = Envelope {
         v: PROTOCOL_VERSION,
         id,
