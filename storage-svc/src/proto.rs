@@ -308,12 +308,22 @@ pub fn frame_len(prefix: [u8; LEN_PREFIX], max: u64) -> Result<usize, WireError>
 /// Decodes one frame body (without its prefix). The id is recovered whenever the envelope
 /// parses that far, so an error can still name the request.
 pub fn decode_body<T: for<'de> Deserialize<'de>>(buf: &[u8]) -> Result<(u64, T), (u64, WireError)> {
-    #[derive(Deserialize)]
-    struct Head {
-        v: u16,
-        id: u64,
+    // Decoded once where it is well formed. Only a frame that does not decode is read again,
+    // loosely, for the id and version its error reports.
+    let full = rmp_serde::from_slice::<Envelope<T>>(buf);
+    if let Ok(env) = &full {
+        if env.v != PROTOCOL_VERSION {
+            return Err((env.id, WireError::Version { got: env.v }));
+        }
     }
-    // Tolerate anything after the head, so a bad body still yields the id.
+    full.map(|env| (env.id, env.body))
+        .map_err(|e| loose_head(buf, e))
+}
+
+/// What a frame whose body did not decode (`e`) reports: its id and version where its head
+/// is readable, the head's own error where it is not.
+fn loose_head(buf: &[u8], e: rmp_serde::decode::Error) -> (u64, WireError) {
+    // Anything after the head is tolerated, so a bad body still yields the id.
     #[derive(Deserialize)]
     struct Loose {
         v: u16,
@@ -321,15 +331,11 @@ pub fn decode_body<T: for<'de> Deserialize<'de>>(buf: &[u8]) -> Result<(u64, T),
         #[allow(dead_code)]
         body: serde::de::IgnoredAny,
     }
-    let head = rmp_serde::from_slice::<Loose>(buf)
-        .map(|l| Head { v: l.v, id: l.id })
-        .map_err(|e| (0, WireError::Decode(e)))?;
-    if head.v != PROTOCOL_VERSION {
-        return Err((head.id, WireError::Version { got: head.v }));
+    match rmp_serde::from_slice::<Loose>(buf) {
+        Err(head) => (0, WireError::Decode(head)),
+        Ok(l) if l.v != PROTOCOL_VERSION => (l.id, WireError::Version { got: l.v }),
+        Ok(l) => (l.id, WireError::Decode(e)),
     }
-    let env: Envelope<T> =
-        rmp_serde::from_slice(buf).map_err(|e| (head.id, WireError::Decode(e)))?;
-    Ok((env.id, env.body))
 }
 
 /// What both proofs of a session's handshake cover, in order: the client's nonce, the unit's
@@ -528,6 +534,25 @@ mod tests {
         let err = decode_body::<Request>(&buf).unwrap_err();
         assert_eq!(err.0, 3);
         assert!(matches!(err.1, WireError::Version { got: 9 }));
+        // A body this version cannot read: the version is what is reported, with the id.
+        let other = |v: u16| Envelope {
+            v,
+            id: 4,
+            body: ("not", "a request"),
+        };
+        let buf = rmp_serde::to_vec(&other(9)).unwrap();
+        let err = decode_body::<Request>(&buf).unwrap_err();
+        assert_eq!(err.0, 4);
+        assert!(matches!(err.1, WireError::Version { got: 9 }));
+        // This version with a bad body: a decode error that still names the request.
+        let buf = rmp_serde::to_vec(&other(PROTOCOL_VERSION)).unwrap();
+        let err = decode_body::<Request>(&buf).unwrap_err();
+        assert_eq!(err.0, 4);
+        assert!(matches!(err.1, WireError::Decode(_)));
+        // No readable head at all.
+        let err = decode_body::<Request>(&[0xc1, 0x00]).unwrap_err();
+        assert_eq!(err.0, 0);
+        assert!(matches!(err.1, WireError::Decode(_)));
     }
 
     fn get_of(indexes: Vec<u64>) -> Request {
