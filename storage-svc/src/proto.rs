@@ -278,8 +278,8 @@ const SMALL_FRAME: usize = 128;
 
 /// Encodes `body` as a length-prefixed frame.
 pub fn encode_frame<T: Serialize>(id: u64, body: &T) -> Result<Vec<u8>, WireError> {
-    // Room for a small message from the start: growing from the prefix alone reallocated
-    // three times for each answer.
+    // Room for a small message from the start: grown from the prefix alone, the buffer was
+    // reallocated several times for each answer.
     let mut out = Vec::with_capacity(SMALL_FRAME);
     out.extend_from_slice(&[0u8; LEN_PREFIX]);
     let env = Envelope {
