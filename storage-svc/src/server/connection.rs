@@ -234,12 +234,16 @@ async fn session(
         .busy_poll
         .as_ref()
         .is_some_and(|p| !p.longest().is_zero());
+    // Shared with the writer task: an answer it writes leaves then.
+    let next = Arc::new(NextRequest::new(
+        shared.cfg.busy_poll.clone().filter(|_| learns),
+    ));
     // The loop's own handle on the replies, to wait for room in their queue; dropped before
     // the writer is awaited (the writer ends once every handle is gone).
     let gate = Arc::new(Replies {
         tx: reply_tx,
         state: state.clone(),
-        next: NextRequest::new(shared.cfg.busy_poll.clone().filter(|_| learns)),
+        next: next.clone(),
     });
     let (close_tx, mut close_rx) = watch::channel(false);
     let depth = Arc::new(AtomicU64::new(0));
@@ -266,6 +270,8 @@ async fn session(
                     break;
                 }
             }
+            drop(state);
+            next.answer_left();
         }
         let _ = w.shutdown().await;
     });
@@ -707,8 +713,9 @@ pub(super) fn send(shared: &Shared, sid: SessionId, id: u64, resp: &Response) {
 pub(super) struct Replies {
     tx: mpsc::Sender<Reply>,
     state: Arc<Mutex<OutState>>,
-    /// When the session's next request is expected, from its last answer.
-    next: NextRequest,
+    /// When the session's next request is expected, from its last answer (shared with the
+    /// session's writer task, which sends the answers queued behind others).
+    next: Arc<NextRequest>,
 }
 
 /// When a session's next request is expected, for a unit whose poller learns
