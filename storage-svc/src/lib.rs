@@ -1,7 +1,8 @@
 #![doc = include_str!("../README.md")]
 #![warn(missing_docs)]
-// Unsafe code only where an item allows it: the epoll calls of `busy_poll`, and in `plane`
-// the views of registered memory, the regions over caller frames and the WRITEs from them.
+// Unsafe code only where an item allows it: the epoll calls of `busy_poll`, the eventfd and
+// ppoll of the client's inbox, and in `plane` the views of registered memory, the regions over
+// caller frames and the WRITEs from them.
 #![deny(unsafe_code)]
 
 #[allow(unsafe_code)] // epoll through libc: the polled sockets' readiness.

@@ -1,17 +1,18 @@
 //! One pipelined control connection to a unit: requests are written from the caller's
 //! thread when nothing is queued ahead of them (else by a writer task, in order), and
-//! answers matched to their waiters by request id by a reader task.
+//! answers matched to their waiters by request id by a reader task, or by a caller waiting on
+//! the socket itself ([`inbox`]).
 
 use std::collections::HashMap;
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
-use tessera_sync::atomic::{AtomicU64, Ordering};
+use tessera_sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use tessera_sync::{Arc, Mutex};
 
 use serde_bytes::ByteBuf;
 use tessera_framecodec::{Frames, RecvLayout};
 use tessera_transport::{auth, Agent, Peer};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, oneshot};
 
 use super::ClientConfig;
@@ -21,6 +22,11 @@ use crate::outbox::{Direct, OutState};
 use crate::plane::BackendExt;
 use crate::proto::{self, Credit, Request, Response};
 use crate::ring::Ring;
+
+#[allow(unsafe_code)] // FFI: the eventfd and ppoll(2) of callers that wait on the socket.
+mod inbox;
+
+use self::inbox::{Answered, Here, Inbox, ReadHalf};
 
 #[derive(Default)]
 struct Pending {
@@ -48,14 +54,52 @@ struct Waiter {
     ahead: Option<oneshot::Sender<ByteBuf>>,
     /// The shape its answer's time is learned under ([`timing_key`]), and when it was sent.
     timed: Option<(u64, Instant)>,
+    /// Its caller waits on the socket ([`Inbox::answer_here`]): whoever else hands it its
+    /// answer wakes it there.
+    here: bool,
 }
 
 type Waiters = Arc<Mutex<Pending>>;
 
+/// How many requests a client has in flight over all its sessions (each [`Answer`] alive
+/// counts one): a caller waits on the socket only for its client's only request.
+#[derive(Default)]
+pub(super) struct InFlight(AtomicUsize);
+
+impl InFlight {
+    fn one(&self) -> Flying<'_> {
+        self.0.fetch_add(1, Ordering::Relaxed);
+        Flying(self)
+    }
+
+    fn alone(&self) -> bool {
+        self.0.load(Ordering::Relaxed) == 1
+    }
+}
+
+/// A request in flight, counted in its client's [`InFlight`] until dropped.
+struct Flying<'a>(&'a InFlight);
+
+impl Drop for Flying<'_> {
+    fn drop(&mut self) {
+        self.0 .0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Where a session's answers arrive, and who waits for them.
+struct Replies {
+    waiters: Waiters,
+    inbox: Arc<Inbox>,
+    flying: Arc<InFlight>,
+    /// Whether a caller on a thread of its own may wait on the socket itself: where the
+    /// client does not busy-poll (its workers poll for the answer instead).
+    here: bool,
+}
+
 pub(super) struct Conn {
     pub(super) unit: usize,
     out: Outbox,
-    waiters: Waiters,
+    replies: Replies,
     next: AtomicU64,
     pub(super) peer: Peer,
     pub(super) inline_max: u64,
@@ -191,6 +235,7 @@ impl Conn {
         addr: &str,
         cfg: &ClientConfig,
         agent: &Arc<Agent>,
+        flying: &Arc<InFlight>,
     ) -> Result<Conn, ClientError> {
         let io = |source| ClientError::Io { unit, source };
         let unreachable = |source| ClientError::Unreachable {
@@ -198,34 +243,29 @@ impl Conn {
             addr: addr.to_owned(),
             source,
         };
-        let direct;
-        let (r, w): (
-            Box<dyn AsyncRead + Send + Unpin>,
-            Box<dyn AsyncWrite + Send + Unpin>,
-        ) = if let Some(path) = addr.strip_prefix("unix:") {
-            let s = tokio::net::UnixStream::connect(path)
-                .await
-                .map_err(unreachable)?;
-            direct = Direct::unix(&s).map_err(io)?;
-            let fd = s.as_raw_fd();
-            let (r, w) = s.into_split();
-            (
-                Box::new(BusyPoll::watched(cfg.busy_poll.as_ref(), fd, r, false)),
-                Box::new(w),
-            )
-        } else {
-            let s = tokio::net::TcpStream::connect(addr)
-                .await
-                .map_err(unreachable)?;
-            s.set_nodelay(true).map_err(io)?;
-            direct = Direct::tcp(&s).map_err(io)?;
-            let fd = s.as_raw_fd();
-            let (r, w) = s.into_split();
-            (
-                Box::new(BusyPoll::watched(cfg.busy_poll.as_ref(), fd, r, false)),
-                Box::new(w),
-            )
-        };
+        let max = cfg.max_message_bytes;
+        let (direct, inbox, fd);
+        let (r, w): (ReadHalf, Box<dyn AsyncWrite + Send + Unpin>) =
+            if let Some(path) = addr.strip_prefix("unix:") {
+                let s = tokio::net::UnixStream::connect(path)
+                    .await
+                    .map_err(unreachable)?;
+                direct = Direct::unix(&s).map_err(io)?;
+                inbox = Inbox::unix(unit, max, &s).map_err(io)?;
+                fd = s.as_raw_fd();
+                let (r, w) = s.into_split();
+                (ReadHalf::Unix(r), Box::new(w))
+            } else {
+                let s = tokio::net::TcpStream::connect(addr)
+                    .await
+                    .map_err(unreachable)?;
+                s.set_nodelay(true).map_err(io)?;
+                direct = Direct::tcp(&s).map_err(io)?;
+                inbox = Inbox::tcp(unit, max, &s).map_err(io)?;
+                fd = s.as_raw_fd();
+                let (r, w) = s.into_split();
+                (ReadHalf::Tcp(r), Box::new(w))
+            };
         let (tx, rx) = mpsc::unbounded_channel::<Outgoing>();
         let waiters: Waiters = Arc::new(Mutex::new(Pending {
             poll: cfg.busy_poll.clone(),
@@ -234,7 +274,19 @@ impl Conn {
         let state = Arc::new(Mutex::new(OutState::new(Some(direct))));
         tokio::spawn(write_loop(w, rx, state.clone()));
         let out = Outbox { tx, state };
-        tokio::spawn(read_loop(unit, r, waiters.clone(), cfg.max_message_bytes));
+        let replies = Replies {
+            waiters,
+            inbox: Arc::new(inbox),
+            flying: flying.clone(),
+            here: cfg.busy_poll.is_none(),
+        };
+        // Parking workers poll the socket while the reader lives, where the client busy-polls.
+        let watch = BusyPoll::watched(cfg.busy_poll.as_ref(), fd, (), false);
+        let (inbox, waiters) = (replies.inbox.clone(), replies.waiters.clone());
+        tokio::spawn(async move {
+            inbox.read_loop(r, waiters).await;
+            drop(watch);
+        });
         // Challenge-response: the token never travels. The unit proves it holds the token
         // first (over both nonces and what this client sent), then this client.
         let client_nonce = auth::nonce();
@@ -243,7 +295,7 @@ impl Conn {
             nonce: ByteBuf::from(client_nonce.to_vec()),
             agent: md_ours.clone(),
         };
-        let (_, resp) = call_raw(unit, &out, &waiters, 0, hello, cfg.timeout).await?;
+        let (_, resp) = call_raw(unit, &out, &replies, 0, hello, cfg.timeout).await?;
         let Response::Challenge { nonce, proof } = resp else {
             return Err(ClientError::Unexpected {
                 unit,
@@ -263,7 +315,7 @@ impl Conn {
         let auth_req = Request::Auth {
             proof: ByteBuf::from(proof.to_vec()),
         };
-        let (_, resp) = call_raw(unit, &out, &waiters, 1, auth_req, cfg.timeout).await?;
+        let (_, resp) = call_raw(unit, &out, &replies, 1, auth_req, cfg.timeout).await?;
         let Response::Welcome {
             agent: md,
             backend,
@@ -290,7 +342,7 @@ impl Conn {
         Ok(Conn {
             unit,
             out,
-            waiters,
+            replies,
             next: AtomicU64::new(2),
             peer,
             inline_max,
@@ -343,7 +395,7 @@ impl Conn {
     /// unit may hold this session's later requests behind for long (a credited PUT whose
     /// WRITE failed: the unit waits up to its transfer timeout for frames that never come).
     pub(super) fn abandon(&self) {
-        self.waiters.lock().failed = true;
+        self.replies.waiters.lock().failed = true;
     }
 
     /// Whether this session is over: its connection closed, a write to it failed, or the
@@ -351,7 +403,7 @@ impl Conn {
     /// be never (a unit that shut its reading side only).
     pub(super) fn ended(&self) -> bool {
         let ended = {
-            let w = self.waiters.lock();
+            let w = self.replies.waiters.lock();
             w.closed || w.failed
         };
         ended || self.out.state.lock().broken()
@@ -386,7 +438,7 @@ impl Conn {
         send_raw(
             self.unit,
             &self.out,
-            &self.waiters,
+            &self.replies,
             id,
             req,
             self.timeout,
@@ -406,12 +458,12 @@ impl Conn {
 async fn call_raw(
     unit: usize,
     out: &Outbox,
-    waiters: &Waiters,
+    replies: &Replies,
     id: u64,
     req: Request,
     timeout: Duration,
 ) -> Result<(u64, Response), ClientError> {
-    send_raw(unit, out, waiters, id, req, timeout, false, None)?
+    send_raw(unit, out, replies, id, req, timeout, false, None)?
         .wait()
         .await
 }
@@ -422,7 +474,7 @@ async fn call_raw(
 fn send_raw<'a>(
     unit: usize,
     out: &Outbox,
-    waiters: &'a Waiters,
+    replies: &'a Replies,
     id: u64,
     req: Request,
     timeout: Duration,
@@ -431,6 +483,7 @@ fn send_raw<'a>(
 ) -> Result<Answer<'a>, ClientError> {
     let buf = proto::encode_frame(id, &req).map_err(|source| ClientError::Wire { unit, source })?;
     let (otx, orx) = oneshot::channel();
+    let waiters = &replies.waiters;
     let polled = {
         let mut w = waiters.lock();
         if w.closed {
@@ -451,6 +504,7 @@ fn send_raw<'a>(
             from_thread: tokio::task::try_id().is_none(),
             ahead,
             timed,
+            here: false,
         };
         w.map.insert(id, waiter);
         w.poll.as_ref().map(BusyPoll::waiting)
@@ -468,9 +522,10 @@ fn send_raw<'a>(
         rx: orx,
         sent,
         ahead: None,
-        waiters,
+        replies,
         timeout,
         _polled: polled,
+        _flying: replies.flying.one(),
     })
 }
 
@@ -485,15 +540,16 @@ fn connection_closed(unit: usize) -> ClientError {
 pub(super) struct Answer<'a> {
     unit: usize,
     id: u64,
-    rx: oneshot::Receiver<Result<Response, ClientError>>,
+    rx: Answered,
     /// Fires once the request is on the socket (when asked for).
     sent: Option<oneshot::Receiver<()>>,
     /// The meta of a [`Response::Writing`] ahead of the answer, for a `GetOffer`.
     ahead: Option<oneshot::Receiver<ByteBuf>>,
-    waiters: &'a Waiters,
+    replies: &'a Replies,
     timeout: Duration,
     /// Parking workers poll for the answer while it is awaited.
     _polled: Option<Waiting>,
+    _flying: Flying<'a>,
 }
 
 impl Answer<'_> {
@@ -527,7 +583,7 @@ impl Answer<'_> {
     /// polled for, and its worker woken for it.
     pub(super) fn waiting_from_now(&self) {
         let now = Instant::now();
-        let mut w = self.waiters.lock();
+        let mut w = self.replies.waiters.lock();
         let Pending {
             map, poll, timings, ..
         } = &mut *w;
@@ -545,14 +601,16 @@ impl Answer<'_> {
             unit,
             id,
             rx,
-            waiters,
+            replies,
             timeout,
             _polled: _waiting,
+            _flying,
             ..
         } = self;
+        let waiters = &replies.waiters;
         // A unit that never answers (stopped, or a session task that died) must not hold the
         // caller forever.
-        let answer = match deadline_or_answer(rx, timeout).await {
+        let answer = match replies.answer(id, rx, timeout).await {
             Some(answer) => answer,
             None => {
                 waiters.lock().map.remove(&id);
@@ -589,15 +647,16 @@ fn session_fatal(kind: ErrorKind) -> bool {
 /// its sockets ready at once, in no particular order).
 const LATE_ANSWER_GRACE: Duration = Duration::from_millis(200);
 
-/// The answer on `rx` (`Some(None)` when its sender went away), or `None` once `timeout`
-/// passed without one. When the deadline fires, an answer that has arrived meanwhile is taken
-/// first: the reader is given a moment to deliver what the socket already holds before the
-/// wait counts as a timeout.
-pub(super) async fn deadline_or_answer<T>(
+/// The answer on `rx` (`Some(None)` when its sender went away), or `None` once `deadline`
+/// (the end of the request's `timeout`) passed without one. When the deadline fires, an answer
+/// that has arrived meanwhile is taken first: the reader is given a moment to deliver what the
+/// socket already holds before the wait counts as a timeout.
+async fn deadline_or_answer<T>(
     mut rx: oneshot::Receiver<T>,
+    deadline: Instant,
     timeout: Duration,
 ) -> Option<Option<T>> {
-    if let Ok(a) = tokio::time::timeout(timeout, &mut rx).await {
+    if let Ok(a) = tokio::time::timeout_at(deadline.into(), &mut rx).await {
         return Some(a.ok());
     }
     match rx.try_recv() {
@@ -609,6 +668,52 @@ pub(super) async fn deadline_or_answer<T>(
         .await
         .ok()
         .map(Result::ok)
+}
+
+impl Replies {
+    /// The answer on `rx` to request `id` within `timeout`, as [`deadline_or_answer`] gives
+    /// it. A caller on a thread of its own whose request is its client's only one waits on
+    /// the socket ([`Inbox::answer_here`]), a slice at a time. Before each slice the other
+    /// futures of its `block_on` run: those that send requests are then in flight, and this
+    /// one waits as a future like them.
+    async fn answer(
+        &self,
+        id: u64,
+        mut rx: Answered,
+        timeout: Duration,
+    ) -> Option<Option<Result<Response, ClientError>>> {
+        let deadline = Instant::now() + timeout;
+        if self.here && waits_on_a_thread() {
+            loop {
+                tokio::task::yield_now().await;
+                if !self.flying.alone() {
+                    break;
+                }
+                let until = Instant::now() + inbox::SLICE;
+                match self
+                    .inbox
+                    .answer_here(&self.waiters, id, rx, until, deadline)
+                {
+                    Ok(answer) => return answer,
+                    Err(Here::Slice(back)) => rx = back,
+                    Err(other) => {
+                        rx = other.rx();
+                        break;
+                    }
+                }
+            }
+        }
+        deadline_or_answer(rx, deadline, timeout).await
+    }
+}
+
+/// Whether this future is driven by a thread that has nothing else to do meanwhile: a
+/// `block_on` of a multi-threaded runtime (whose workers serve the tasks), not a task nor a
+/// current-thread runtime (where the thread is the only one to run the tasks).
+fn waits_on_a_thread() -> bool {
+    tokio::task::try_id().is_none()
+        && tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread)
 }
 
 /// The connection's way out (see [`crate::outbox`]).
@@ -664,89 +769,6 @@ async fn write_loop(
         state.lock().dequeue();
         if let Some(tx) = out.written {
             let _ = tx.send(());
-        }
-    }
-}
-
-async fn read_loop(unit: usize, r: Box<dyn AsyncRead + Send + Unpin>, waiters: Waiters, max: u64) {
-    let mut r = tokio::io::BufReader::with_capacity(proto::READ_BUFFER, r);
-    let fail_all = |waiters: &Waiters, why: &str| {
-        let mut pending = waiters.lock();
-        pending.closed = true;
-        for (_, w) in pending.map.drain() {
-            let _ = w.tx.send(Err(ClientError::Io {
-                unit,
-                source: std::io::Error::new(std::io::ErrorKind::ConnectionAborted, why.to_owned()),
-            }));
-        }
-    };
-    loop {
-        let mut prefix = [0u8; proto::LEN_PREFIX];
-        if r.read_exact(&mut prefix).await.is_err() {
-            fail_all(&waiters, "connection closed");
-            return;
-        }
-        let len = match proto::frame_len(prefix, max) {
-            Ok(l) => l,
-            Err(e) => {
-                fail_all(&waiters, &e.to_string());
-                return;
-            }
-        };
-        let mut buf = vec![0u8; len];
-        if r.read_exact(&mut buf).await.is_err() {
-            fail_all(&waiters, "connection closed");
-            return;
-        }
-        // The waiter is taken out before it is woken: the caller, woken on this thread's
-        // core, must not find the map still locked when it sends its next request.
-        let (id, answer) = match proto::decode_body::<Response>(&buf) {
-            Ok((id, resp)) => (id, Ok(resp)),
-            Err((id, e)) => (id, Err(ClientError::Wire { unit, source: e })),
-        };
-        let answer = match answer {
-            // Ahead of the answer: the waiter stays for it. A waiter that expects nothing
-            // ahead gets nothing (a unit's mistake), and its answer says what happened.
-            Ok(Response::Writing { meta }) => {
-                let ahead = waiters
-                    .lock()
-                    .map
-                    .get_mut(&id)
-                    .and_then(|w| Some((w.ahead.take()?, w.from_thread)));
-                if let Some((tx, from_thread)) = ahead {
-                    let _ = tx.send(meta);
-                    // As for an answer (below): the caller decodes while this worker spins.
-                    if from_thread {
-                        std::thread::yield_now();
-                    }
-                }
-                continue;
-            }
-            other => other,
-        };
-        let waiter = {
-            let mut p = waiters.lock();
-            let w = p.map.remove(&id);
-            if let Some((key, sent)) = w.as_ref().and_then(|w| w.timed) {
-                p.timings.answered(key, sent.elapsed());
-            }
-            w
-        };
-        if let Some(w) = waiter {
-            let _ = w.tx.send(answer);
-            // A caller waiting for a meta ahead (none came) is woken now, before the yield
-            // below, and finds the answer.
-            drop(w.ahead);
-            // A caller on a thread of its own may sleep on this thread's core. Woken there,
-            // it runs only once this worker stops: after its busy poll's whole window when
-            // the caller has used its share of the core (a large PUT's copy: it does not
-            // preempt the spin), and after the worker's way to its park otherwise (about 3 us
-            // of a 4-byte PUT's unpolled round trip). The core goes to it now instead. (A
-            // caller that is a task runs on a worker; yielding for it would hand the core to
-            // whatever else waits for it, a large copy under load.)
-            if w.from_thread {
-                std::thread::yield_now();
-            }
         }
     }
 }
@@ -830,18 +852,27 @@ mod tests {
                     from_thread: false,
                     ahead: None,
                     timed: Some((key, sent)),
+                    here: false,
                 },
             );
         }
+        let (sock, _unit) = std::os::unix::net::UnixStream::pair().unwrap();
+        let replies = Replies {
+            waiters: waiters.clone(),
+            inbox: Arc::new(Inbox::over(0, sock).unwrap()),
+            flying: Arc::default(),
+            here: false,
+        };
         let answer = Answer {
             unit: 0,
             id: 1,
             rx,
             sent: None,
             ahead: None,
-            waiters: &waiters,
+            replies: &replies,
             timeout: Duration::from_secs(1),
             _polled: None,
+            _flying: replies.flying.one(),
         };
         let before = Instant::now();
         answer.waiting_from_now();

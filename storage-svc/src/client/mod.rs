@@ -23,7 +23,7 @@ mod placement;
 mod put;
 mod repair;
 
-use self::conn::Conn;
+use self::conn::{Conn, InFlight};
 pub use self::placement::{Modulo, Placement, Rendezvous};
 pub use self::repair::RepairReport;
 
@@ -110,6 +110,8 @@ pub struct Client {
     /// Sources of pulled PUTs whose answer never came (the unit may still read them): their
     /// frames and registrations are held until the client drops.
     held_sources: Mutex<Vec<(Vec<LocalDesc>, Vec<Bytes>)>>,
+    /// The requests in flight over all sessions.
+    flying: Arc<InFlight>,
 }
 
 impl Client {
@@ -163,6 +165,7 @@ impl Client {
         })
         .await??;
         let units = Arc::new(Mutex::new(Arc::new(Units::default())));
+        let flying = Arc::new(InFlight::default());
         #[cfg(feature = "etcd")]
         let discovery = match &cluster {
             Some(c) => Some(crate::cluster::Discovery::start(c, cfg.timeout, &units).await?),
@@ -172,7 +175,7 @@ impl Client {
             // A fixed list: every unit is reached now, so that a wrong address fails here.
             let mut fixed = Units::default();
             for (number, addr) in cfg.units.iter().enumerate() {
-                let conn = Conn::open(number, addr, &cfg, &agent).await?;
+                let conn = Conn::open(number, addr, &cfg, &agent, &flying).await?;
                 fixed.ids.push(addr.clone());
                 fixed.slots.push(Arc::new(Slot::open(number, addr, conn)));
             }
@@ -194,6 +197,7 @@ impl Client {
             timeout: cfg.timeout,
             quarantine: Mutex::new(Vec::new()),
             held_sources: Mutex::new(Vec::new()),
+            flying,
         })
     }
 
@@ -215,7 +219,16 @@ impl Client {
             }
             None => {}
         }
-        let conn = Arc::new(Conn::open(slot.number, &slot.addr, &self.cfg, &self.agent).await?);
+        let conn = Arc::new(
+            Conn::open(
+                slot.number,
+                &slot.addr,
+                &self.cfg,
+                &self.agent,
+                &self.flying,
+            )
+            .await?,
+        );
         *cur = Some(conn.clone());
         Ok(conn)
     }
