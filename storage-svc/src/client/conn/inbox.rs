@@ -222,6 +222,8 @@ impl Inbox {
             if self.here.load(Ordering::Relaxed) > 0 {
                 std::thread::yield_now();
             }
+            // Not `WouldBlock` where it stopped at a hand-over: the socket is still readable
+            // to the runtime, and the next round reads on.
             let Ok(handed) = self.pump(&waiters, None, |buf| r.try_read(buf)) else {
                 return;
             };
@@ -244,7 +246,8 @@ impl Inbox {
     /// whole answer: `Err` once the connection closed or failed, every waiter told. `me` is
     /// the request of the caller pumping, if one does: it needs no wake-up, and reads no
     /// further than its answer (the reader reads the rest, if any: the runtime still finds
-    /// the socket readable).
+    /// the socket readable). The reader stops reading too once it handed an answer to a
+    /// caller on a thread of its own, which it then yields its core to before it reads on.
     fn pump(
         &self,
         waiters: &Waiters,
@@ -264,7 +267,7 @@ impl Inbox {
                     Err(e) => break 'reading e.to_string(),
                 }
             }
-            if handed.mine {
+            if handed.mine || (me.is_none() && handed.to_thread) {
                 return Ok(handed);
             }
             if let Err(e) = r.make_room(self.max) {
@@ -517,8 +520,14 @@ mod tests {
         }
     }
 
-    fn pump(inbox: &Inbox, waiters: &Waiters) -> Result<Handed, ()> {
-        inbox.pump(waiters, None, |buf| inbox.sock.read(buf))
+    /// As the reader pumps: again after each hand-over to a caller's thread, until the socket
+    /// would block.
+    fn pump(inbox: &Inbox, waiters: &Waiters) -> Result<(), ()> {
+        while inbox
+            .pump(waiters, None, |buf| inbox.sock.read(buf))?
+            .to_thread
+        {}
+        Ok(())
     }
 
     /// Answers cut anywhere by the socket (one byte at a time, several in one read, one
