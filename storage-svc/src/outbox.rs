@@ -5,11 +5,12 @@
 //! the socket does not take at once (it is non-blocking), and every message behind it, goes
 //! to the writer task, in order.
 
-use std::io::{self, Write};
-use std::os::fd::AsFd;
+use std::io::{self, Read, Write};
+use std::os::fd::{AsFd, AsRawFd, RawFd};
 
 /// A second handle on a connection's socket: the same open file, so non-blocking as the
-/// runtime set it.
+/// runtime set it. Writes go out through it straight from the thread that makes them (here),
+/// and the client's callers that wait on the socket read through one (its inbox).
 pub(crate) enum Direct {
     Tcp(std::net::TcpStream),
     Unix(std::os::unix::net::UnixStream),
@@ -30,6 +31,23 @@ impl Direct {
         match self {
             Direct::Tcp(s) => (&*s).write(buf),
             Direct::Unix(s) => (&*s).write(buf),
+        }
+    }
+
+    /// A read that does not wait (`WouldBlock` when nothing came).
+    pub(crate) fn read(&self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Direct::Tcp(s) => (&*s).read(buf),
+            Direct::Unix(s) => (&*s).read(buf),
+        }
+    }
+}
+
+impl AsRawFd for Direct {
+    fn as_raw_fd(&self) -> RawFd {
+        match self {
+            Direct::Tcp(s) => s.as_raw_fd(),
+            Direct::Unix(s) => s.as_raw_fd(),
         }
     }
 }

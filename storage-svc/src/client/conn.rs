@@ -251,7 +251,7 @@ impl Conn {
                     .await
                     .map_err(unreachable)?;
                 direct = Direct::unix(&s).map_err(io)?;
-                inbox = Inbox::unix(unit, max, &s).map_err(io)?;
+                inbox = Inbox::new(unit, max, Direct::unix(&s).map_err(io)?).map_err(io)?;
                 fd = s.as_raw_fd();
                 let (r, w) = s.into_split();
                 (ReadHalf::Unix(r), Box::new(w))
@@ -261,7 +261,7 @@ impl Conn {
                     .map_err(unreachable)?;
                 s.set_nodelay(true).map_err(io)?;
                 direct = Direct::tcp(&s).map_err(io)?;
-                inbox = Inbox::tcp(unit, max, &s).map_err(io)?;
+                inbox = Inbox::new(unit, max, Direct::tcp(&s).map_err(io)?).map_err(io)?;
                 fd = s.as_raw_fd();
                 let (r, w) = s.into_split();
                 (ReadHalf::Tcp(r), Box::new(w))

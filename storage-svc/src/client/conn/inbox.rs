@@ -11,13 +11,13 @@
 //!
 //! Whoever reads hands out every whole answer read so far, under one lock, so answers of one
 //! request (a `Writing` ahead of its answer) reach their waiter in order. The worker is still
-//! woken by an answer the caller takes (the socket stays in the runtime's epoll set); it then
-//! finds nothing to read. When it reads first instead, it hands the answer over and wakes the
-//! caller through an eventfd that the caller polls beside the socket.
+//! woken by an answer the caller takes (the socket stays in the runtime's epoll set): it
+//! yields its core first when a caller waits there, then finds nothing to read. An answer it
+//! reads first reaches the caller through an eventfd that the caller polls beside the socket.
 
-use std::io::{self, Read};
+use std::io;
 use std::ops::Range;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::time::{Duration, Instant};
 
 use tessera_sync::atomic::{AtomicUsize, Ordering};
@@ -26,6 +26,7 @@ use tokio::sync::oneshot;
 
 use super::Waiters;
 use crate::error::{ClientError, WireError};
+use crate::outbox::Direct;
 use crate::proto::{self, Response};
 
 /// The longest a caller waits on the socket before it lets the other futures of its
@@ -52,29 +53,6 @@ impl ReadHalf {
         match self {
             ReadHalf::Tcp(r) => r.try_read(buf),
             ReadHalf::Unix(r) => r.try_read(buf),
-        }
-    }
-}
-
-/// A handle on the socket of its own (a duplicate descriptor, non-blocking as the socket is),
-/// for callers that wait on it: valid for as long as the inbox, whatever became of the reader.
-enum Sock {
-    Tcp(std::net::TcpStream),
-    Unix(std::os::unix::net::UnixStream),
-}
-
-impl Sock {
-    fn read(&self, buf: &mut [u8]) -> io::Result<usize> {
-        match self {
-            Sock::Tcp(s) => (&*s).read(buf),
-            Sock::Unix(s) => (&*s).read(buf),
-        }
-    }
-
-    fn fd(&self) -> RawFd {
-        match self {
-            Sock::Tcp(s) => s.as_raw_fd(),
-            Sock::Unix(s) => s.as_raw_fd(),
         }
     }
 }
@@ -155,7 +133,9 @@ pub(super) struct Inbox {
     unit: usize,
     /// The largest answer accepted (`ClientConfig::max_message_bytes`).
     max: u64,
-    sock: Sock,
+    /// A handle on the socket of its own, valid as long as the inbox, whatever became of the
+    /// reader.
+    sock: Direct,
     /// Written when an answer was handed to a caller waiting on the socket by someone else.
     wake: OwnedFd,
     /// Callers waiting on the socket now.
@@ -164,28 +144,15 @@ pub(super) struct Inbox {
 }
 
 impl Inbox {
-    pub(super) fn tcp(unit: usize, max: u64, s: &tokio::net::TcpStream) -> io::Result<Inbox> {
-        use std::os::fd::AsFd;
-        Inbox::new(unit, max, Sock::Tcp(s.as_fd().try_clone_to_owned()?.into()))
-    }
-
-    pub(super) fn unix(unit: usize, max: u64, s: &tokio::net::UnixStream) -> io::Result<Inbox> {
-        use std::os::fd::AsFd;
-        Inbox::new(
-            unit,
-            max,
-            Sock::Unix(s.as_fd().try_clone_to_owned()?.into()),
-        )
-    }
-
     /// An inbox over `sock`, one end of a socket pair, for tests.
     #[cfg(test)]
     pub(super) fn over(unit: usize, sock: std::os::unix::net::UnixStream) -> io::Result<Inbox> {
         sock.set_nonblocking(true)?;
-        Inbox::new(unit, 64 << 20, Sock::Unix(sock))
+        Inbox::new(unit, 64 << 20, Direct::Unix(sock))
     }
 
-    fn new(unit: usize, max: u64, sock: Sock) -> io::Result<Inbox> {
+    /// The inbox of the socket `sock` is a handle on, whose answers may be up to `max` bytes.
+    pub(super) fn new(unit: usize, max: u64, sock: Direct) -> io::Result<Inbox> {
         // SAFETY: eventfd takes no pointers; a non-negative result is a new descriptor that
         // nothing else owns.
         let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
@@ -380,7 +347,7 @@ impl Inbox {
     fn wait(&self, most: Duration) -> bool {
         let mut fds = [
             libc::pollfd {
-                fd: self.sock.fd(),
+                fd: self.sock.as_raw_fd(),
                 events: libc::POLLIN,
                 revents: 0,
             },
