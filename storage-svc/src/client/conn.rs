@@ -886,6 +886,25 @@ mod tests {
         assert!(expected >= before + us(125) && expected <= after + us(125));
     }
 
+    /// A caller waits on the socket only from a thread that has nothing else to run: the
+    /// `block_on` of a multi-threaded runtime, not a task nor a current-thread runtime's
+    /// `block_on` (which runs the tasks, an in-process unit's too).
+    #[test]
+    fn only_a_multi_threaded_runtimes_block_on_waits_on_the_socket() {
+        assert!(!waits_on_a_thread(), "outside any runtime");
+        let multi = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .build()
+            .unwrap();
+        assert!(multi.block_on(async { waits_on_a_thread() }));
+        let in_task = multi.block_on(async { tokio::spawn(async { waits_on_a_thread() }).await });
+        assert!(!in_task.unwrap(), "in a task");
+        let current = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        assert!(!current.block_on(async { waits_on_a_thread() }));
+    }
+
     /// Requests of one kind, fields, count and (for a credited PUT) payload size class share
     /// a shape; anything else tells them apart, and requests that carry no shape have none.
     #[test]
