@@ -284,8 +284,10 @@ impl Conn {
         let watch = BusyPoll::watched(cfg.busy_poll.as_ref(), fd, (), false);
         let (inbox, waiters) = (replies.inbox.clone(), replies.waiters.clone());
         tokio::spawn(async move {
-            inbox.read_loop(r, waiters).await;
+            inbox.read_loop(&r, waiters).await;
+            // The socket leaves the poller's set before its read half closes it.
             drop(watch);
+            drop(r);
         });
         // Challenge-response: the token never travels. The unit proves it holds the token
         // first (over both nonces and what this client sent), then this client.

@@ -178,7 +178,7 @@ impl Inbox {
 
     /// The reader task: hands out answers as the runtime finds the socket readable, until the
     /// connection closes or fails (every waiter is then told).
-    pub(super) async fn read_loop(&self, r: ReadHalf, waiters: Waiters) {
+    pub(super) async fn read_loop(&self, r: &ReadHalf, waiters: Waiters) {
         loop {
             if let Err(e) = r.readable().await {
                 self.fail(&waiters, &e.to_string());
