@@ -80,6 +80,9 @@ struct Inner {
     window: Duration,
     /// Awaited things ([`Waiting`] guards alive): no polling while zero.
     waiting: AtomicUsize,
+    /// Of those, sessions whose peer sent its last message from the core of the thread that
+    /// read it ([`Near`] guards alive): no polling while these are all that is awaited.
+    near: AtomicUsize,
     /// Waits on this process's own threads ([`Quiet`] guards alive): no polling while any.
     quiet: AtomicUsize,
     /// How far past a request its answer (or past an answer the next request) may be
@@ -137,6 +140,7 @@ impl BusyPoll {
                 epoll,
                 window,
                 waiting: AtomicUsize::new(0),
+                near: AtomicUsize::new(0),
                 quiet: AtomicUsize::new(0),
                 longest,
                 expected: AtomicU64::new(0),
@@ -270,6 +274,16 @@ impl BusyPoll {
         Waiting { poll: self.clone() }
     }
 
+    /// How many of the awaited things a spin waits for: those not awaited from a peer on the
+    /// spinning thread's core ([`Watched`]).
+    fn spun_for(&self) -> usize {
+        let near = self.inner.near.load(Ordering::Relaxed);
+        self.inner
+            .waiting
+            .load(Ordering::Relaxed)
+            .saturating_sub(near)
+    }
+
     /// Stops the polling while the guard lives: for a wait on another thread of this process
     /// (an engine's thread recording a WRITE), which a spin on the same core would keep off
     /// it until the window ends. The worker parks, and that thread's wake-up finds it as it
@@ -301,7 +315,8 @@ impl BusyPoll {
         };
         Watched {
             awaited,
-            waiting,
+            near: None,
+            _waiting: waiting,
             watch,
             reader,
         }
@@ -333,10 +348,7 @@ impl BusyPoll {
     }
 
     fn spin(&self) {
-        let awaited = || {
-            self.inner.waiting.load(Ordering::Relaxed) > 0
-                && self.inner.quiet.load(Ordering::Relaxed) == 0
-        };
+        let awaited = || self.spun_for() > 0 && self.inner.quiet.load(Ordering::Relaxed) == 0;
         if !awaited() {
             return;
         }
@@ -420,8 +432,9 @@ pub(crate) fn expected_after<const N: usize>(recent: &Ring<Duration, N>) -> Opti
 pub(crate) struct Watched<R> {
     /// Its next message is awaited all along (a server's session)...
     awaited: bool,
-    /// ...and counted as awaited while its peer runs on another core than this reader's.
-    waiting: Option<Waiting>,
+    /// ...but not spun for while its peer sent its last message from this reader's core.
+    near: Option<Near>,
+    _waiting: Option<Waiting>,
     watch: Option<Watch>,
     reader: R,
 }
@@ -441,19 +454,24 @@ impl<R: AsyncRead + Unpin> AsyncRead for Watched<R> {
 }
 
 impl<R> Watched<R> {
-    /// About to wait for the peer's next message: not awaited by a spin where the peer sent
-    /// its last one from this thread's core. A spin there keeps the peer off the core it
-    /// needs to send the next one: with client and unit on one core, a polling unit's 4-byte
-    /// PUT took 29 us against 25 us for one that does not poll. Where threads are not
-    /// pinned, the kernel puts two threads that wake each other on one core when it can.
+    /// About to wait for the peer's next message: not spun for where the peer sent its last
+    /// one from this thread's core. A spin there keeps the peer off the core it needs to send
+    /// the next one: with client and unit on one core, a polling unit's 4-byte PUT took 29 us
+    /// against 25 us for one that does not poll. Where threads are not pinned, the kernel
+    /// puts two threads that wake each other on one core when it can.
     fn follow_peer(&mut self) {
         let Some(w) = &self.watch else {
             return;
         };
-        let apart = !w.peer_shares_core();
-        match (apart, self.waiting.is_some()) {
-            (true, false) => self.waiting = Some(w.poll.waiting()),
-            (false, true) => self.waiting = None,
+        let near = w.peer_shares_core();
+        match (near, self.near.is_some()) {
+            (true, false) => {
+                w.poll.inner.near.fetch_add(1, Ordering::Relaxed);
+                self.near = Some(Near {
+                    poll: w.poll.clone(),
+                });
+            }
+            (false, true) => self.near = None,
             _ => {}
         }
     }
@@ -467,6 +485,17 @@ pub(crate) struct Waiting {
 impl Drop for Waiting {
     fn drop(&mut self) {
         self.poll.inner.waiting.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// An awaited session whose peer is on its reader's core (see [`Watched`]).
+struct Near {
+    poll: BusyPoll,
+}
+
+impl Drop for Near {
+    fn drop(&mut self) {
+        self.poll.inner.near.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -863,9 +892,9 @@ mod tests {
         assert!(took < Duration::from_secs(5), "{took:?}");
     }
 
-    /// A session whose client sent its last request from the unit's core is not awaited by
-    /// a spin (the spin would hold the core the client needs); sent from another core, it is
-    /// again.
+    /// A session whose client sent its last request from the unit's core is not spun for
+    /// (the spin would hold the core the client needs), though still awaited; sent from
+    /// another core, it is spun for again.
     #[test]
     fn a_session_whose_peer_shares_its_core_is_not_awaited() {
         let pin = |cpu: usize| {
@@ -885,10 +914,14 @@ mod tests {
         let (unit, _) = l.accept().unwrap();
         let poll = BusyPoll::new(Duration::from_millis(1)).unwrap();
         let mut w = BusyPoll::watched(Some(&poll), unit.as_raw_fd(), (), true);
-        assert_eq!(poll.awaited(), 1);
+        assert_eq!((poll.awaited(), poll.spun_for()), (1, 1));
         client.write_all(b"x").unwrap();
         w.follow_peer();
-        assert_eq!(poll.awaited(), 0, "sent from this core");
+        assert_eq!(
+            (poll.awaited(), poll.spun_for()),
+            (1, 0),
+            "sent from this core"
+        );
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
         let Some(other) = (0..cpus).find(|c| *c != cpu) else {
             return;
@@ -900,7 +933,7 @@ mod tests {
         });
         if sent.join().unwrap() {
             w.follow_peer();
-            assert_eq!(poll.awaited(), 1, "sent from another core");
+            assert_eq!(poll.spun_for(), 1, "sent from another core");
         }
     }
 
@@ -908,7 +941,7 @@ mod tests {
     fn without_a_poller_nothing_is_watched() {
         let (a, _b) = UnixStream::pair().unwrap();
         let w = BusyPoll::watched(None, a.as_raw_fd(), (), true);
-        assert!(w.watch.is_none() && w.waiting.is_none());
+        assert!(w.watch.is_none() && w._waiting.is_none());
     }
 
     #[test]
@@ -918,7 +951,7 @@ mod tests {
         let _first = BusyPoll::watched(Some(&poll), a.as_raw_fd(), (), true);
         // The same descriptor twice: epoll refuses it (EEXIST); no awaited count is left.
         let second = BusyPoll::watched(Some(&poll), a.as_raw_fd(), (), true);
-        assert!(second.watch.is_none() && second.waiting.is_none());
+        assert!(second.watch.is_none() && second._waiting.is_none());
         assert_eq!(poll.awaited(), 1);
     }
 }
