@@ -332,8 +332,12 @@ impl Inbox {
             // At once when the socket holds something; otherwise until it does, someone else
             // handed this answer over, or the slice is over.
             if self.wait(until - now) {
-                // On `Err` every waiter, this one too, was told: the answer is on `rx`.
-                let _ = self.pump(waiters, Some(id), |buf| self.sock.read(buf));
+                // On `Err` every waiter, this one too, was told: the answer is on `rx`. An
+                // answer read for another caller waiting here wakes it.
+                let pumped = self.pump(waiters, Some(id), |buf| self.sock.read(buf));
+                if pumped.is_ok_and(|h| h.to_socket) {
+                    self.wake_callers();
+                }
             }
         };
         self.here.fetch_sub(1, Ordering::Relaxed);
