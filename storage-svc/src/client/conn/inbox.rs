@@ -408,7 +408,6 @@ fn hand_out(unit: usize, waiters: &Waiters, body: &[u8], me: Option<u64>, handed
         handed.to_thread |= from_thread;
         handed.to_socket |= here && me != Some(id);
     };
-    handed.mine |= me == Some(id);
     let answer = match answer {
         // Ahead of the answer: the waiter stays for it. A waiter that expects nothing ahead
         // gets nothing (a unit's mistake), and its answer says what happened.
@@ -441,6 +440,7 @@ fn hand_out(unit: usize, waiters: &Waiters, body: &[u8], me: Option<u64>, handed
         // A caller waiting for a meta ahead (none came) is woken now and finds the answer.
         drop(w.ahead);
         note(w.from_thread, w.here);
+        handed.mine |= me == Some(id);
     }
 }
 
