@@ -373,16 +373,23 @@ impl Conn {
     }
 
     /// Takes a credit whose block holds `frames` laid out with the unit's alignment, if the
-    /// session has one: the oldest, whose standing exposure the client's engine has most
-    /// likely read by now (then its WRITE needs no grant). With it comes the layout, for the
-    /// WRITE's descriptors; the frames are laid out only where the session holds credits.
+    /// session has one: the newest that does. With it comes the layout, for the WRITE's
+    /// descriptors; the frames are laid out only where the session holds credits.
+    ///
+    /// The newest, because that keeps a session's copies in fewer blocks, whose memory is
+    /// then more likely still in cache: taken oldest first, the two credits of a session that
+    /// PUTs the same 4 MB batch over and over sent its copies through four blocks in turn (16
+    /// MiB, past what the benchmark machine's cache kept for it when its neighbours were
+    /// busy), newest first through three. Its standing exposure is known to the client's
+    /// engine by the time it WRITEs (`shm` takes its ring of announcements before it posts a
+    /// transfer; the other engines grant every WRITE as it comes).
     pub(super) fn take_credit(&self, frames: &Frames) -> Option<(Credit, RecvLayout)> {
         if self.credits.lock().is_empty() {
             return None;
         }
         let layout = frames.layout(self.align).ok()?;
         let mut credits = self.credits.lock();
-        let at = credits.iter().position(|c| c.block.len >= layout.size)?;
+        let at = newest_fitting(&credits, layout.size)?;
         Some((credits.remove(at), layout))
     }
 
@@ -468,6 +475,11 @@ async fn call_raw(
     send_raw(unit, out, replies, id, req, timeout, false, None)?
         .wait()
         .await
+}
+
+/// Where in `credits` (oldest first) the newest whose block holds `size` bytes is.
+fn newest_fitting(credits: &[Credit], size: u64) -> Option<usize> {
+    credits.iter().rposition(|c| c.block.len >= size)
 }
 
 /// Sends `req` as request `id` and returns the wait for its answer: the request is on its way
@@ -778,6 +790,7 @@ async fn write_loop(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tessera_transport::RemoteDesc;
 
     /// An offer covers the largest of the last [`RECENT`] GETs of its shape, an eighth
     /// above, whatever came between; older sizes age out, an inline answer forgets the
@@ -804,6 +817,20 @@ mod tests {
         assert_eq!(o.offer_for(2), Some(18), "a shape it holds keeps the map");
         o.laid_out(0, 8);
         assert_eq!((o.offer_for(0), o.offer_for(2)), (Some(9), None));
+    }
+
+    /// A PUT takes the newest credit its frames fit, not the oldest.
+    #[test]
+    fn a_put_takes_the_newest_credit_it_fits() {
+        let credit = |id, len| Credit {
+            id,
+            block: RemoteDesc::new(7, id << 22, len),
+        };
+        let held = [credit(1, 4 << 20), credit(2, 4 << 20), credit(3, 1 << 20)];
+        assert_eq!(newest_fitting(&held, 2 << 20), Some(1));
+        assert_eq!(newest_fitting(&held, 1 << 20), Some(2));
+        assert_eq!(newest_fitting(&held, 8 << 20), None);
+        assert_eq!(newest_fitting(&[], 1), None);
     }
 
     /// An answer is expected after the median of the last [`TIMED`] of its shape, a quarter
@@ -911,7 +938,7 @@ mod tests {
     /// a shape; anything else tells them apart, and requests that carry no shape have none.
     #[test]
     fn answer_times_are_learned_per_request_shape() {
-        let desc = tessera_transport::RemoteDesc::new(0, 0, 0);
+        let desc = RemoteDesc::new(0, 0, 0);
         let put = |indexes: Vec<u64>, field: &str, bytes| Request::PutCredited {
             partition: "p".into(),
             indexes,
