@@ -381,8 +381,10 @@ impl Conn {
     /// PUTs the same 4 MB batch over and over sent its copies through four blocks in turn (16
     /// MiB, past what the benchmark machine's cache kept for it when its neighbours were
     /// busy), newest first through three. Its standing exposure is known to the client's
-    /// engine by the time it WRITEs (`shm` takes its ring of announcements before it posts a
-    /// transfer; the other engines grant every WRITE as it comes).
+    /// engine by the time it WRITEs: `shm` takes its ring of announcements before it posts a
+    /// transfer (a link whose ring once overflowed announces on its socket instead, and a
+    /// WRITE into a range not yet announced asks for a grant: a round trip more, nothing
+    /// lost); the other engines grant every WRITE as it comes.
     pub(super) fn take_credit(&self, frames: &Frames) -> Option<(Credit, RecvLayout)> {
         if self.credits.lock().is_empty() {
             return None;
