@@ -585,11 +585,14 @@ impl Answer<'_> {
     pub(super) async fn ahead(&mut self) -> Option<ByteBuf> {
         let rx = self.ahead.take()?;
         let start = tokio::time::Instant::now();
-        // The reader drops the sender with the waiter once the answer came.
-        let meta = tokio::time::timeout(self.timeout, rx).await;
+        // The reader (or a caller reading the socket) drops the sender with the waiter once
+        // the answer came. A caller on a thread of its own reads the meta off the socket as
+        // it would the answer: handed over by the reader, it waited for the reader's worker
+        // to be scheduled, milliseconds where a busy thread shares its core.
+        let meta = self.replies.here(self.id, rx, self.timeout).await;
         // The answer's deadline counts from the request, not from here.
         self.timeout = self.timeout.saturating_sub(start.elapsed());
-        meta.ok()?.ok()
+        meta.flatten()
     }
 
     /// The caller worked on after sending (a credited PUT's copy, on this thread; a GET's
@@ -688,16 +691,27 @@ async fn deadline_or_answer<T>(
 
 impl Replies {
     /// The answer on `rx` to request `id` within `timeout`, as [`deadline_or_answer`] gives
-    /// it. A caller on a thread of its own whose request is its client's only one waits on
-    /// the socket ([`Inbox::answer_here`]), a slice at a time. Before each slice the other
-    /// futures of its `block_on` run: those that send requests are then in flight, and this
-    /// one waits as a future like them.
+    /// it; read off the socket by a caller on a thread of its own (see [`Replies::here`]).
     async fn answer(
         &self,
         id: u64,
-        mut rx: Answered,
+        rx: Answered,
         timeout: Duration,
     ) -> Option<Option<Result<Response, ClientError>>> {
+        self.here(id, rx, timeout).await
+    }
+
+    /// What request `id` waits for on `rx` (its answer, or the meta sent ahead of it) within
+    /// `timeout`, as [`deadline_or_answer`] gives it. A caller on a thread of its own whose
+    /// request is its client's only one waits on the socket ([`Inbox::answer_here`]), a slice
+    /// at a time. Before each slice the other futures of its `block_on` run: those that send
+    /// requests are then in flight, and this one waits as a future like them.
+    async fn here<T>(
+        &self,
+        id: u64,
+        mut rx: oneshot::Receiver<T>,
+        timeout: Duration,
+    ) -> Option<Option<T>> {
         let deadline = Instant::now() + timeout;
         if self.here && waits_on_a_thread() {
             loop {

@@ -125,7 +125,7 @@ pub(super) struct Handed {
     pub(super) to_thread: bool,
     /// To another caller waiting on the socket: it was woken through the eventfd.
     pub(super) to_socket: bool,
-    /// The answer of the caller pumping.
+    /// What the caller pumping waits for: its answer, or its meta ahead of it.
     mine: bool,
 }
 
@@ -298,17 +298,17 @@ impl Inbox {
         };
     }
 
-    /// The answer to request `id` on `rx`, read off the socket by this caller: `Some(None)`
-    /// when its sender went away. Waits until `until` at most (a [`SLICE`] from now), and not
+    /// What request `id` waits for on `rx` (its answer, or the meta sent ahead of it), read
+    /// off the socket by this caller: `Some(None)` when its sender went away. Waits until `until` at most (a [`SLICE`] from now), and not
     /// past `deadline`; `Err` gives `rx` back, for the caller to wait again or as a future.
-    pub(super) fn answer_here(
+    pub(super) fn answer_here<T>(
         &self,
         waiters: &Waiters,
         id: u64,
-        mut rx: Answered,
+        mut rx: oneshot::Receiver<T>,
         until: Instant,
         deadline: Instant,
-    ) -> Result<Option<Option<Result<Response, ClientError>>>, Here> {
+    ) -> Result<Option<Option<T>>, Here<T>> {
         match waiters.lock().map.get_mut(&id) {
             Some(w) => w.here = true,
             // Taken out by the reader, which is handing the answer over now.
@@ -379,19 +379,19 @@ impl Inbox {
 /// Where a request's answer comes.
 pub(super) type Answered = oneshot::Receiver<Result<Response, ClientError>>;
 
-/// Why a caller's wait on the socket ended without its answer.
-pub(super) enum Here {
+/// Why a caller's wait on the socket ended without what it waits for (on a receiver of `T`).
+pub(super) enum Here<T> {
     /// Its [`SLICE`] is over: the other futures of its `block_on` run, then it may wait again.
-    Slice(Answered),
+    Slice(oneshot::Receiver<T>),
     /// Its deadline passed.
-    Past(Answered),
+    Past(oneshot::Receiver<T>),
     /// The reader is handing its answer over: it waits for it as a future.
-    Handed(Answered),
+    Handed(oneshot::Receiver<T>),
 }
 
-impl Here {
+impl<T> Here<T> {
     /// The receiver given back.
-    pub(super) fn rx(self) -> Answered {
+    pub(super) fn rx(self) -> oneshot::Receiver<T> {
         match self {
             Here::Slice(rx) | Here::Past(rx) | Here::Handed(rx) => rx,
         }
@@ -420,6 +420,8 @@ fn hand_out(unit: usize, waiters: &Waiters, body: &[u8], me: Option<u64>, handed
             if let Some((tx, from_thread, here)) = ahead {
                 let _ = tx.send(meta);
                 note(from_thread, here);
+                // A caller reading the socket for its meta has it: it reads no further.
+                handed.mine |= me == Some(id);
             }
             return;
         }
@@ -557,6 +559,35 @@ mod tests {
             assert!(waiters.lock().closed);
             assert!(pump(&inbox, &waiters).is_err());
         }
+    }
+
+    /// A caller waiting for the meta sent ahead of its answer reads it off the socket too; the
+    /// answer that follows is read when the caller waits for that.
+    #[test]
+    fn a_caller_reads_the_meta_ahead_of_its_answer_off_the_socket() {
+        let (inbox, mut unit, waiters, mut rxs) = inbox(&[4]);
+        let (tx, ahead) = oneshot::channel();
+        waiters.lock().map.get_mut(&4).unwrap().ahead = Some(tx);
+        let meta = ByteBuf::from(vec![3u8; 40]);
+        let writer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            let writing = Response::Writing { meta: meta.clone() };
+            unit.write_all(&frame(4, &writing)).unwrap();
+            std::thread::sleep(Duration::from_millis(20));
+            unit.write_all(&frame(4, &Response::GetDone)).unwrap();
+            (unit, meta)
+        });
+        let far = Instant::now() + Duration::from_secs(60);
+        let got = inbox.answer_here(&waiters, 4, ahead, far, far);
+        let Ok(Some(Some(got))) = got else {
+            panic!("no meta read");
+        };
+        assert!(rxs[0].try_recv().is_err(), "the answer came later");
+        let got_answer = inbox.answer_here(&waiters, 4, rxs.remove(0), far, far);
+        assert!(matches!(got_answer, Ok(Some(Some(Ok(Response::GetDone))))));
+        let (_unit, meta) = writer.join().unwrap();
+        assert_eq!(got, meta);
+        assert!(waiters.lock().map.is_empty());
     }
 
     /// A caller reads its own answer off the socket: no reader runs here. Answers to others
