@@ -629,7 +629,7 @@ impl Answer<'_> {
         let waiters = &replies.waiters;
         // A unit that never answers (stopped, or a session task that died) must not hold the
         // caller forever.
-        let answer = match replies.answer(id, rx, timeout).await {
+        let answer = match replies.here(id, rx, timeout).await {
             Some(answer) => answer,
             None => {
                 waiters.lock().map.remove(&id);
@@ -690,17 +690,6 @@ async fn deadline_or_answer<T>(
 }
 
 impl Replies {
-    /// The answer on `rx` to request `id` within `timeout`, as [`deadline_or_answer`] gives
-    /// it; read off the socket by a caller on a thread of its own (see [`Replies::here`]).
-    async fn answer(
-        &self,
-        id: u64,
-        rx: Answered,
-        timeout: Duration,
-    ) -> Option<Option<Result<Response, ClientError>>> {
-        self.here(id, rx, timeout).await
-    }
-
     /// What request `id` waits for on `rx` (its answer, or the meta sent ahead of it) within
     /// `timeout`, as [`deadline_or_answer`] gives it. A caller on a thread of its own whose
     /// request is its client's only one waits on the socket ([`Inbox::answer_here`]), a slice

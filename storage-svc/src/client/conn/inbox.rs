@@ -299,8 +299,9 @@ impl Inbox {
     }
 
     /// What request `id` waits for on `rx` (its answer, or the meta sent ahead of it), read
-    /// off the socket by this caller: `Some(None)` when its sender went away. Waits until `until` at most (a [`SLICE`] from now), and not
-    /// past `deadline`; `Err` gives `rx` back, for the caller to wait again or as a future.
+    /// off the socket by this caller: `Some(None)` when its sender went away. Waits until
+    /// `until` at most (a [`SLICE`] from now), and not past `deadline`; `Err` gives `rx` back,
+    /// for the caller to wait again or as a future.
     pub(super) fn answer_here<T>(
         &self,
         waiters: &Waiters,
