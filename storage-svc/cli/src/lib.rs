@@ -470,11 +470,20 @@ fn start(cli: Cli) -> Result<()> {
         _ => None,
     };
     let mut rt = tokio::runtime::Builder::new_multi_thread();
-    rt.worker_threads(2).enable_all();
+    rt.worker_threads(workers()).enable_all();
     if let Some(p) = &poll {
         rt.on_thread_park(p.on_park());
     }
     rt.build()?.block_on(execute(cli, poll))
+}
+
+/// The runtime's workers: two, or one where the process may run on one core only (pinned,
+/// or a cgroup's quota). Two workers on one core took turns at the scheduler's pace: a
+/// session's request woken on the worker that was not running waited for the other's time
+/// slice to end (a millisecond or more) while that one served a GET of a million keys, where
+/// one worker runs it between two of that GET's slices.
+fn workers() -> usize {
+    std::thread::available_parallelism().map_or(2, |n| n.get().min(2))
 }
 
 /// Logs to stderr through a `tracing` subscriber, filtered by `--log-level` or `RUST_LOG`.
@@ -835,11 +844,12 @@ async fn serve(s: Serve, poll: Option<BusyPoll>, say: Say) -> Result<()> {
         quiet: say.quiet && !s.announce,
     }
     .line(format_args!(
-        "listening {} (engine {}, pool {}, capacity {}{metrics})",
+        "listening {} (engine {}, pool {}, capacity {}, {} worker(s){metrics})",
         server.addr(),
         engine.name(),
         fmt_bytes(pool),
         fmt_bytes(capacity),
+        tokio::runtime::Handle::current().metrics().num_workers(),
     ));
     #[cfg(feature = "etcd")]
     let announced = match s.cluster.config(Some(s.lease_ttl)) {

@@ -93,6 +93,39 @@ fn serve_says_where_it_listens_and_quiet_silences_it() {
     assert!(out.stdout.is_empty(), "{}", stdout(&out));
 }
 
+/// How many runtime workers `serve`, started by `cmd`, says it runs.
+fn serve_workers(mut cmd: Command) -> usize {
+    let mut child = cmd
+        .args(["serve", "--bind", "127.0.0.1:0", "--pool", "64MiB"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    let (_, after) = line.split_once(", capacity ").expect(&line);
+    let (_, workers) = after.split_once(", ").expect(&line);
+    let (n, _) = workers.split_once(" worker(s)").expect(&line);
+    n.parse().expect(&line)
+}
+
+/// Two workers, or one where the unit may run on one core only: two on one core took turns
+/// at the scheduler's pace.
+#[test]
+fn serve_runs_one_worker_per_core_it_may_use_up_to_two() {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    assert_eq!(serve_workers(exe()), cores.min(2));
+    let mut pinned = Command::new("taskset");
+    pinned
+        .args(["-c", "0", env!("CARGO_BIN_EXE_tessera-storage")])
+        .env_remove("TESSERA_TOKEN")
+        .env_remove("RUST_LOG");
+    assert_eq!(serve_workers(pinned), 1);
+}
+
 #[test]
 fn each_command_confirms_in_one_line_unless_quiet() {
     let unit = UnitProcess::start(Backend::Shm, &[]);
