@@ -110,6 +110,11 @@ pub struct SlicedGet {
 }
 
 impl SlicedGet {
+    /// Whether every key looked up so far was found: its answer is the values, not an error.
+    pub fn found(&self) -> bool {
+        self.missing_count == 0
+    }
+
     /// The session and request id.
     pub fn id(&self) -> (SessionId, u64) {
         (self.session, self.id)

@@ -545,6 +545,22 @@ impl<M: Memory> Unit<M> {
 /// Checks the keys of a PUT or GET against `cfg` (fields given, `max_keys`, no duplicates).
 /// Pure: a driver may run it before it takes the unit's shared state.
 pub fn check_keys(cfg: &UnitConfig, indexes: &[u64], fields: &[String]) -> Result<(), RemoteError> {
+    check_keys_ordered(cfg, indexes, fields, keys_in_order(indexes))
+}
+
+/// Whether `indexes` increase (the usual request): then they cannot repeat, and checking
+/// that they do not takes this one pass, where other orders take a set of them.
+pub fn keys_in_order(indexes: &[u64]) -> bool {
+    indexes.windows(2).all(|w| w[0] < w[1])
+}
+
+/// [`check_keys`] of indexes known to increase or not ([`keys_in_order`]).
+pub fn check_keys_ordered(
+    cfg: &UnitConfig,
+    indexes: &[u64],
+    fields: &[String],
+    in_order: bool,
+) -> Result<(), RemoteError> {
     if fields.is_empty() {
         return Err(err(ErrorKind::BadRequest, "no fields"));
     }
@@ -555,8 +571,7 @@ pub fn check_keys(cfg: &UnitConfig, indexes: &[u64], fields: &[String]) -> Resul
             format!("{keys} keys exceed the maximum of {}", cfg.max_keys),
         ));
     }
-    // Indexes in increasing order (the usual request) cannot repeat: no set needed.
-    if !indexes.windows(2).all(|w| w[0] < w[1]) {
+    if !in_order {
         let mut seen = KeyedSet::with_capacity_and_hasher(indexes.len(), Keyed::default());
         if indexes.iter().any(|i| !seen.insert(*i)) {
             return Err(err(ErrorKind::BadRequest, "duplicate index"));

@@ -126,6 +126,23 @@ fn get_started(w: &mut Watch) {
     let _ = w.started.send(());
 }
 
+static CHECKS: StaticMutex<Vec<(String, std::sync::mpsc::Sender<()>)>> =
+    StaticMutex::new(Vec::new());
+
+/// Watches the key checks of sliced GETs of `partition`: `begun` hears when one begins.
+pub(crate) fn watch_check(partition: &str, begun: std::sync::mpsc::Sender<()>) {
+    CHECKS.lock().push((partition.to_owned(), begun));
+}
+
+/// A sliced GET of `partition` begins to check its keys (the unit not locked).
+pub(crate) fn check_begins(partition: &str) {
+    for (p, begun) in CHECKS.lock().iter() {
+        if p == partition {
+            let _ = begun.send(());
+        }
+    }
+}
+
 /// A GET of `partition` starts being handled in slices (the unit locked).
 pub(crate) fn before_sliced(_sid: SessionId, _id: u64, partition: &str) {
     for w in WATCHED.lock().iter_mut() {

@@ -615,6 +615,94 @@ async fn a_huge_get_is_handled_in_slices_and_others_are_served_meanwhile() {
     server.shutdown().await;
 }
 
+/// The keys of a GET of 2^20 indexes out of order are checked on a bulk thread: on a unit
+/// with one worker, another session's requests are served while the check runs (its set of
+/// a million indexes takes hundreds of milliseconds in a debug build).
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+async fn a_huge_get_out_of_order_is_checked_off_the_worker() {
+    let server = unit().await;
+    let (tx, sliced) = std::sync::mpsc::channel();
+    fault::watch_get("shuffled-get", tx);
+    let (tx, checking) = std::sync::mpsc::channel();
+    fault::watch_check("shuffled-get", tx);
+    let agent = Backend::Inproc.role_agent("raw").unwrap();
+    let (mut a, _) = hello(&server, &agent).await;
+    let b = client(&server).await;
+    // Every index once, out of order: the duplicate check needs its set.
+    let mut indexes: Vec<u64> = (0..1u64 << 20).collect();
+    let (mut x, n) = (0x9e37_79b9_7f4a_7c15u64, indexes.len());
+    for i in (1..n).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        indexes.swap(i, (x % (i as u64 + 1)) as usize);
+    }
+    let get = Request::Get {
+        partition: "shuffled-get".into(),
+        indexes,
+        fields: vec!["x".into()],
+    };
+    a.write_all(&proto::encode_frame(7, &get).unwrap())
+        .await
+        .unwrap();
+    let reader = tokio::spawn(async move { read_response(&mut a).await });
+    checking
+        .recv_timeout(Duration::from_secs(120))
+        .expect("the GET's keys were never checked");
+    // Small requests of another session on the GET's partition until the GET is answered.
+    // Those answered before the GET took the unit's lock for its first slice (right after
+    // its check, with no wait between) were served while its keys were checked.
+    let (mut small, mut during_check, mut checked) = (0, 0, false);
+    while !reader.is_finished() {
+        b.clear("shuffled-get", &[small]).await.unwrap();
+        checked = checked || sliced.try_recv().is_ok();
+        if !checked {
+            during_check += 1;
+        }
+        small += 1;
+    }
+    let (id, r) = reader.await.unwrap().expect("an answer");
+    assert_eq!(id, 7);
+    let Response::Error(e) = r else {
+        panic!("{r:?}")
+    };
+    assert_eq!(e.kind, ErrorKind::Missing);
+    assert!(e.message.starts_with("1048576 key(s)"), "{e:?}");
+    assert!(
+        during_check > 0,
+        "no other request was served while the GET's keys were checked ({small} in all)"
+    );
+    drop(b);
+    server.shutdown().await;
+}
+
+/// A GET past the bulk threshold is answered as any other: found values encoded on the bulk
+/// thread, a repeated index refused by its check there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+async fn a_get_past_the_bulk_threshold_is_answered_alike() {
+    let server = unit().await;
+    let c = client(&server).await;
+    let n = (connection::BULK_KEYS + 10) as u64;
+    let indexes: Vec<u64> = (0..n).collect();
+    let values: Vec<Value> = indexes.iter().map(|&i| Value::I64(i as i64 * 3)).collect();
+    c.put("bulk-get", &indexes, &[("x".to_string(), values)])
+        .await
+        .unwrap();
+    let got = c.get("bulk-get", &indexes, &["x"]).await.unwrap();
+    assert_eq!(got[0].len(), n as usize);
+    assert!(got[0]
+        .iter()
+        .enumerate()
+        .all(|(i, v)| *v == Value::I64(i as i64 * 3)));
+    let mut repeated = indexes.clone();
+    repeated[5] = n - 1;
+    repeated.swap(0, 1);
+    let e = c.get("bulk-get", &repeated, &["x"]).await.unwrap_err();
+    assert_eq!(kind(&e), Some(ErrorKind::BadRequest), "{e}");
+    assert!(e.to_string().contains("duplicate index"), "{e}");
+    server.shutdown().await;
+}
+
 /// Pipelined requests whose messages the socket cannot take at once: each caller writes what
 /// the socket takes, the connection's writer task the rest and every request behind it, and
 /// no two requests' bytes interleave.
