@@ -52,18 +52,11 @@ fn token_file(dir: &tempfile::TempDir, token: &str) -> String {
     path.to_str().unwrap().to_owned()
 }
 
-#[test]
-fn serve_says_where_it_listens_and_quiet_silences_it() {
-    let mut child = exe()
-        .args([
-            "serve",
-            "--bind",
-            "localhost:0",
-            "--metrics",
-            "localhost:0",
-            "--pool",
-            "64MiB",
-        ])
+/// The line `serve` (started by `cmd`, with `args`) prints first; it is stopped then.
+fn serve_line(mut cmd: Command, args: &[&str]) -> String {
+    let mut child = cmd
+        .arg("serve")
+        .args(args)
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
@@ -73,6 +66,20 @@ fn serve_says_where_it_listens_and_quiet_silences_it() {
         .unwrap();
     let _ = child.kill();
     let _ = child.wait();
+    line
+}
+
+#[test]
+fn serve_says_where_it_listens_and_quiet_silences_it() {
+    let args = [
+        "--bind",
+        "localhost:0",
+        "--metrics",
+        "localhost:0",
+        "--pool",
+        "64MiB",
+    ];
+    let line = serve_line(exe(), &args);
     let addr = tessera_storage::announced_addr(&line).expect("a listening line");
     assert!(addr.starts_with("127.0.0.1:"), "{line}");
     assert!(
@@ -94,18 +101,8 @@ fn serve_says_where_it_listens_and_quiet_silences_it() {
 }
 
 /// How many runtime workers `serve`, started by `cmd`, says it runs.
-fn serve_workers(mut cmd: Command) -> usize {
-    let mut child = cmd
-        .args(["serve", "--bind", "127.0.0.1:0", "--pool", "64MiB"])
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let _ = child.kill();
-    let _ = child.wait();
+fn serve_workers(cmd: Command) -> usize {
+    let line = serve_line(cmd, &["--bind", "127.0.0.1:0", "--pool", "64MiB"]);
     let (_, after) = line.split_once(", capacity ").expect(&line);
     let (_, workers) = after.split_once(", ").expect(&line);
     let (n, _) = workers.split_once(" worker(s)").expect(&line);

@@ -440,24 +440,7 @@ async fn session(
                     }
                     Err(Unsliced::Other(req)) => req,
                     Err(Unsliced::Panicked) => {
-                        tracing::error!(
-                            id,
-                            op,
-                            "a request's bulk work panicked; closing the session"
-                        );
-                        crate::metrics::error(ErrorKind::Internal);
-                        send(
-                            &shared,
-                            sid,
-                            id,
-                            &Response::error(
-                                ErrorKind::Internal,
-                                format!(
-                                    "the unit failed handling this {op} request; the session \
-                                     is closed, reconnect"
-                                ),
-                            ),
-                        );
+                        panicked(&shared, sid, id, op, "its work on a bulk thread panicked");
                         break;
                     }
                 };
@@ -494,21 +477,7 @@ async fn session(
                 let out = match handled {
                     Ok(out) => out,
                     Err(p) => {
-                        let what = panic_message(&*p);
-                        tracing::error!(id, op, panic = %what, "request handling panicked; closing the session");
-                        crate::metrics::error(ErrorKind::Internal);
-                        send(
-                            &shared,
-                            sid,
-                            id,
-                            &Response::error(
-                                ErrorKind::Internal,
-                                format!(
-                                    "the unit failed handling this {op} request ({what}); \
-                                     the session is closed, reconnect"
-                                ),
-                            ),
-                        );
+                        panicked(&shared, sid, id, op, &panic_message(&*p));
                         break;
                     }
                 };
@@ -539,6 +508,22 @@ async fn session(
     drop((handle, gate));
     let _ = writer.await;
     tracing::debug!("session closed");
+}
+
+/// Answers request `id` (an `op`) whose handling panicked (`what`), before its session
+/// closes.
+fn panicked(shared: &Arc<Shared>, sid: SessionId, id: u64, op: &str, what: &str) {
+    tracing::error!(id, op, panic = %what, "request handling panicked; closing the session");
+    crate::metrics::error(ErrorKind::Internal);
+    let message = format!(
+        "the unit failed handling this {op} request ({what}); the session is closed, reconnect"
+    );
+    send(
+        shared,
+        sid,
+        id,
+        &Response::error(ErrorKind::Internal, message),
+    );
 }
 
 /// Why [`sliced`] did not answer a request.

@@ -568,6 +568,38 @@ async fn a_get_beyond_the_receive_pool_reports_its_numbers() {
     others_carry_on(&server, "q").await;
 }
 
+/// A GET (request 7) of `indexes` of field `x` of `partition`, sent on a raw control
+/// connection of its own; the task ends with its answer.
+async fn raw_get(
+    server: &Server,
+    partition: &str,
+    indexes: Vec<u64>,
+) -> tokio::task::JoinHandle<Option<(u64, Response)>> {
+    let agent = Backend::Inproc.role_agent("raw").unwrap();
+    let (mut a, _) = hello(server, &agent).await;
+    let get = Request::Get {
+        partition: partition.into(),
+        indexes,
+        fields: vec!["x".into()],
+    };
+    a.write_all(&proto::encode_frame(7, &get).unwrap())
+        .await
+        .unwrap();
+    tokio::spawn(async move { read_response(&mut a).await })
+}
+
+/// The error that answers [`raw_get`]'s GET of 2^20 keys never stored.
+fn all_missing(answer: Option<(u64, Response)>) -> crate::error::RemoteError {
+    let (id, r) = answer.expect("an answer");
+    assert_eq!(id, 7);
+    let Response::Error(e) = r else {
+        panic!("{r:?}")
+    };
+    assert_eq!(e.kind, ErrorKind::Missing);
+    assert!(e.message.starts_with("1048576 key(s)"), "{e:?}");
+    e
+}
+
 /// A GET of 2^20 keys does not hold the unit's shared state for its whole length: while it
 /// is being handled, another session's small request on the same partition is handled too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -575,18 +607,8 @@ async fn a_huge_get_is_handled_in_slices_and_others_are_served_meanwhile() {
     let server = unit().await;
     let (tx, rx) = std::sync::mpsc::channel();
     fault::watch_get("huge-get", tx);
-    let agent = Backend::Inproc.role_agent("raw").unwrap();
-    let (mut a, _) = hello(&server, &agent).await;
     let b = client(&server).await;
-    let get = Request::Get {
-        partition: "huge-get".into(),
-        indexes: (0..1u64 << 20).collect(),
-        fields: vec!["x".into()],
-    };
-    a.write_all(&proto::encode_frame(7, &get).unwrap())
-        .await
-        .unwrap();
-    let reader = tokio::spawn(async move { read_response(&mut a).await });
+    let reader = raw_get(&server, "huge-get", (0..1u64 << 20).collect()).await;
     tokio::task::spawn_blocking(move || {
         rx.recv_timeout(Duration::from_secs(120))
             .expect("the GET was never handled")
@@ -599,13 +621,7 @@ async fn a_huge_get_is_handled_in_slices_and_others_are_served_meanwhile() {
         b.clear("huge-get", &[small]).await.unwrap();
         small += 1;
     }
-    let (id, r) = reader.await.unwrap().expect("an answer");
-    assert_eq!(id, 7);
-    let Response::Error(e) = r else {
-        panic!("{r:?}")
-    };
-    assert_eq!(e.kind, ErrorKind::Missing);
-    assert!(e.message.starts_with("1048576 key(s)"), "{e:?}");
+    let e = all_missing(reader.await.unwrap());
     assert_eq!(e.missing.len(), 1000);
     assert!(
         fault::served_during_get("huge-get"),
@@ -625,8 +641,6 @@ async fn a_huge_get_out_of_order_is_checked_off_the_worker() {
     fault::watch_get("shuffled-get", tx);
     let (tx, checking) = std::sync::mpsc::channel();
     fault::watch_check("shuffled-get", tx);
-    let agent = Backend::Inproc.role_agent("raw").unwrap();
-    let (mut a, _) = hello(&server, &agent).await;
     let b = client(&server).await;
     // Every index once, out of order: the duplicate check needs its set.
     let mut indexes: Vec<u64> = (0..1u64 << 20).collect();
@@ -637,15 +651,7 @@ async fn a_huge_get_out_of_order_is_checked_off_the_worker() {
         x ^= x << 17;
         indexes.swap(i, (x % (i as u64 + 1)) as usize);
     }
-    let get = Request::Get {
-        partition: "shuffled-get".into(),
-        indexes,
-        fields: vec!["x".into()],
-    };
-    a.write_all(&proto::encode_frame(7, &get).unwrap())
-        .await
-        .unwrap();
-    let reader = tokio::spawn(async move { read_response(&mut a).await });
+    let reader = raw_get(&server, "shuffled-get", indexes).await;
     checking
         .recv_timeout(Duration::from_secs(120))
         .expect("the GET's keys were never checked");
@@ -661,13 +667,7 @@ async fn a_huge_get_out_of_order_is_checked_off_the_worker() {
         }
         small += 1;
     }
-    let (id, r) = reader.await.unwrap().expect("an answer");
-    assert_eq!(id, 7);
-    let Response::Error(e) = r else {
-        panic!("{r:?}")
-    };
-    assert_eq!(e.kind, ErrorKind::Missing);
-    assert!(e.message.starts_with("1048576 key(s)"), "{e:?}");
+    all_missing(reader.await.unwrap());
     assert!(
         during_check > 0,
         "no other request was served while the GET's keys were checked ({small} in all)"
