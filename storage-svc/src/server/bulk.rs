@@ -38,6 +38,18 @@ where
     done_rx.await.ok()
 }
 
+/// [`run`] where `heavy`, else `job` here; `None` if it panicked on its thread.
+pub(super) async fn run_if<T, F>(heavy: bool, job: F) -> Option<T>
+where
+    F: FnOnce() -> T + Send + 'static,
+    T: Send + 'static,
+{
+    match heavy {
+        true => run(job).await,
+        false => Some(job()),
+    }
+}
+
 /// The calling thread's nice value.
 #[allow(unsafe_code)] // FFI: getpriority(2).
 fn nice_now() -> i32 {

@@ -411,14 +411,12 @@ async fn session(
         // A large request (a GET of a million keys) decodes on a thread of its own at a
         // lower priority, so the worker it would hold serves other sessions meanwhile and
         // preempts it when one sends a request.
-        let decoded = if buf.len() > LARGE_FRAME {
-            match super::bulk::run(move || proto::decode_body::<Request>(&buf)).await {
+        let large = buf.len() > LARGE_FRAME;
+        let decoded =
+            match super::bulk::run_if(large, move || proto::decode_body::<Request>(&buf)).await {
                 Some(d) => d,
                 None => break,
-            }
-        } else {
-            proto::decode_body::<Request>(&buf)
-        };
+            };
         match decoded {
             Ok((id, req)) => {
                 let op = op_name(&req);
@@ -543,18 +541,6 @@ enum Unsliced {
 /// made the probe's p99 under it 12-22 % longer in three alternations.
 pub(super) const BULK_KEYS: usize = 1 << 16;
 
-/// `job` on a bulk thread where `heavy`, else here; `None` if it panicked there.
-async fn offload<T, F>(heavy: bool, job: F) -> Option<T>
-where
-    F: FnOnce() -> T + Send + 'static,
-    T: Send + 'static,
-{
-    match heavy {
-        true => super::bulk::run(job).await,
-        false => Some(job()),
-    }
-}
-
 /// A GET or CLEAR of more than `slice_keys` keys, handled in slices: the keys are checked and
 /// the answer encoded without the unit's lock (on a bulk thread from [`BULK_KEYS`]), and each
 /// hold of it looks up or clears one slice, yielding to other sessions between slices. Any
@@ -597,7 +583,7 @@ async fn sliced(
             // Indexes in order are checked in one pass, here; others need a set of them.
             let in_order = crate::core::keys_in_order(&indexes);
             let c = cfg.clone();
-            let checked = offload(heavy && !in_order, move || {
+            let checked = super::bulk::run_if(heavy && !in_order, move || {
                 let r = crate::core::check_keys_ordered(&c, &indexes, &fields, in_order);
                 (indexes, fields, r)
             });
@@ -634,7 +620,7 @@ async fn sliced(
             let g_partition = g.partition().to_owned();
             // The keys missing make a short error; values found, a long encoding.
             let c = cfg.clone();
-            let encoded = offload(heavy && g.found(), move || {
+            let encoded = super::bulk::run_if(heavy && g.found(), move || {
                 g.into_columns()
                     .and_then(|cols| crate::core::encode_get(&c, cols))
             });
