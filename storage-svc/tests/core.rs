@@ -1947,3 +1947,105 @@ fn an_offered_block_is_written_when_the_values_fit() {
     let (_, out) = h.get_offer(&[2], RemoteDesc::new(9, 0, 1 << 20));
     assert!(matches!(single(out), Response::Values { .. }));
 }
+
+/// An inline PUT of `value` at `idx` x `fields` of `part`, as request `id`.
+fn inline_put(part: &str, idx: &[u64], fields: &[&str], value: &Value) -> Request {
+    let frames = encode(value).unwrap();
+    Request::Put {
+        partition: part.into(),
+        indexes: idx.to_vec(),
+        fields: fields.iter().map(|f| f.to_string()).collect(),
+        meta: ByteBuf::from(frames.meta.to_vec()),
+        inline: Some(
+            frames
+                .payloads
+                .iter()
+                .map(|f| ByteBuf::from(f.to_vec()))
+                .collect(),
+        ),
+        pull: None,
+    }
+}
+
+/// A PUT stored in slices (the driver's path for many keys) holds its partition: a GET or
+/// PUT of it waits, one of another partition does not. It reserves what it has still to
+/// store, so a PUT that fits only without it is refused meanwhile; abandoned, it gives both
+/// back. Stored to the end, it answers as one PUT does, with a 32nd of `slice_keys` keys per
+/// step, and leaves nothing held.
+#[test]
+fn a_put_in_slices_holds_its_partition_and_reserves_what_it_stores() {
+    use tessera_storage::core::Access;
+    let mut h = Harness::new(UnitConfig {
+        slice_keys: 10,
+        key_overhead_bytes: 0,
+        // 95 keys of 8 bytes and 9 of key each reserve 1,615 bytes; the PUT of "q" below
+        // takes about 1,020.
+        capacity_bytes: 2_000,
+        ..UnitConfig::default()
+    });
+    let idx: Vec<u64> = (0..95).collect();
+    let value = Value::List(vec![Value::List((0..95).map(Value::U64).collect())]);
+    let get = |part: &str| Request::Get {
+        partition: part.into(),
+        indexes: vec![0],
+        fields: vec!["a".into()],
+    };
+    let q = inline_put(
+        "q",
+        &[0],
+        &["a"],
+        &Value::List(vec![Value::List(vec![Value::Str("x".repeat(1000))])]),
+    );
+    let put = inline_put("p", &idx, &["a"], &value);
+    let Err(mut sliced) = h.unit.handle_slicing(h.now, S, 10, put.clone(), false) else {
+        panic!("stored at once")
+    };
+    assert_eq!(h.unit.waits(S, &get("p")), Some(("p".into(), Access::Read)));
+    assert_eq!(h.unit.waits(S, &put), Some(("p".into(), Access::Write)));
+    assert_eq!(h.unit.waits(S, &get("q")), None);
+    let out = h.unit.handle(h.now, S, 11, q.clone());
+    let Response::Error(e) = single(out) else {
+        panic!("admitted beside the reservation")
+    };
+    assert_eq!(e.kind, ErrorKind::Capacity, "{e:?}");
+    h.unit.put_abandoned(&mut sliced);
+    assert_eq!(h.unit.waits(S, &get("p")), None);
+    assert_eq!(single(h.unit.handle(h.now, S, 12, q)), Response::Done);
+    assert_eq!(h.unit.stats().keys, 1);
+
+    // Stored to the end, in steps of 2 keys.
+    let mut h = Harness::new(UnitConfig {
+        slice_keys: 64,
+        ..UnitConfig::default()
+    });
+    let Err(mut sliced) = h.unit.handle_slicing(h.now, S, 20, put, false) else {
+        panic!("stored at once")
+    };
+    let mut steps = 1;
+    let out = loop {
+        match h.unit.put_step(&mut sliced) {
+            Some(out) => break out,
+            None => steps += 1,
+        }
+    };
+    assert_eq!(steps, 48);
+    assert!(matches!(
+        &out[..],
+        [Output::Reply {
+            id: 20,
+            response: Response::Done,
+            ..
+        }]
+    ));
+    assert_eq!(h.unit.waits(S, &get("p")), None);
+    assert_eq!(h.get("p", &idx, &["a"]).unwrap(), value);
+    assert_eq!(h.unit.stats().keys, 95);
+    // A PUT of `slice_keys` keys or fewer is stored at once.
+    let small = inline_put(
+        "p",
+        &idx[..10],
+        &["a"],
+        &Value::List(vec![Value::List((0..10).map(Value::U64).collect())]),
+    );
+    assert!(h.unit.handle_slicing(h.now, S, 21, small, false).is_ok());
+}

@@ -323,9 +323,7 @@ impl<M: Memory> Unit<M> {
         .map_err(|e| err(ErrorKind::Protocol, format!("decode: {e}")))?;
         self.puts.count_in(size);
         let block_id = self.store.new_block(block_len, partition);
-        let r = self.store_value(partition, indexes, fields, value, Some(block_id));
-        self.store.drop_if_unused(block_id);
-        r?;
+        self.store_value(partition, indexes, fields, value, Some(block_id))?;
         Ok(self.stored(session))
     }
 

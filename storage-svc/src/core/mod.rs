@@ -26,6 +26,7 @@ mod get;
 mod keyed;
 mod put;
 mod session;
+mod sliced;
 mod stats;
 mod store;
 #[cfg(test)]
@@ -42,12 +43,14 @@ use tessera_transport::RemoteDesc;
 
 pub use self::config::UnitConfig;
 pub use self::get::{encode_get, EncodedGet, SlicedGet, EARLY_META_BYTES};
+pub use self::sliced::{Access, MaybeSliced, SlicedPut};
 pub use self::stats::{PartitionStats, PoolStats, Stats};
 
 use self::credit::Credits;
 use self::get::Gets;
 use self::put::{PutNext, PutRequest, Puts};
 use self::session::{Handshake, SessionState, Sessions, Step};
+use self::sliced::Holds;
 use self::store::{Compaction, Store};
 use crate::error::{ErrorKind, MemoryError, PayloadError, RemoteError};
 use crate::proto::{handshake_parts, Request, Response, CLIENT_PROOF, UNIT_PROOF};
@@ -231,6 +234,14 @@ pub struct Unit<M: Memory> {
     credits: Credits<M::Block>,
     /// PUT payloads are pulled (READ by the unit) instead of pushed.
     pull_puts: bool,
+    /// Partitions held by requests handled in slices, and what their PUTs still reserve.
+    holds: Holds,
+    /// Set while [`Unit::handle_slicing`] handles a request: a PUT of more than
+    /// `slice_keys` keys is then left in `sliced_put` instead of stored.
+    slicing: bool,
+    sliced_put: Option<Box<SlicedPut<M::Dest>>>,
+    /// Set while [`Unit::handle_slicing`] handles a request whose keys the driver checked.
+    keys_checked: bool,
 }
 
 fn err(kind: ErrorKind, message: impl Into<String>) -> RemoteError {
@@ -272,6 +283,10 @@ impl<M: Memory> Unit<M> {
             gets: Gets::default(),
             credits: Credits::default(),
             pull_puts: false,
+            holds: Holds::default(),
+            slicing: false,
+            sliced_put: None,
+            keys_checked: false,
         }
     }
 
@@ -479,7 +494,10 @@ impl<M: Memory> Unit<M> {
     }
 
     fn check_keys(&self, indexes: &[u64], fields: &[String]) -> Result<(), RemoteError> {
-        check_keys(&self.cfg, indexes, fields)
+        match self.keys_checked {
+            true => Ok(()),
+            false => check_keys(&self.cfg, indexes, fields),
+        }
     }
 
     fn clear(

@@ -111,6 +111,13 @@ impl Puts {
         self.pending.len()
     }
 
+    /// The partition of PUT `put` of `session`.
+    pub(super) fn partition_of(&self, session: SessionId, put: u64) -> Option<&str> {
+        self.pending
+            .get(&(session, put))
+            .map(|p| p.partition.as_str())
+    }
+
     /// Whether PUT `put` of `session` is pulled and its READ queued or in flight.
     pub(super) fn reading(&self, session: SessionId, put: u64) -> bool {
         self.pending.get(&(session, put)).is_some_and(|p| p.reading)
@@ -430,8 +437,8 @@ impl<M: Memory> Unit<M> {
         let keys = indexes.len() as u64 * fields.len() as u64;
         let incoming = size + meta_len + keys_cost;
         let used = self.store.used() + self.store.overhead();
-        let reserved = self.puts.reserved();
-        let stored = self.store.keys();
+        let reserved = self.puts.reserved() + self.holds.storing();
+        let stored = self.store.keys() + self.holds.storing_keys();
         let fits = |credit: u64, new_keys: u64| {
             let need = (used + reserved + incoming).saturating_sub(credit);
             (
@@ -544,12 +551,12 @@ impl<M: Memory> Unit<M> {
     fn store_put(&mut self, p: PendingPut) -> Result<(), RemoteError> {
         self.puts.bytes_in += p.size;
         let block_id = self.store.new_block(p.block_len, &p.partition);
-        let r = self.store_value(&p.partition, &p.indexes, &p.fields, p.value, Some(block_id));
-        self.store.drop_if_unused(block_id);
-        r
+        self.store_value(&p.partition, &p.indexes, &p.fields, p.value, Some(block_id))
     }
 
-    /// Stores a PUT's value (see `Store::store`), compacting into this unit's memory.
+    /// Stores a PUT's value (see `Store::store`), compacting into this unit's memory, or
+    /// leaves it to be stored in slices (`slice_store`); a fresh `block` nothing was stored
+    /// in is forgotten.
     pub(super) fn store_value(
         &mut self,
         partition: &str,
@@ -558,9 +565,17 @@ impl<M: Memory> Unit<M> {
         value: Value,
         block: Option<u64>,
     ) -> Result<(), RemoteError> {
+        let Some(value) = self.slice_store(partition, indexes, fields, value, block)? else {
+            return Ok(());
+        };
         let c = Compaction::new(&mut self.mem, &self.cfg);
-        self.store
-            .store(partition, indexes, fields, value, block, c)
+        let r = self
+            .store
+            .store(partition, indexes, fields, value, block, c);
+        if let Some(b) = block {
+            self.store.drop_if_unused(b);
+        }
+        r
     }
 
     /// The READ posted for `Output::Read` of PUT `put` finished. On success the values are

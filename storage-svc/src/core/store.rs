@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use tessera_framecodec::{TensorError, Value, ViewError};
 
-use super::keyed::KeyedMap;
+use super::keyed::{IndexMap, KeyedMap};
 use super::{err, logical_bytes, Memory, PartitionStats, UnitConfig};
 use crate::error::{ErrorKind, MemoryError, RemoteError};
 
@@ -22,7 +22,7 @@ pub(super) struct Entry {
 
 #[derive(Default)]
 struct Partition {
-    fields: KeyedMap<String, KeyedMap<u64, Entry>>,
+    fields: KeyedMap<String, IndexMap<Entry>>,
     keys: u64,
     bytes: u64,
 }
@@ -47,6 +47,33 @@ pub(super) struct Store {
     keys: u64,
     /// What the stored keys cost besides their values (`key_cost` of each).
     overhead: u64,
+}
+
+/// A PUT value's rows: one list per field, each of one value per index.
+pub(super) fn rows(
+    value: Value,
+    fields: usize,
+    indexes: usize,
+) -> Result<Vec<std::vec::IntoIter<Value>>, RemoteError> {
+    let Value::List(columns) = value else {
+        return Err(err(
+            ErrorKind::BadRequest,
+            "PUT value is not a list of fields",
+        ));
+    };
+    if columns.len() != fields {
+        return Err(err(ErrorKind::BadRequest, "one list per field expected"));
+    }
+    columns
+        .into_iter()
+        .map(|c| match c {
+            Value::List(items) if items.len() == indexes => Ok(items.into_iter()),
+            _ => Err(err(
+                ErrorKind::BadRequest,
+                "each field needs one value per index",
+            )),
+        })
+        .collect()
 }
 
 /// What one stored key of `field` costs against the capacity besides its value: `overhead`
@@ -173,29 +200,26 @@ impl Store {
         fields: &[String],
         value: Value,
         block: Option<u64>,
-        mut c: Compaction<'_, M>,
+        c: Compaction<'_, M>,
     ) -> Result<(), RemoteError> {
-        let Value::List(columns) = value else {
-            return Err(err(
-                ErrorKind::BadRequest,
-                "PUT value is not a list of fields",
-            ));
-        };
-        if columns.len() != fields.len() {
-            return Err(err(ErrorKind::BadRequest, "one list per field expected"));
-        }
-        let mut rows = Vec::with_capacity(columns.len());
-        for c in columns {
-            match c {
-                Value::List(items) if items.len() == indexes.len() => rows.push(items),
-                _ => {
-                    return Err(err(
-                        ErrorKind::BadRequest,
-                        "each field needs one value per index",
-                    ))
-                }
-            }
-        }
+        let mut rows = rows(value, fields.len(), indexes.len())?;
+        self.store_rows(partition, indexes, fields, &mut rows, block, c);
+        Ok(())
+    }
+
+    /// Stores the next `indexes.len()` values of each field's `rows` (one per field, in
+    /// order) at `indexes`, replacing the keys stored there; returns the bytes the stored
+    /// keys now count for more, their values' and new keys' (a PUT stored in slices gives
+    /// that much of its reservation back), and the blocks that held the values replaced.
+    pub(super) fn store_rows<M: Memory>(
+        &mut self,
+        partition: &str,
+        indexes: &[u64],
+        fields: &[String],
+        rows: &mut [std::vec::IntoIter<Value>],
+        block: Option<u64>,
+        mut c: Compaction<'_, M>,
+    ) -> (u64, Vec<u64>) {
         let mut added = 0u64;
         let mut new_keys = 0u64;
         let mut new_overhead = 0u64;
@@ -204,7 +228,7 @@ impl Store {
         // they are replaced.
         let mut old: Vec<(Option<u64>, u64)> = Vec::new();
         let part = self.partitions.entry(partition.to_owned()).or_default();
-        for (field, items) in fields.iter().zip(rows) {
+        for (field, items) in fields.iter().zip(rows.iter_mut()) {
             let map = part.fields.entry(field.clone()).or_default();
             for (index, value) in indexes.iter().zip(items) {
                 let bytes = logical_bytes(&value);
@@ -238,11 +262,14 @@ impl Store {
             p.bytes -= old.iter().map(|(_, bytes)| bytes).sum::<u64>();
         }
         // Each block is released by what left it at once, so a block whose dead fraction
-        // passes the threshold only because of this PUT is not compacted halfway through.
+        // passes the threshold only because of this PUT (or this slice of it) is not
+        // compacted halfway through.
+        let mut released = Vec::new();
         for (block, bytes) in old {
+            released.extend(block);
             self.release(bytes, block, c.again());
         }
-        Ok(())
+        (added + new_overhead, released)
     }
 
     /// The stored values of `fields` x `indexes`, one list per field; or the keys missing
@@ -365,27 +392,28 @@ impl Store {
     /// Accounts for `bytes` of stored values leaving the store, from `block` if any.
     fn release<M: Memory>(&mut self, bytes: u64, block: Option<u64>, c: Compaction<'_, M>) {
         self.used -= bytes;
-        if let Some(id) = block {
-            let compact = match self.blocks.get_mut(&id) {
-                Some(b) => {
-                    b.live -= bytes;
-                    if b.live == 0 {
-                        self.blocks.remove(&id);
-                        false
-                    } else {
-                        // `live` counts the logical bytes of the values attributed to the
-                        // block (scalars and packed small values of the same PUT included), so
-                        // it can exceed the block's size: then nothing in it is dead.
-                        let f = c.dead_fraction;
-                        let dead = b.size.saturating_sub(b.live);
-                        f > 0.0 && dead as f64 > f * b.size as f64
-                    }
-                }
-                None => false,
-            };
-            if compact {
-                self.compact(id, c);
+        let Some(id) = block else { return };
+        if let Some(b) = self.blocks.get_mut(&id) {
+            b.live -= bytes;
+            if b.live == 0 {
+                self.blocks.remove(&id);
+                return;
             }
+        }
+        self.compact_if_due(id, c);
+    }
+
+    /// Compacts block `id` where its dead fraction passed `c`'s.
+    pub(super) fn compact_if_due<M: Memory>(&mut self, id: u64, c: Compaction<'_, M>) {
+        // `live` counts the logical bytes of the values attributed to the block (scalars and
+        // packed small values of the same PUT included), so it can exceed the block's size:
+        // then nothing in it is dead.
+        let due = self.blocks.get(&id).is_some_and(|b| {
+            let dead = b.size.saturating_sub(b.live);
+            c.dead_fraction > 0.0 && dead as f64 > c.dead_fraction * b.size as f64
+        });
+        if due {
+            self.compact(id, c);
         }
     }
 

@@ -16,13 +16,15 @@ use tracing::Instrument;
 
 #[cfg(test)]
 use super::fault;
+use super::partitions::PartitionGuard;
 use super::timer::close_in_core;
 use super::transfers::{dispatch, executor};
 use super::{Listener, SessionHandle, Shared};
 use crate::busy_poll::{self, BusyPoll};
-use crate::core::SessionId;
+use crate::core::{Access, SessionId, SlicedPut, Unit};
 use crate::error::ErrorKind;
 use crate::outbox::{Direct, OutState};
+use crate::plane::PoolMemory;
 use crate::proto::{self, Request, Response};
 use crate::ring::Ring;
 use tessera_sync::atomic::{AtomicU64, Ordering};
@@ -442,48 +444,105 @@ async fn session(
                         break;
                     }
                 };
-                let _g = span.enter();
-                let started = Instant::now();
-                // The standing ranges the handling withdraws or grants (a used credit, the
-                // next one) are announced to the client's engine at once where the engine
-                // does so through shared memory (shm's ring: a few stores, under the unit's
-                // lock too), else after the answer has left, in one message, and not under
-                // the unit's lock.
-                let announcements = Agent::hold_announcements();
-                let handled = {
-                    let mut unit = shared.unit.lock();
-                    // Caught inside the lock's scope: the lock is not poisoned, and the
-                    // session is closed below, which releases what it held in the core.
-                    catch_unwind(AssertUnwindSafe(|| {
-                        #[cfg(test)]
-                        fault::before_handle(sid, id, &req);
-                        #[cfg(test)]
-                        let watched = match &req {
-                            Request::Get { partition, .. }
-                            | Request::GetOffer { partition, .. } => Some(partition.clone()),
-                            _ => None,
-                        };
-                        let out = unit.handle(started, sid, id, req);
-                        #[cfg(test)]
-                        if let Some(p) = watched {
-                            fault::get_done(&p);
-                        }
-                        unit.trim_memory();
-                        out
-                    }))
+                // A large PUT's keys out of order are checked off the unit's lock.
+                let Some((req, keys_checked)) = check_put_keys(&shared, req).await else {
+                    panicked(&shared, sid, id, op, "its work on a bulk thread panicked");
+                    break;
                 };
-                let out = match handled {
-                    Ok(out) => out,
-                    Err(p) => {
-                        panicked(&shared, sid, id, op, &panic_message(&*p));
-                        break;
+                let started = Instant::now();
+                // A request that would see one handled in slices half done (or be seen so)
+                // waits for its partition, then is handled while it holds it.
+                let mut held = None;
+                let mut wait: Option<(String, Access)> = None;
+                let mut req = Some(req);
+                let step = loop {
+                    if let Some((partition, access)) = wait.take() {
+                        held = Some(shared.partitions.acquire(&partition, access).await);
+                    }
+                    let step = {
+                        let _g = span.enter();
+                        // The standing ranges the handling withdraws or grants (a used
+                        // credit, the next one) are announced to the client's engine at once
+                        // where the engine does so through shared memory (shm's ring: a few
+                        // stores, under the unit's lock too), else after the answer has left,
+                        // in one message, and not under the unit's lock.
+                        let announcements = Agent::hold_announcements();
+                        let mut unit = shared.unit.lock();
+                        let pending = req.as_ref().expect("the request, until handled");
+                        match held.is_none().then(|| unit.waits(sid, pending)).flatten() {
+                            Some(w) => Handled::Wait(w),
+                            None => {
+                                let req = req.take().expect("the request, until handled");
+                                // Caught inside the lock's scope: the lock is not poisoned,
+                                // and the session is closed below, which releases what it
+                                // held in the core.
+                                let handled = catch_unwind(AssertUnwindSafe(|| {
+                                    #[cfg(test)]
+                                    fault::before_handle(sid, id, &req);
+                                    #[cfg(test)]
+                                    let watched = match &req {
+                                        Request::Get { partition, .. }
+                                        | Request::GetOffer { partition, .. } => {
+                                            Some(partition.clone())
+                                        }
+                                        _ => None,
+                                    };
+                                    let out =
+                                        unit.handle_slicing(started, sid, id, req, keys_checked);
+                                    #[cfg(test)]
+                                    if let Some(p) = watched {
+                                        fault::get_done(&p);
+                                    }
+                                    unit.trim_memory();
+                                    out
+                                }));
+                                drop(unit);
+                                match handled {
+                                    Ok(Ok(out)) => {
+                                        #[cfg(test)]
+                                        fault::after_handle(op);
+                                        crate::metrics::request(op, started.elapsed(), &out);
+                                        dispatch(&shared, out);
+                                        drop(announcements);
+                                        Handled::Done
+                                    }
+                                    Ok(Err(put)) => Handled::Sliced(put),
+                                    Err(p) => Handled::Panicked(panic_message(&*p)),
+                                }
+                            }
+                        }
+                    };
+                    match step {
+                        Handled::Wait(w) => {
+                            #[cfg(test)]
+                            fault::waits(&w.0);
+                            wait = Some(w);
+                        }
+                        other => break other,
                     }
                 };
-                #[cfg(test)]
-                fault::after_handle(op);
-                crate::metrics::request(op, started.elapsed(), &out);
-                dispatch(&shared, out);
-                drop(announcements);
+                match step {
+                    Handled::Sliced(put) => {
+                        let stored = store_sliced(&shared, put, held.take())
+                            .instrument(span.clone())
+                            .await;
+                        let Some(out) = stored else {
+                            panicked(&shared, sid, id, op, "storing a slice panicked");
+                            break;
+                        };
+                        let _g = span.enter();
+                        #[cfg(test)]
+                        fault::after_handle(op);
+                        crate::metrics::request(op, started.elapsed(), &out);
+                        dispatch(&shared, out);
+                    }
+                    Handled::Panicked(what) => {
+                        panicked(&shared, sid, id, op, &what);
+                        break;
+                    }
+                    Handled::Done | Handled::Wait(_) => {}
+                }
+                drop(held);
             }
             Err((id, e)) => {
                 tracing::debug!(id, error = %e, "bad message");
@@ -522,6 +581,18 @@ fn panicked(shared: &Arc<Shared>, sid: SessionId, id: u64, op: &str, what: &str)
         id,
         &Response::error(ErrorKind::Internal, message),
     );
+}
+
+/// What became of a request handed to the core.
+enum Handled {
+    /// Answered.
+    Done,
+    /// It waits for this partition, held by a request handled in slices.
+    Wait((String, Access)),
+    /// A PUT to store in slices.
+    Sliced(Box<SlicedPut<tessera_transport::LocalDesc>>),
+    /// Its handling panicked: the session closes.
+    Panicked(String),
 }
 
 /// Why [`sliced`] did not answer a request.
@@ -597,11 +668,14 @@ async fn sliced(
                     response: Response::Error(e),
                 }]);
             }
-            let begun = {
-                let unit = shared.unit.lock();
+            // Its partition held to read: no PUT or CLEAR of it lands between two slices.
+            let _partition = shared.partitions.acquire(&partition, Access::Read).await;
+            let (begun, _hold) = {
+                let mut unit = shared.unit.lock();
                 #[cfg(test)]
-                fault::before_sliced(sid, id, &partition);
-                unit.get_begin(sid, id, partition, indexes, fields)
+                fault::before_sliced(&partition);
+                let hold = CoreHold::new(shared, &mut unit, &partition, Access::Read);
+                (unit.get_begin(sid, id, partition, indexes, fields), hold)
             };
             let mut g = match begun {
                 Ok(g) => g,
@@ -652,6 +726,9 @@ async fn sliced(
                     response: Response::error(ErrorKind::TooLarge, "too many indexes"),
                 }]);
             }
+            // Its partition held to write: no request sees it half cleared.
+            let _partition = shared.partitions.acquire(&partition, Access::Write).await;
+            let _hold = CoreHold::new(shared, &mut shared.unit.lock(), &partition, Access::Write);
             let mut chunks = indexes.chunks(slice).peekable();
             while let Some(chunk) = chunks.next() {
                 let req = Request::Clear {
@@ -683,6 +760,147 @@ async fn sliced(
             Ok(Vec::new())
         }
         other => Err(Unsliced::Other(other)),
+    }
+}
+
+/// A PUT's keys checked off the unit's lock, where a check under it would hold every other
+/// session: more than [`BULK_KEYS`] of them, indexes out of order (a set of them; in order,
+/// the core's check is one pass). The request comes back with whether its keys were checked
+/// and found valid (one that is not is checked again by the core, which refuses it and
+/// gives back what it holds); `None` if the check panicked.
+async fn check_put_keys(shared: &Arc<Shared>, req: Request) -> Option<(Request, bool)> {
+    let heavy = match &req {
+        Request::Put {
+            indexes, fields, ..
+        }
+        | Request::PutCredited {
+            indexes, fields, ..
+        } => {
+            indexes.len().saturating_mul(fields.len().max(1)) > BULK_KEYS
+                && !crate::core::keys_in_order(indexes)
+        }
+        _ => false,
+    };
+    if !heavy {
+        return Some((req, false));
+    }
+    #[cfg(test)]
+    if let Request::Put { partition, .. } | Request::PutCredited { partition, .. } = &req {
+        fault::check_begins(partition);
+    }
+    let cfg = shared.cfg.unit.clone();
+    super::bulk::run(move || {
+        let valid = match &req {
+            Request::Put {
+                indexes, fields, ..
+            }
+            | Request::PutCredited {
+                indexes, fields, ..
+            } => crate::core::check_keys_ordered(&cfg, indexes, fields, false).is_ok(),
+            _ => false,
+        };
+        (req, valid)
+    })
+    .await
+}
+
+/// Stores PUT `put` in slices, yielding to other sessions between them, while it holds its
+/// partition to write (`held` where its request waited for it, else taken here); its answer,
+/// or `None` if a slice panicked.
+pub(super) async fn store_sliced(
+    shared: &Arc<Shared>,
+    put: Box<SlicedPut<tessera_transport::LocalDesc>>,
+    held: Option<PartitionGuard>,
+) -> Option<Vec<crate::core::Output<tessera_transport::LocalDesc>>> {
+    let mut storing = Storing {
+        shared,
+        put: Some(put),
+    };
+    let partition = storing.put.as_ref()?.partition().to_owned();
+    let _held = match held {
+        Some(g) if g.access() == Access::Write && g.name() == partition => g,
+        other => {
+            drop(other);
+            shared.partitions.acquire(&partition, Access::Write).await
+        }
+    };
+    #[cfg(test)]
+    fault::before_sliced(&partition);
+    loop {
+        let step = {
+            let mut unit = shared.unit.lock();
+            let put = storing.put.as_mut()?;
+            catch_unwind(AssertUnwindSafe(|| {
+                let out = unit.put_step(put);
+                if out.is_some() {
+                    unit.trim_memory();
+                }
+                out
+            }))
+        };
+        match step {
+            Ok(Some(out)) => {
+                storing.put = None;
+                #[cfg(test)]
+                fault::get_done(&partition);
+                return Some(out);
+            }
+            Ok(None) => {
+                #[cfg(test)]
+                fault::between_slices(&partition).await;
+                tokio::task::yield_now().await;
+            }
+            Err(_) => return None,
+        }
+    }
+}
+
+/// A PUT being stored in slices: where its driver stops before the last one (a panic, the
+/// unit stopping), what it holds in the core is given back.
+struct Storing<'a> {
+    shared: &'a Shared,
+    put: Option<Box<SlicedPut<tessera_transport::LocalDesc>>>,
+}
+
+impl Drop for Storing<'_> {
+    fn drop(&mut self) {
+        // Never dropped under the unit's lock: each slice takes and leaves it.
+        if let Some(mut put) = self.put.take() {
+            self.shared.unit.lock().put_abandoned(&mut put);
+        }
+    }
+}
+
+/// A partition held in the core by a GET or CLEAR handled in slices: given back on drop,
+/// never under the unit's lock.
+struct CoreHold<'a> {
+    shared: &'a Shared,
+    partition: String,
+    access: Access,
+}
+
+impl<'a> CoreHold<'a> {
+    fn new(
+        shared: &'a Shared,
+        unit: &mut Unit<PoolMemory>,
+        partition: &str,
+        access: Access,
+    ) -> Self {
+        unit.hold(partition, access);
+        Self {
+            shared,
+            partition: partition.to_owned(),
+            access,
+        }
+    }
+}
+
+impl Drop for CoreHold<'_> {
+    fn drop(&mut self) {
+        self.shared
+            .unit
+            .lock()
+            .release(&self.partition, self.access);
     }
 }
 
@@ -863,7 +1081,7 @@ impl Replies {
 /// A session's pauses between requests that its next one is expected from: the last this many.
 const PAUSES: usize = 8;
 
-/// Frames larger than this decode off the session's worker.
+/// Frames larger than this decode off the session's worker, and credited PUTs' metas.
 const LARGE_FRAME: usize = 1 << 20;
 
 /// How long a COMMIT waits for the engine to record the WRITE it follows.
@@ -910,8 +1128,18 @@ async fn credit_grace(
         let decoder = unit.meta_decoder(landing.1);
         (landing, decoder)
     };
-    let decoded = decoder.decode_unbound(meta, align);
-    shared.unit.lock().credit_decoded(sid, credit, id, decoded);
+    // A large meta (a PUT of many keys) decodes off the worker, as a large frame does. If
+    // that panics, the request's handling decodes it (and fails) under the unit's lock.
+    let decoded = match meta.len() > LARGE_FRAME {
+        true => {
+            let meta = meta.to_vec();
+            super::bulk::run(move || decoder.decode_unbound(&meta, align)).await
+        }
+        false => Some(decoder.decode_unbound(meta, align)),
+    };
+    if let Some(decoded) = decoded {
+        shared.unit.lock().credit_decoded(sid, credit, id, decoded);
+    }
     let recorded = std::future::poll_fn(|cx| landing.poll_bytes(bytes, cx));
     if recorded_now(&landing, bytes) {
         return;

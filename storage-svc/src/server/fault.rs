@@ -73,9 +73,8 @@ pub(crate) fn before_write(sid: SessionId, get: u64) {
     }
 }
 
-/// Watched partitions: whose GET is under way (the unit's state taken for it, in slices or
-/// whole), and whether a request of another kind on the same partition was handled while it
-/// was.
+/// Watched partitions: whose GET (or PUT stored in slices) is under way, and whether another
+/// request was handled, or made to wait for the partition, while it was.
 static WATCHED: StaticMutex<Vec<Watch>> = StaticMutex::new(Vec::new());
 
 struct Watch {
@@ -83,19 +82,23 @@ struct Watch {
     started: std::sync::mpsc::Sender<()>,
     under_way: bool,
     served_during: bool,
+    waited_during: bool,
 }
 
-/// Watches GETs of `partition`: `started` hears when one starts being handled.
+/// Watches GETs of `partition`, and PUTs of it stored in slices: `started` hears when one
+/// starts being handled.
 pub(crate) fn watch_get(partition: &str, started: std::sync::mpsc::Sender<()>) {
     WATCHED.lock().push(Watch {
         partition: partition.to_owned(),
         started,
         under_way: false,
         served_during: false,
+        waited_during: false,
     });
 }
 
-/// Whether another request on `partition` was handled while its GET was under way.
+/// Whether another request (of any partition) was handled while a GET or sliced PUT of
+/// `partition` was under way.
 pub(crate) fn served_during_get(partition: &str) -> bool {
     WATCHED
         .lock()
@@ -103,17 +106,31 @@ pub(crate) fn served_during_get(partition: &str) -> bool {
         .any(|w| w.partition == partition && w.served_during)
 }
 
+/// Whether a request was made to wait for `partition` while its GET or sliced PUT was
+/// under way.
+pub(crate) fn waited_during(partition: &str) -> bool {
+    WATCHED
+        .lock()
+        .iter()
+        .any(|w| w.partition == partition && w.waited_during)
+}
+
+/// A request waits for `partition`, held by one handled in slices.
+pub(crate) fn waits(partition: &str) {
+    for w in WATCHED.lock().iter_mut() {
+        if w.partition == partition && w.under_way {
+            w.waited_during = true;
+        }
+    }
+}
+
 fn watched_handle(req: &Request) {
-    let (partition, get) = match req {
-        Request::Get { partition, .. } => (partition, true),
-        Request::Put { partition, .. } | Request::Clear { partition, .. } => (partition, false),
-        _ => return,
+    let get_of = match req {
+        Request::Get { partition, .. } => Some(partition),
+        _ => None,
     };
     for w in WATCHED.lock().iter_mut() {
-        if &w.partition != partition {
-            continue;
-        }
-        if get {
+        if get_of == Some(&w.partition) {
             get_started(w);
         } else if w.under_way {
             w.served_during = true;
@@ -143,8 +160,9 @@ pub(crate) fn check_begins(partition: &str) {
     }
 }
 
-/// A GET of `partition` starts being handled in slices (the unit locked).
-pub(crate) fn before_sliced(_sid: SessionId, _id: u64, partition: &str) {
+/// A GET of `partition` starts being handled in slices (the unit locked), or a PUT of it
+/// starts being stored in slices.
+pub(crate) fn before_sliced(partition: &str) {
     for w in WATCHED.lock().iter_mut() {
         if w.partition == partition {
             get_started(w);
@@ -152,15 +170,14 @@ pub(crate) fn before_sliced(_sid: SessionId, _id: u64, partition: &str) {
     }
 }
 
-/// Between two slices of a GET of `partition` (the unit unlocked): a watched GET waits, for
-/// 30 s at most, until a request of another session on its partition was handled, so that a
-/// test of the slicing does not depend on how fast the GET is.
+/// Between two slices of a GET or PUT of `partition` (the unit unlocked): a watched one waits,
+/// for 30 s at most, until another request was handled or made to wait for its partition, so
+/// that a test of the slicing does not depend on how fast the request is.
 pub(crate) async fn between_slices(partition: &str) {
     let served = || {
-        WATCHED
-            .lock()
-            .iter()
-            .any(|w| w.partition == partition && (!w.under_way || w.served_during))
+        WATCHED.lock().iter().any(|w| {
+            w.partition == partition && (!w.under_way || w.served_during || w.waited_during)
+        })
     };
     let watched = WATCHED.lock().iter().any(|w| w.partition == partition);
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
@@ -169,7 +186,7 @@ pub(crate) async fn between_slices(partition: &str) {
     }
 }
 
-/// A GET of `partition` was answered (the unit still locked).
+/// A GET of `partition` was answered (the unit still locked), or a PUT of it stored.
 pub(crate) fn get_done(partition: &str) {
     for w in WATCHED.lock().iter_mut() {
         if w.partition == partition {

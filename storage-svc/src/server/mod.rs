@@ -26,6 +26,7 @@ mod bulk;
 mod connection;
 #[cfg(test)]
 pub(crate) mod fault;
+mod partitions;
 #[cfg(test)]
 mod tests;
 mod timer;
@@ -243,6 +244,8 @@ struct Shared {
     accept_errors: AtomicU64,
     /// Bounds the `add_remote` calls in progress.
     peer_adds: Arc<tokio::sync::Semaphore>,
+    /// The order of requests that conflict over a partition held by one handled in slices.
+    partitions: partitions::PartitionLocks,
 }
 
 impl Shared {
@@ -424,6 +427,7 @@ impl Server {
             refused: AtomicU64::new(0),
             accept_errors: AtomicU64::new(0),
             peer_adds,
+            partitions: Default::default(),
         });
         let (stop, stop_rx) = watch::channel(false);
         let accept = tokio::spawn(accept_loop(shared.clone(), listener, stop_rx.clone()));

@@ -601,7 +601,7 @@ fn all_missing(answer: Option<(u64, Response)>) -> crate::error::RemoteError {
 }
 
 /// A GET of 2^20 keys does not hold the unit's shared state for its whole length: while it
-/// is being handled, another session's small request on the same partition is handled too.
+/// is being handled, another session's small requests on another partition are handled too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_huge_get_is_handled_in_slices_and_others_are_served_meanwhile() {
     let server = unit().await;
@@ -609,16 +609,11 @@ async fn a_huge_get_is_handled_in_slices_and_others_are_served_meanwhile() {
     fault::watch_get("huge-get", tx);
     let b = client(&server).await;
     let reader = raw_get(&server, "huge-get", (0..1u64 << 20).collect()).await;
-    tokio::task::spawn_blocking(move || {
-        rx.recv_timeout(Duration::from_secs(120))
-            .expect("the GET was never handled")
-    })
-    .await
-    .unwrap();
-    // The huge GET is under way; small requests of another session on its partition.
+    started(rx).await;
+    // The huge GET is under way; small requests of another session on another partition.
     let mut small = 0;
     while !reader.is_finished() {
-        b.clear("huge-get", &[small]).await.unwrap();
+        b.clear("huge-get-other", &[small]).await.unwrap();
         small += 1;
     }
     let e = all_missing(reader.await.unwrap());
@@ -628,6 +623,151 @@ async fn a_huge_get_is_handled_in_slices_and_others_are_served_meanwhile() {
         "no other request was handled while the huge GET held the unit ({small} waited)"
     );
     drop(b);
+    assert_eq!(
+        server.shared.partitions.len(),
+        0,
+        "a partition's lock was left"
+    );
+    server.shutdown().await;
+}
+
+/// Waits (in a blocking thread) until `rx` hears that a watched request started.
+async fn started(rx: std::sync::mpsc::Receiver<()>) {
+    tokio::task::spawn_blocking(move || {
+        rx.recv_timeout(Duration::from_secs(120))
+            .expect("the request was never handled")
+    })
+    .await
+    .unwrap();
+}
+
+/// `n` keys of field `x`, each an I64 of `base` plus its index.
+fn numbered(n: u64, base: i64) -> (Vec<u64>, Vec<(String, Vec<Value>)>) {
+    let values = (0..n).map(|i| Value::I64(base + i as i64)).collect();
+    ((0..n).collect(), vec![("x".to_owned(), values)])
+}
+
+fn ints(got: &[Vec<Value>]) -> Vec<i64> {
+    got[0]
+        .iter()
+        .map(|v| match v {
+            Value::I64(i) => *i,
+            other => panic!("{other:?}"),
+        })
+        .collect()
+}
+
+/// Keys of the PUTs stored in slices below: 32 times `slice_keys`.
+const SLICED_PUT_KEYS: u64 = 32 * 4096;
+
+/// A PUT of more keys than `slice_keys` is stored in slices: on a unit with one worker,
+/// another session's requests are served while it is stored, and every key is stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+async fn a_huge_put_is_stored_in_slices_and_others_are_served_meanwhile() {
+    let server = unit().await;
+    let (tx, rx) = std::sync::mpsc::channel();
+    fault::watch_get("huge-put", tx);
+    let a = Arc::new(client(&server).await);
+    let b = client(&server).await;
+    let (indexes, columns) = numbered(SLICED_PUT_KEYS, 0);
+    let writer = {
+        let a = a.clone();
+        tokio::spawn(async move { a.put("huge-put", &indexes, &columns).await })
+    };
+    started(rx).await;
+    let mut small = 0;
+    while !writer.is_finished() {
+        b.put("huge-put-other", &[small], &numbered(1, 7).1)
+            .await
+            .unwrap();
+        small += 1;
+    }
+    writer.await.unwrap().unwrap();
+    assert!(
+        fault::served_during_get("huge-put"),
+        "no other request was handled while the huge PUT was stored ({small} waited)"
+    );
+    let got = b
+        .get("huge-put", &[0, SLICED_PUT_KEYS - 1], &["x"])
+        .await
+        .unwrap();
+    assert_eq!(ints(&got), [0, SLICED_PUT_KEYS as i64 - 1]);
+    assert_eq!(server.stats().keys, SLICED_PUT_KEYS + small);
+    drop((a, b));
+    assert_eq!(
+        server.shared.partitions.len(),
+        0,
+        "a partition's lock was left"
+    );
+    server.shutdown().await;
+}
+
+/// A PUT stored in slices is seen whole or not at all: a GET of its first and last keys
+/// that arrives while it is stored waits for it, and reads both new values.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_put_stored_in_slices_is_seen_whole() {
+    let server = unit().await;
+    let a = Arc::new(client(&server).await);
+    let b = client(&server).await;
+    let (indexes, old) = numbered(SLICED_PUT_KEYS, 0);
+    a.put("whole-put", &indexes, &old).await.unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    fault::watch_get("whole-put", tx);
+    let (indexes, new) = numbered(SLICED_PUT_KEYS, 1 << 40);
+    let writer = {
+        let a = a.clone();
+        tokio::spawn(async move { a.put("whole-put", &indexes, &new).await })
+    };
+    started(rx).await;
+    let last = SLICED_PUT_KEYS - 1;
+    let got = b.get("whole-put", &[0, last], &["x"]).await.unwrap();
+    assert_eq!(
+        ints(&got),
+        [1 << 40, (1 << 40) + last as i64],
+        "a mix of the two PUTs"
+    );
+    assert!(
+        fault::waited_during("whole-put"),
+        "the GET did not wait for the PUT"
+    );
+    writer.await.unwrap().unwrap();
+    drop((a, b));
+    server.shutdown().await;
+}
+
+/// A GET handled in slices sees no PUT land between them: a PUT of its first and last keys
+/// that arrives meanwhile waits for it, so the GET reads both old values.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_get_in_slices_sees_no_put_land_between_them() {
+    let server = unit().await;
+    let a = Arc::new(client(&server).await);
+    let b = client(&server).await;
+    let (indexes, old) = numbered(SLICED_PUT_KEYS, 0);
+    a.put("whole-get", &indexes, &old).await.unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    fault::watch_get("whole-get", tx);
+    let reader = {
+        let a = a.clone();
+        tokio::spawn(async move { a.get("whole-get", &indexes, &["x"]).await })
+    };
+    started(rx).await;
+    let last = SLICED_PUT_KEYS - 1;
+    let new = vec![("x".to_owned(), vec![Value::I64(-1), Value::I64(-2)])];
+    b.put("whole-get", &[0, last], &new).await.unwrap();
+    let got = reader.await.unwrap().unwrap();
+    let got = ints(&got);
+    assert_eq!(
+        (got[0], got[last as usize]),
+        (0, last as i64),
+        "the PUT landed midway"
+    );
+    assert!(
+        fault::waited_during("whole-get"),
+        "the PUT did not wait for the GET"
+    );
+    let got = b.get("whole-get", &[0, last], &["x"]).await.unwrap();
+    assert_eq!(ints(&got), [-1, -2]);
+    drop((a, b));
     server.shutdown().await;
 }
 
@@ -643,15 +783,7 @@ async fn a_huge_get_out_of_order_is_checked_off_the_worker() {
     fault::watch_check("shuffled-get", tx);
     let b = client(&server).await;
     // Every index once, out of order: the duplicate check needs its set.
-    let mut indexes: Vec<u64> = (0..1u64 << 20).collect();
-    let (mut x, n) = (0x9e37_79b9_7f4a_7c15u64, indexes.len());
-    for i in (1..n).rev() {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        indexes.swap(i, (x % (i as u64 + 1)) as usize);
-    }
-    let reader = raw_get(&server, "shuffled-get", indexes).await;
+    let reader = raw_get(&server, "shuffled-get", shuffled(1 << 20)).await;
     checking
         .recv_timeout(Duration::from_secs(120))
         .expect("the GET's keys were never checked");
@@ -674,6 +806,67 @@ async fn a_huge_get_out_of_order_is_checked_off_the_worker() {
     );
     drop(b);
     server.shutdown().await;
+}
+
+/// The keys of a PUT of 2^20 indexes out of order are checked on a bulk thread: on a unit
+/// with one worker, another session's requests are served while the check runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+async fn a_huge_put_out_of_order_is_checked_off_the_worker() {
+    let server = unit().await;
+    let (tx, stored) = std::sync::mpsc::channel();
+    fault::watch_get("shuffled-put", tx);
+    let (tx, checking) = std::sync::mpsc::channel();
+    fault::watch_check("shuffled-put", tx);
+    let a = Arc::new(client(&server).await);
+    let b = client(&server).await;
+    // Each index's value is the index.
+    let indexes = shuffled(1 << 20);
+    let values = indexes.iter().map(|i| Value::I64(*i as i64)).collect();
+    let columns = vec![("x".to_owned(), values)];
+    let writer = {
+        let a = a.clone();
+        tokio::spawn(async move { a.put("shuffled-put", &indexes, &columns).await })
+    };
+    tokio::task::spawn_blocking(move || {
+        checking
+            .recv_timeout(Duration::from_secs(120))
+            .expect("the PUT's keys were never checked")
+    })
+    .await
+    .unwrap();
+    // Small requests of another session until the PUT is answered. Those answered before it
+    // was handled were served while its keys were checked.
+    let (mut small, mut during_check, mut handled) = (0, 0, false);
+    while !writer.is_finished() {
+        b.clear("shuffled-put-other", &[small]).await.unwrap();
+        handled = handled || stored.try_recv().is_ok();
+        if !handled {
+            during_check += 1;
+        }
+        small += 1;
+    }
+    writer.await.unwrap().unwrap();
+    assert!(
+        during_check > 0,
+        "no other request was served while the PUT's keys were checked ({small} in all)"
+    );
+    let got = b.get("shuffled-put", &[5, 1 << 19], &["x"]).await.unwrap();
+    assert_eq!(ints(&got), [5, 1 << 19]);
+    drop((a, b));
+    server.shutdown().await;
+}
+
+/// Every index of `0..n` once, out of order.
+fn shuffled(n: u64) -> Vec<u64> {
+    let mut indexes: Vec<u64> = (0..n).collect();
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    for i in (1..indexes.len()).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        indexes.swap(i, (x % (i as u64 + 1)) as usize);
+    }
+    indexes
 }
 
 /// A GET past the bulk threshold is answered as any other: found values encoded on the bulk

@@ -1,6 +1,7 @@
 //! Carrying out the core's outputs: replies, accepted sessions, and each peer's transfers
 //! (GET WRITEs, pulled-PUT READs) on that peer's own executor.
 
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use tessera_sync::Arc;
 
 use bytes::Bytes;
@@ -11,7 +12,7 @@ use super::connection::{accept_peer, send, CatchUnwind};
 #[cfg(test)]
 use super::fault;
 use super::{Job, Shared};
-use crate::core::{Output, SessionId};
+use crate::core::{Access, Output, SessionId};
 use crate::error::{ErrorKind, PayloadError};
 use crate::plane::post_write;
 use crate::proto::Response;
@@ -179,8 +180,47 @@ pub(super) async fn executor(
                 if let Err(e) = &result {
                     tracing::warn!(session = sid, put, error = %e, "PUT READ failed");
                 }
-                let out = shared.unit.lock().read_done(sid, put, result);
-                dispatch(&shared, out);
+                // Stored as a PUT request is: after what holds its partition, in slices
+                // where it is large.
+                let mut held = None;
+                let mut result = Some(result);
+                let done = loop {
+                    let step = {
+                        let mut unit = shared.unit.lock();
+                        match held.is_none().then(|| unit.read_waits(sid, put)).flatten() {
+                            Some(partition) => Err(partition),
+                            None => Ok(catch_unwind(AssertUnwindSafe(|| {
+                                let result = result.take().expect("the READ's result, once");
+                                unit.read_done_slicing(sid, put, result)
+                            }))),
+                        }
+                    };
+                    match step {
+                        Ok(done) => break done,
+                        Err(partition) => {
+                            held = Some(shared.partitions.acquire(&partition, Access::Write).await)
+                        }
+                    }
+                };
+                let out = match done {
+                    Ok(Ok(out)) => Some(out),
+                    Ok(Err(p)) => super::connection::store_sliced(&shared, p, held).await,
+                    Err(_) => None,
+                };
+                match out {
+                    Some(out) => dispatch(&shared, out),
+                    None => {
+                        tracing::error!(session = sid, put, "storing a pulled PUT panicked");
+                        crate::metrics::error(ErrorKind::Internal);
+                        let why = "the unit failed storing this PUT; it may be partly stored";
+                        send(
+                            &shared,
+                            sid,
+                            put,
+                            &Response::error(ErrorKind::Internal, why),
+                        );
+                    }
+                }
                 continue;
             }
         };
