@@ -87,6 +87,7 @@ fn attacks() -> Vec<Kind> {
         Kind::Idle(2000),
         Kind::Slowloris(300),
         Kind::MissingGets(1 << 20),
+        Kind::HugePuts(1 << 18),
         Kind::PrepareFlood {
             sessions: 2,
             bytes: 64 << 20,
@@ -198,13 +199,15 @@ fn suite(report: &mut Report, s: &Settings) -> Result<()> {
         let growth = watch.finish().saturating_sub(before) as f64 / (1 << 20) as f64;
         let name = kind.name();
         let p99a = quantile(&times, 0.99);
+        let max = quantile(&times, 1.0);
         let ratio = p99a.as_secs_f64() / p99.as_secs_f64().max(1e-9);
         eprintln!(
-            "hostile: {name}: {} probes, {errs} failed, p99 {:.0} us ({ratio:.2}x alone), unit \
-             RSS +{growth:.1} MiB; attacker: {} connections/requests, {} refused or failed, \
+            "hostile: {name}: {} probes, {errs} failed, p99 {:.0} us ({ratio:.2}x alone), max \
+             {:.0} us, unit RSS +{growth:.1} MiB; attacker: {} connections/requests, {} refused or failed, \
              {:.1} s",
             times.len(),
             crate::timing::us(p99a),
+            crate::timing::us(max),
             counters.0,
             counters.1,
             started.elapsed().as_secs_f64()
@@ -220,6 +223,14 @@ fn suite(report: &mut Report, s: &Settings) -> Result<()> {
                  trips, {errs} failed (a failure counts as {} s)",
                 times.len(),
                 PROBE_TIMEOUT.as_secs()
+            ),
+        );
+        report.put(
+            &format!("probe_max_under_{name}_us"),
+            crate::timing::us(max),
+            format!(
+                "the probe's longest round trip while `{name}` runs: the longest the unit made \
+                 a well-behaved session wait"
             ),
         );
         worst_ratio = worst_ratio.max(ratio);

@@ -128,6 +128,10 @@ pub enum Kind {
     /// A valid session pipelining GETs of `2^20` keys never stored, in requests of this
     /// many keys.
     MissingGets(usize),
+    /// A valid session storing this many keys per PUT (at most 2^20), each a one-element
+    /// tensor, over and over (the same keys, replaced), its indexes out of order: not an
+    /// abuse, the heaviest PUTs a client may make.
+    HugePuts(usize),
     /// Sessions preparing PUTs of this many bytes that are never written or committed.
     PrepareFlood { sessions: usize, bytes: usize },
     /// Unauthenticated connections to the unit's payload engine announcing 64 MiB bodies,
@@ -142,6 +146,7 @@ impl Kind {
             Kind::Slowloris(_) => "slowloris",
             Kind::Garbage => "garbage",
             Kind::MissingGets(_) => "missing_gets",
+            Kind::HugePuts(_) => "huge_puts",
             Kind::PrepareFlood { .. } => "prepare_flood",
             Kind::PayloadPreauth(_) => "payload_preauth",
         }
@@ -225,6 +230,10 @@ impl Attack {
                 spawn(Box::new(move |s, c| {
                     block_on(missing_gets(cfg, chunk, s, c))
                 }));
+            }
+            Kind::HugePuts(keys) => {
+                let cfg = t.session.clone();
+                spawn(Box::new(move |s, c| block_on(huge_puts(cfg, keys, s, c))));
             }
             Kind::PrepareFlood { sessions, bytes } => {
                 for i in 0..sessions {
@@ -515,6 +524,32 @@ async fn missing_gets(cfg: ClientConfig, chunk: usize, stop: &AtomicBool, c: &Co
         }
         if refused && chunk > 1024 {
             chunk /= 2;
+        }
+    }
+}
+
+async fn huge_puts(cfg: ClientConfig, keys: usize, stop: &AtomicBool, c: &Counters) {
+    let timeout = cfg.timeout;
+    let Some(client) = session(cfg, stop, c).await else {
+        return;
+    };
+    // Shuffled by a fixed odd multiplier modulo a power of two: every index once.
+    let n = keys.clamp(1, 1 << 20).next_power_of_two() as u64;
+    let indexes: Vec<u64> = (0..n).map(|i| i.wrapping_mul(0x9e37_79b9) % n).collect();
+    let values: Vec<Value> = (0..n)
+        .map(|i| {
+            let t = tessera_storage::Tensor::from_slice(&[1], &[i as f32]).expect("a tensor");
+            Value::Tensor(t)
+        })
+        .collect();
+    let columns = vec![("v".to_owned(), values)];
+    while !stop.load(Ordering::SeqCst) {
+        c.ops.fetch_add(1, Ordering::Relaxed);
+        let put = tokio::time::timeout(timeout, client.put("huge-puts", &indexes, &columns));
+        match until_stopped(stop, put).await {
+            None => return,
+            Some(Ok(Ok(()))) => {}
+            Some(other) => c.refuse(|| format!("{other:?}")),
         }
     }
 }
