@@ -189,22 +189,7 @@ impl Harness {
     }
 
     fn put_inline(&mut self, part: &str, idx: &[u64], fields: &[&str], value: &Value) -> Response {
-        let frames = encode(value).unwrap();
-        self.req(Request::Put {
-            partition: part.into(),
-            indexes: idx.to_vec(),
-            fields: fields.iter().map(|f| f.to_string()).collect(),
-            meta: ByteBuf::from(frames.meta.to_vec()),
-            inline: Some(
-                frames
-                    .payloads
-                    .iter()
-                    .map(|f| ByteBuf::from(f.to_vec()))
-                    .collect(),
-            ),
-            pull: None,
-        })
-        .1
+        self.req(inline_put(part, idx, fields, value)).1
     }
 
     fn get(&mut self, part: &str, idx: &[u64], fields: &[&str]) -> Result<Value, ErrorKind> {
@@ -1948,7 +1933,7 @@ fn an_offered_block_is_written_when_the_values_fit() {
     assert!(matches!(single(out), Response::Values { .. }));
 }
 
-/// An inline PUT of `value` at `idx` x `fields` of `part`, as request `id`.
+/// An inline PUT of `value` at `idx` x `fields` of `part`.
 fn inline_put(part: &str, idx: &[u64], fields: &[&str], value: &Value) -> Request {
     let frames = encode(value).unwrap();
     Request::Put {

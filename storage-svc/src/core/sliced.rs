@@ -280,8 +280,8 @@ impl<M: Memory> Unit<M> {
     }
 
     /// Where [`Unit::handle_slicing`] asked for it and the PUT has more than `slice_keys`
-    /// keys: takes its value to store in slices (checked, its partition held) and returns
-    /// `true`; else `false`, and the caller stores it at once.
+    /// keys: takes its value to store in slices (its shape checked, its partition held) and
+    /// returns `None`; else gives the value back for the caller to store at once.
     pub(super) fn slice_store(
         &mut self,
         partition: &str,

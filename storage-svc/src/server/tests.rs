@@ -702,17 +702,27 @@ async fn a_huge_put_is_stored_in_slices_and_others_are_served_meanwhile() {
     server.shutdown().await;
 }
 
+/// Two clients of `server`, the first having stored [`SLICED_PUT_KEYS`] keys of `partition`
+/// ([`numbered`] from 0), and the partition watched from then on.
+async fn stored_and_watched(
+    server: &Server,
+    partition: &str,
+) -> (Arc<Client>, Client, std::sync::mpsc::Receiver<()>) {
+    let a = Arc::new(client(server).await);
+    let b = client(server).await;
+    let (indexes, old) = numbered(SLICED_PUT_KEYS, 0);
+    a.put(partition, &indexes, &old).await.unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    fault::watch_get(partition, tx);
+    (a, b, rx)
+}
+
 /// A PUT stored in slices is seen whole or not at all: a GET of its first and last keys
 /// that arrives while it is stored waits for it, and reads both new values.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_put_stored_in_slices_is_seen_whole() {
     let server = unit().await;
-    let a = Arc::new(client(&server).await);
-    let b = client(&server).await;
-    let (indexes, old) = numbered(SLICED_PUT_KEYS, 0);
-    a.put("whole-put", &indexes, &old).await.unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    fault::watch_get("whole-put", tx);
+    let (a, b, rx) = stored_and_watched(&server, "whole-put").await;
     let (indexes, new) = numbered(SLICED_PUT_KEYS, 1 << 40);
     let writer = {
         let a = a.clone();
@@ -740,12 +750,8 @@ async fn a_put_stored_in_slices_is_seen_whole() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_get_in_slices_sees_no_put_land_between_them() {
     let server = unit().await;
-    let a = Arc::new(client(&server).await);
-    let b = client(&server).await;
-    let (indexes, old) = numbered(SLICED_PUT_KEYS, 0);
-    a.put("whole-get", &indexes, &old).await.unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    fault::watch_get("whole-get", tx);
+    let (a, b, rx) = stored_and_watched(&server, "whole-get").await;
+    let indexes: Vec<u64> = (0..SLICED_PUT_KEYS).collect();
     let reader = {
         let a = a.clone();
         tokio::spawn(async move { a.get("whole-get", &indexes, &["x"]).await })
