@@ -2034,3 +2034,56 @@ fn a_put_in_slices_holds_its_partition_and_reserves_what_it_stores() {
     );
     assert!(h.unit.handle_slicing(h.now, S, 21, small, false).is_ok());
 }
+
+/// A CLEAR in slices (the driver's path for many keys) compacts the blocks it leaves mostly
+/// dead once every slice is cleared: clearing all four values of a block one slice at a
+/// time copies nothing and frees the block, where one CLEAR per value copies the last one out
+/// as the third dies; clearing three of them copies that survivor out at the end.
+#[test]
+fn a_clear_in_slices_compacts_once_it_is_done() {
+    use std::collections::HashSet;
+    let put = |h: &mut Harness| {
+        // Four frames of 64 KiB: one block of exactly 256 KiB.
+        let big = Value::Tensor(Tensor::from_slice(&[65_536], &vec![3u8; 65_536]).unwrap());
+        assert_eq!(
+            h.put("p", &[1, 2, 3, 4], &["x"], &batch(1, vec![big; 4])),
+            Response::Done
+        );
+    };
+    let mut h = Harness::new(UnitConfig {
+        compact_dead_fraction: 0.5,
+        ..UnitConfig::default()
+    });
+    put(&mut h);
+    let mut released = HashSet::new();
+    for i in 1..=4 {
+        h.unit
+            .clear_step(S, "p", &[i], None, &mut released)
+            .unwrap();
+    }
+    assert_eq!(h.stats().compacted_bytes, 0);
+    h.unit.clear_end(released);
+    let s = h.stats();
+    assert_eq!(
+        (s.compacted_bytes, s.pool.used - s.credit_bytes, s.keys),
+        (0, 0, 0),
+        "{s:?}"
+    );
+
+    // Three of four: the survivor is copied out once they are cleared.
+    put(&mut h);
+    let mut released = HashSet::new();
+    for i in 1..=3 {
+        h.unit
+            .clear_step(S, "p", &[i], None, &mut released)
+            .unwrap();
+    }
+    assert_eq!(h.stats().compacted_bytes, 0);
+    h.unit.clear_end(released);
+    let s = h.stats();
+    assert_eq!(
+        (s.compacted_bytes, s.pool.used - s.credit_bytes, s.keys),
+        (65_536, 65_536, 1),
+        "{s:?}"
+    );
+}

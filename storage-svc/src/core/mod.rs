@@ -43,7 +43,7 @@ use tessera_transport::RemoteDesc;
 
 pub use self::config::UnitConfig;
 pub use self::get::{encode_get, EncodedGet, SlicedGet, EARLY_META_BYTES};
-pub use self::sliced::{Access, MaybeSliced, SlicedPut};
+pub use self::sliced::{write_slice_keys, Access, MaybeSliced, SlicedPut};
 pub use self::stats::{PartitionStats, PoolStats, Stats};
 
 use self::credit::Credits;

@@ -21,13 +21,18 @@ use super::{logical_bytes, Memory, Output, SessionId, Unit};
 use crate::error::RemoteError;
 use crate::proto::Request;
 
-/// A slice of a PUT's store takes `slice_keys` divided by this many keys. A key stored costs
+/// A slice of a PUT's store (or of a CLEAR) takes `slice_keys` divided by this many keys. A key stored costs
 /// several lookups (a random place in a table of megabytes, the value it replaces dropped):
 /// on the benchmark machine a slice of 4,096 keys stored into a field of a million took
 /// 1.4-1.9 ms, which every other session waits out on a unit of one core, at each of the
 /// several steps of its round trip. With slices of 512 keys, the hostile probe's p99 beside a
 /// session storing 2^18 keys per PUT was 3.2-5.7 ms; with 128, 1.2-2.2 ms.
 const STORE_COST: u64 = 32;
+
+/// Keys a PUT's store or a CLEAR handled in slices writes per hold of the unit's state.
+pub fn write_slice_keys(cfg: &super::UnitConfig) -> usize {
+    (cfg.slice_keys / STORE_COST).max(1) as usize
+}
 
 /// How a request uses the keys of its partition.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -189,12 +194,11 @@ impl<M: Memory> Unit<M> {
         }
     }
 
-    /// Stores the next slice of `p` (`slice_keys` / [`STORE_COST`] keys); once the last one
+    /// Stores the next slice of `p` ([`write_slice_keys`]); once the last one
     /// is, compacts the blocks it emptied where due, gives its partition and what it reserved
     /// back and returns its answer.
     pub fn put_step(&mut self, p: &mut SlicedPut<M::Dest>) -> Option<Vec<Output<M::Dest>>> {
-        let keys = (self.cfg.slice_keys / STORE_COST).max(1) as usize;
-        let per = (keys / p.fields.len().max(1)).max(1);
+        let per = (write_slice_keys(&self.cfg) / p.fields.len().max(1)).max(1);
         let end = (p.next + per).min(p.indexes.len());
         // Compaction waits for the last slice.
         let c = Compaction {
@@ -227,10 +231,7 @@ impl<M: Memory> Unit<M> {
     /// partition and what it still reserves are given back. Called by [`Unit::put_step`]
     /// once the last slice is stored.
     pub fn put_abandoned(&mut self, p: &mut SlicedPut<M::Dest>) {
-        for id in std::mem::take(&mut p.released) {
-            let c = Compaction::new(&mut self.mem, &self.cfg);
-            self.store.compact_if_due(id, c);
-        }
+        self.compact_released(std::mem::take(&mut p.released));
         self.holds.storing -= p.reserved;
         p.reserved = 0;
         self.holds.storing_keys -= ((p.indexes.len() - p.next) * p.fields.len()) as u64;
@@ -239,6 +240,43 @@ impl<M: Memory> Unit<M> {
         }
         p.next = p.indexes.len();
         self.holds.release(&p.partition, Access::Write);
+    }
+
+    /// Clears one slice of a CLEAR handled in slices (its driver holds the partition), as a
+    /// CLEAR of those indexes does, except that the blocks it leaves mostly dead are added to
+    /// `released` and compacted by [`Unit::clear_end`] once every slice is cleared, not
+    /// halfway (the next slices would clear what the compaction copied). Refused in a session
+    /// state that refuses requests.
+    pub fn clear_step(
+        &mut self,
+        session: SessionId,
+        partition: &str,
+        indexes: &[u64],
+        fields: Option<&[String]>,
+        released: &mut HashSet<u64>,
+    ) -> Result<(), RemoteError> {
+        if let Some((kind, why)) = self.refused_by_state(session, super::session::Step::Other) {
+            return Err(super::err(kind, why));
+        }
+        let c = Compaction {
+            dead_fraction: 0.0,
+            ..Compaction::new(&mut self.mem, &self.cfg)
+        };
+        released.extend(self.store.clear(partition, indexes, fields, c));
+        Ok(())
+    }
+
+    /// Ends a CLEAR handled in slices ([`Unit::clear_step`]): compacts the blocks it left
+    /// mostly dead, where due.
+    pub fn clear_end(&mut self, released: HashSet<u64>) {
+        self.compact_released(released);
+    }
+
+    fn compact_released(&mut self, released: HashSet<u64>) {
+        for id in released {
+            let c = Compaction::new(&mut self.mem, &self.cfg);
+            self.store.compact_if_due(id, c);
+        }
     }
 
     /// The partition `req` of `session` would wait for, and how it uses it, where a request

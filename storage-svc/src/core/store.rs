@@ -329,16 +329,17 @@ impl Store {
         }
     }
 
-    /// Removes `indexes` of `fields` (every field when `None`) from `partition`.
+    /// Removes `indexes` of `fields` (every field when `None`) from `partition`; returns the
+    /// blocks the removed values pinned.
     pub(super) fn clear<M: Memory>(
         &mut self,
         partition: &str,
         indexes: &[u64],
         fields: Option<&[String]>,
         c: Compaction<'_, M>,
-    ) {
+    ) -> Vec<u64> {
         let Some(part) = self.partitions.get_mut(partition) else {
-            return;
+            return Vec::new();
         };
         let mut gone = Vec::new();
         let mut overhead = 0;
@@ -363,7 +364,10 @@ impl Store {
         if part.fields.is_empty() {
             self.partitions.remove(partition);
         }
+        let mut released: Vec<u64> = gone.iter().filter_map(|e| e.block).collect();
+        released.dedup();
         self.forget_all(gone, c);
+        released
     }
 
     /// Removes every value of `partition`.

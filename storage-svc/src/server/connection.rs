@@ -612,10 +612,11 @@ enum Unsliced {
 /// made the probe's p99 under it 12-22 % longer in three alternations.
 pub(super) const BULK_KEYS: usize = 1 << 16;
 
-/// A GET or CLEAR of more than `slice_keys` keys, handled in slices: the keys are checked and
-/// the answer encoded without the unit's lock (on a bulk thread from [`BULK_KEYS`]), and each
-/// hold of it looks up or clears one slice, yielding to other sessions between slices. Any
-/// other request comes back.
+/// A GET or CLEAR of more than `slice_keys` keys, handled in slices while it holds its
+/// partition: the keys are checked and the answer encoded without the unit's lock (on a bulk
+/// thread from [`BULK_KEYS`]), and each hold of it looks up one slice or clears a
+/// [`write_slice_keys`](crate::core::write_slice_keys) one, yielding to other sessions
+/// between slices. Any other request comes back.
 async fn sliced(
     shared: &Arc<Shared>,
     sid: SessionId,
@@ -729,29 +730,31 @@ async fn sliced(
             // Its partition held to write: no request sees it half cleared.
             let _partition = shared.partitions.acquire(&partition, Access::Write).await;
             let _hold = CoreHold::new(shared, &mut shared.unit.lock(), &partition, Access::Write);
-            let mut chunks = indexes.chunks(slice).peekable();
+            // Slices of a removal each, its blocks compacted once all are cleared.
+            let per = crate::core::write_slice_keys(cfg);
+            let mut released = std::collections::HashSet::new();
+            let mut chunks = indexes.chunks(per).peekable();
             while let Some(chunk) = chunks.next() {
-                let req = Request::Clear {
-                    partition: partition.clone(),
-                    indexes: chunk.to_vec(),
-                    fields: fields.clone(),
-                };
-                let out = {
+                let last = chunks.peek().is_none();
+                let response = {
                     let mut unit = shared.unit.lock();
-                    let out = unit.handle(Instant::now(), sid, id, req);
+                    let fields = fields.as_deref();
+                    let r = unit.clear_step(sid, &partition, chunk, fields, &mut released);
+                    if r.is_err() || last {
+                        unit.clear_end(std::mem::take(&mut released));
+                    }
                     unit.trim_memory();
-                    out
+                    match r {
+                        Err(e) => Some(Response::Error(e)),
+                        Ok(()) => last.then_some(Response::Done),
+                    }
                 };
-                let failed = out.iter().any(|o| {
-                    matches!(
-                        o,
-                        crate::core::Output::Reply {
-                            response: Response::Error(_),
-                            ..
-                        }
-                    )
-                });
-                if failed || chunks.peek().is_none() {
+                if let Some(response) = response {
+                    let out = vec![crate::core::Output::Reply {
+                        session: sid,
+                        id,
+                        response,
+                    }];
                     crate::metrics::request("clear", started.elapsed(), &out);
                     return Ok(out);
                 }
