@@ -8,7 +8,7 @@ use bytes::Bytes;
 use proptest::prelude::*;
 use serde_bytes::ByteBuf;
 use tessera_framecodec::{encode, Tensor, Value};
-use tessera_storage::core::{Output, TornDown, Unit, UnitConfig};
+use tessera_storage::core::{Ahead, Output, TornDown, Unit, UnitConfig};
 use tessera_storage::proto::{Credit, PullSource, Request, Response};
 use tessera_storage::testing::{handshake, VecMem};
 use tessera_storage::ErrorKind;
@@ -1982,7 +1982,10 @@ fn a_put_in_slices_holds_its_partition_and_reserves_what_it_stores() {
         &Value::List(vec![Value::List(vec![Value::Str("x".repeat(1000))])]),
     );
     let put = inline_put("p", &idx, &["a"], &value);
-    let Err(mut sliced) = h.unit.handle_slicing(h.now, S, 10, put.clone(), false) else {
+    let Err(mut sliced) = h
+        .unit
+        .handle_slicing(h.now, S, 10, put.clone(), Ahead::default())
+    else {
         panic!("stored at once")
     };
     assert_eq!(h.unit.waits(S, &get("p")), Some(("p".into(), Access::Read)));
@@ -2003,7 +2006,7 @@ fn a_put_in_slices_holds_its_partition_and_reserves_what_it_stores() {
         slice_keys: 64,
         ..UnitConfig::default()
     });
-    let Err(mut sliced) = h.unit.handle_slicing(h.now, S, 20, put, false) else {
+    let Err(mut sliced) = h.unit.handle_slicing(h.now, S, 20, put, Ahead::default()) else {
         panic!("stored at once")
     };
     let mut steps = 1;
@@ -2032,7 +2035,10 @@ fn a_put_in_slices_holds_its_partition_and_reserves_what_it_stores() {
         &["a"],
         &Value::List(vec![Value::List((0..10).map(Value::U64).collect())]),
     );
-    assert!(h.unit.handle_slicing(h.now, S, 21, small, false).is_ok());
+    assert!(h
+        .unit
+        .handle_slicing(h.now, S, 21, small, Ahead::default())
+        .is_ok());
 }
 
 /// A CLEAR in slices (the driver's path for many keys) compacts the blocks it leaves mostly
@@ -2086,4 +2092,32 @@ fn a_clear_in_slices_compacts_once_it_is_done() {
         (65_536, 65_536, 1),
         "{s:?}"
     );
+}
+
+/// A PUT whose meta the driver decoded ahead (`Ahead::meta`) is stored from what it decoded,
+/// not decoded again under the unit's lock: given the decoding of another meta of the same
+/// shape, the unit stores that one's values.
+#[test]
+fn a_put_binds_the_meta_its_driver_decoded_ahead() {
+    let mut h = Harness::new(UnitConfig::default());
+    let idx: Vec<u64> = (0..95).collect();
+    let values = |v: u64| Value::List(vec![Value::List((0..95).map(|_| Value::U64(v)).collect())]);
+    let put = inline_put("p", &idx, &["a"], &values(1));
+    let (decoder, align) = h.unit.meta_decoder(u64::MAX);
+    let other = encode(&values(7)).unwrap();
+    let ahead = Ahead {
+        meta: Some(decoder.decode_unbound(&other.meta, align).unwrap()),
+        ..Ahead::default()
+    };
+    let Ok(out) = h.unit.handle_slicing(h.now, S, 10, put.clone(), ahead) else {
+        panic!("sliced")
+    };
+    assert_eq!(single(out), Response::Done);
+    assert_eq!(h.get("p", &idx, &["a"]).unwrap(), values(7));
+    // Without it, the request's own meta.
+    let Ok(out) = h.unit.handle_slicing(h.now, S, 11, put, Ahead::default()) else {
+        panic!("sliced")
+    };
+    assert_eq!(single(out), Response::Done);
+    assert_eq!(h.get("p", &idx, &["a"]).unwrap(), values(1));
 }

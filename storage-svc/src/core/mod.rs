@@ -43,11 +43,12 @@ use tessera_transport::RemoteDesc;
 
 pub use self::config::UnitConfig;
 pub use self::get::{encode_get, EncodedGet, SlicedGet, EARLY_META_BYTES};
-pub use self::sliced::{write_slice_keys, Access, MaybeSliced, SlicedPut};
+pub use self::sliced::{write_slice_keys, Access, Ahead, MaybeSliced, SlicedPut};
 pub use self::stats::{PartitionStats, PoolStats, Stats};
 
 use self::credit::Credits;
 use self::get::Gets;
+pub use self::put::inline_empty;
 use self::put::{PutNext, PutRequest, Puts};
 use self::session::{Handshake, SessionState, Sessions, Step};
 use self::sliced::Holds;
@@ -240,8 +241,8 @@ pub struct Unit<M: Memory> {
     /// `slice_keys` keys is then left in `sliced_put` instead of stored.
     slicing: bool,
     sliced_put: Option<Box<SlicedPut<M::Dest>>>,
-    /// Set while [`Unit::handle_slicing`] handles a request whose keys the driver checked.
-    keys_checked: bool,
+    /// What the driver did ahead of the request [`Unit::handle_slicing`] is handling.
+    ahead: Ahead,
 }
 
 fn err(kind: ErrorKind, message: impl Into<String>) -> RemoteError {
@@ -286,7 +287,7 @@ impl<M: Memory> Unit<M> {
             holds: Holds::default(),
             slicing: false,
             sliced_put: None,
-            keys_checked: false,
+            ahead: Ahead::default(),
         }
     }
 
@@ -494,7 +495,7 @@ impl<M: Memory> Unit<M> {
     }
 
     fn check_keys(&self, indexes: &[u64], fields: &[String]) -> Result<(), RemoteError> {
-        match self.keys_checked {
+        match self.ahead.keys_checked {
             true => Ok(()),
             false => check_keys(&self.cfg, indexes, fields),
         }

@@ -229,10 +229,22 @@ impl<M: Memory> Unit<M> {
                 "this unit pulls PUT payloads over its engine: name the frames (`pull`)",
             ));
         }
-        let table = self.decoder.frame_table(&meta).map_err(meta_error)?;
-        let layout = table
-            .layout(self.cfg.align)
-            .map_err(|e| err(ErrorKind::Protocol, format!("layout: {e}")))?;
+        // A meta the driver decoded ahead (`ahead_meta`) gives the layout; any other is read
+        // here.
+        let unbound = match pull.is_none() && inline_empty(&inline) {
+            true => self.ahead.meta.take(),
+            false => None,
+        };
+        let (total_bytes, layout) = match &unbound {
+            Some(u) => (u.size(), u.layout().clone()),
+            None => {
+                let table = self.decoder.frame_table(&meta).map_err(meta_error)?;
+                let layout = table
+                    .layout(self.cfg.align)
+                    .map_err(|e| err(ErrorKind::Protocol, format!("layout: {e}")))?;
+                (table.total_bytes(), layout)
+            }
+        };
         let incoming = self.admit_put(
             &partition,
             &indexes,
@@ -242,25 +254,27 @@ impl<M: Memory> Unit<M> {
         )?;
         let meta = Bytes::from(meta.into_vec());
         if let Some(frames) = inline {
-            if table.total_bytes() > self.cfg.inline_max {
+            if total_bytes > self.cfg.inline_max {
                 return Err(err(ErrorKind::TooLarge, "inline payload above inline_max"));
             }
             let frames: Vec<Bytes> = frames
                 .into_iter()
                 .map(|f| Bytes::from(f.into_vec()))
                 .collect();
-            let value = self
-                .decoder
-                .decode(&meta, &frames)
-                .map_err(|e| err(ErrorKind::Protocol, format!("decode: {e}")))?;
+            let value = match unbound {
+                Some(u) => u.bind(&Bytes::new()),
+                None => self.decoder.decode(&meta, &frames),
+            }
+            .map_err(|e| err(ErrorKind::Protocol, format!("decode: {e}")))?;
             self.store_value(&partition, &indexes, &fields, value, None)?;
             return Ok(PutNext::Reply(Response::Done));
         }
         if layout.size == 0 {
-            let value = self
-                .decoder
-                .decode(&meta, &[])
-                .map_err(|e| err(ErrorKind::Protocol, format!("decode: {e}")))?;
+            let value = match unbound {
+                Some(u) => u.bind(&Bytes::new()),
+                None => self.decoder.decode(&meta, &[]),
+            }
+            .map_err(|e| err(ErrorKind::Protocol, format!("decode: {e}")))?;
             self.store_value(&partition, &indexes, &fields, value, None)?;
             return Ok(PutNext::Reply(Response::Done));
         }
@@ -392,10 +406,11 @@ impl<M: Memory> Unit<M> {
         let buf = self.mem.freeze(block, layout.size);
         // Laid out with the unit's alignment, as the client lays the frames out (the
         // layout's own alignment, larger where a frame asks for more, is the block's).
-        let value = self
-            .decoder
-            .decode_contiguous(&meta, &buf, self.cfg.align)
-            .map_err(|e| err(ErrorKind::Protocol, format!("decode: {e}")))?;
+        let value = match unbound {
+            Some(u) => u.bind(&buf),
+            None => self.decoder.decode_contiguous(&meta, &buf, self.cfg.align),
+        }
+        .map_err(|e| err(ErrorKind::Protocol, format!("decode: {e}")))?;
         self.puts.insert(
             (session, id),
             PendingPut {
@@ -634,6 +649,14 @@ impl<M: Memory> Unit<M> {
             response: Response::error(kind, reason),
         }]
     }
+}
+
+/// Whether a PUT's inline frames, if any, are all empty: its meta is all it carries, and
+/// what the driver decoded of it ahead binds to an empty buffer.
+pub fn inline_empty(inline: &Option<Vec<ByteBuf>>) -> bool {
+    inline
+        .as_ref()
+        .is_none_or(|fs| fs.iter().all(|f| f.is_empty()))
 }
 
 /// The frames' `(offset, len)` ranges, empty ones left out and touching ones merged, so that a

@@ -102,6 +102,18 @@ impl Holds {
     }
 }
 
+/// What the driver did off the unit's lock ahead of a request of many keys, so that its
+/// handling does not: see [`Unit::handle_slicing`].
+#[derive(Default)]
+pub struct Ahead {
+    /// It checked the request's keys ([`check_keys`](super::check_keys)) and found them valid.
+    pub keys_checked: bool,
+    /// A prepared PUT's meta, decoded with [`Unit::meta_decoder`] (of `u64::MAX`) and the
+    /// unit's alignment: the PUT's handling binds it to the block it leases instead of
+    /// decoding it.
+    pub meta: Option<tessera_framecodec::Unbound>,
+}
+
 /// A PUT whose values are stored in slices ([`Unit::put_step`]), answered once the last one
 /// is. It holds its partition to write until then.
 pub struct SlicedPut<D> {
@@ -149,20 +161,18 @@ impl<M: Memory> Unit<M> {
     /// Handles `req` as [`Unit::handle`] does, except that a PUT of more than `slice_keys`
     /// keys that is ready to store is not stored yet: it comes back as a [`SlicedPut`],
     /// holding its partition, for the driver to store ([`Unit::put_step`]) and then send
-    /// its answer. The driver checked [`Unit::waits`] first; where `keys_checked`, it also
-    /// checked the request's keys ([`check_keys`](super::check_keys), off the unit's lock),
-    /// and found them valid.
+    /// its answer. The driver checked [`Unit::waits`] first, and did what `ahead` says.
     pub fn handle_slicing(
         &mut self,
         now: std::time::Instant,
         session: SessionId,
         id: u64,
         req: Request,
-        keys_checked: bool,
+        ahead: Ahead,
     ) -> MaybeSliced<M::Dest> {
-        self.keys_checked = keys_checked;
+        self.ahead = ahead;
         let out = self.slicing_stores(|unit| unit.handle(now, session, id, req));
-        self.keys_checked = false;
+        self.ahead = Ahead::default();
         out
     }
 

@@ -21,7 +21,7 @@ use super::timer::close_in_core;
 use super::transfers::{dispatch, executor};
 use super::{Listener, SessionHandle, Shared};
 use crate::busy_poll::{self, BusyPoll};
-use crate::core::{Access, SessionId, SlicedPut, Unit};
+use crate::core::{Access, Ahead, SessionId, SlicedPut, Unit};
 use crate::error::ErrorKind;
 use crate::outbox::{Direct, OutState};
 use crate::plane::PoolMemory;
@@ -444,8 +444,9 @@ async fn session(
                         break;
                     }
                 };
-                // A large PUT's keys out of order are checked off the unit's lock.
-                let Some((req, keys_checked)) = check_put_keys(&shared, req).await else {
+                // A large PUT's keys out of order are checked, and its meta decoded, off the
+                // unit's lock.
+                let Some((req, mut ahead)) = ahead_of_put(&shared, req).await else {
                     panicked(&shared, sid, id, op, "its work on a bulk thread panicked");
                     break;
                 };
@@ -487,8 +488,13 @@ async fn session(
                                         }
                                         _ => None,
                                     };
-                                    let out =
-                                        unit.handle_slicing(started, sid, id, req, keys_checked);
+                                    let out = unit.handle_slicing(
+                                        started,
+                                        sid,
+                                        id,
+                                        req,
+                                        std::mem::take(&mut ahead),
+                                    );
                                     #[cfg(test)]
                                     if let Some(p) = watched {
                                         fault::get_done(&p);
@@ -766,45 +772,68 @@ async fn sliced(
     }
 }
 
-/// A PUT's keys checked off the unit's lock, where a check under it would hold every other
-/// session: more than [`BULK_KEYS`] of them, indexes out of order (a set of them; in order,
-/// the core's check is one pass). The request comes back with whether its keys were checked
-/// and found valid (one that is not is checked again by the core, which refuses it and
-/// gives back what it holds); `None` if the check panicked.
-async fn check_put_keys(shared: &Arc<Shared>, req: Request) -> Option<(Request, bool)> {
-    let heavy = match &req {
+/// A PUT's bulk work done off the unit's lock, where doing it under the lock would hold every
+/// other session, on the bulk thread: its keys checked where there are more than
+/// [`BULK_KEYS`] of them out of order (a set of them; in order, the core's check is one
+/// pass), and a prepared PUT's meta over [`LARGE_FRAME`] decoded (whose PAYLOAD the client
+/// WRITEs, or that carries none). The request comes back with what was done ([`Ahead`]):
+/// keys not found valid, or a meta that did not decode, are left for the core, which
+/// refuses them and gives back what the request holds. `None` if the work panicked.
+async fn ahead_of_put(shared: &Arc<Shared>, req: Request) -> Option<(Request, Ahead)> {
+    let (check, decode) = match &req {
         Request::Put {
+            indexes,
+            fields,
+            meta,
+            inline,
+            pull,
+            ..
+        } => (
+            many_out_of_order(indexes, fields),
+            pull.is_none() && crate::core::inline_empty(inline) && meta.len() > LARGE_FRAME,
+        ),
+        Request::PutCredited {
             indexes, fields, ..
-        }
-        | Request::PutCredited {
-            indexes, fields, ..
-        } => {
-            indexes.len().saturating_mul(fields.len().max(1)) > BULK_KEYS
-                && !crate::core::keys_in_order(indexes)
-        }
-        _ => false,
+        } => (many_out_of_order(indexes, fields), false),
+        _ => (false, false),
     };
-    if !heavy {
-        return Some((req, false));
+    if !check && !decode {
+        return Some((req, Ahead::default()));
     }
     #[cfg(test)]
     if let Request::Put { partition, .. } | Request::PutCredited { partition, .. } = &req {
         fault::check_begins(partition);
     }
     let cfg = shared.cfg.unit.clone();
+    let decoder = decode.then(|| shared.unit.lock().meta_decoder(u64::MAX));
     super::bulk::run(move || {
-        let valid = match &req {
-            Request::Put {
-                indexes, fields, ..
-            }
-            | Request::PutCredited {
-                indexes, fields, ..
-            } => crate::core::check_keys_ordered(&cfg, indexes, fields, false).is_ok(),
-            _ => false,
-        };
-        (req, valid)
+        let mut ahead = Ahead::default();
+        if let Request::Put {
+            indexes,
+            fields,
+            meta,
+            ..
+        }
+        | Request::PutCredited {
+            indexes,
+            fields,
+            meta,
+            ..
+        } = &req
+        {
+            ahead.keys_checked =
+                check && crate::core::check_keys_ordered(&cfg, indexes, fields, false).is_ok();
+            ahead.meta = decoder.and_then(|(d, align)| d.decode_unbound(meta, align).ok());
+        }
+        (req, ahead)
     })
     .await
+}
+
+/// Whether `indexes` x `fields` are more than [`BULK_KEYS`] keys, indexes out of order.
+fn many_out_of_order(indexes: &[u64], fields: &[String]) -> bool {
+    indexes.len().saturating_mul(fields.len().max(1)) > BULK_KEYS
+        && !crate::core::keys_in_order(indexes)
 }
 
 /// Stores PUT `put` in slices, yielding to other sessions between them, while it holds its
