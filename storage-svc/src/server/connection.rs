@@ -429,8 +429,13 @@ async fn session(
                         credit,
                         bytes,
                         meta,
+                        indexes,
+                        fields,
                         ..
-                    } => credit_grace(&shared, sid, id, *credit, *bytes, meta).await,
+                    } => {
+                        let large = large_meta(meta, indexes, fields);
+                        credit_grace(&shared, sid, id, *credit, *bytes, meta, large).await
+                    }
                     _ => {}
                 }
                 let req = match sliced(&shared, sid, id, req).instrument(span.clone()).await {
@@ -775,8 +780,8 @@ async fn sliced(
 /// A PUT's bulk work done off the unit's lock, where doing it under the lock would hold every
 /// other session, on the bulk thread: its keys checked where there are more than
 /// [`BULK_KEYS`] of them out of order (a set of them; in order, the core's check is one
-/// pass), and a prepared PUT's meta over [`LARGE_FRAME`] decoded (whose PAYLOAD the client
-/// WRITEs, or that carries none). The request comes back with what was done ([`Ahead`]):
+/// pass), and a prepared PUT's large meta ([`large_meta`]) decoded (one whose payload the
+/// client WRITEs, or that carries none). The request comes back with what was done ([`Ahead`]):
 /// keys not found valid, or a meta that did not decode, are left for the core, which
 /// refuses them and gives back what the request holds. `None` if the work panicked.
 async fn ahead_of_put(shared: &Arc<Shared>, req: Request) -> Option<(Request, Ahead)> {
@@ -790,7 +795,9 @@ async fn ahead_of_put(shared: &Arc<Shared>, req: Request) -> Option<(Request, Ah
             ..
         } => (
             many_out_of_order(indexes, fields),
-            pull.is_none() && crate::core::inline_empty(inline) && meta.len() > LARGE_FRAME,
+            pull.is_none()
+                && crate::core::inline_empty(inline)
+                && large_meta(meta, indexes, fields),
         ),
         Request::PutCredited {
             indexes, fields, ..
@@ -828,6 +835,13 @@ async fn ahead_of_put(shared: &Arc<Shared>, req: Request) -> Option<(Request, Ah
         (req, ahead)
     })
     .await
+}
+
+/// Whether a PUT's meta takes long to decode: over [`LARGE_FRAME`] bytes, or for more than
+/// [`BULK_KEYS`] keys (same-shaped tensors encode as one run: a meta of a few bytes may
+/// decode into a million values, 62 ms for 2^18 one-element tensors here).
+fn large_meta(meta: &[u8], indexes: &[u64], fields: &[String]) -> bool {
+    meta.len() > LARGE_FRAME || indexes.len().saturating_mul(fields.len().max(1)) > BULK_KEYS
 }
 
 /// Whether `indexes` x `fields` are more than [`BULK_KEYS`] keys, indexes out of order.
@@ -1113,7 +1127,7 @@ impl Replies {
 /// A session's pauses between requests that its next one is expected from: the last this many.
 const PAUSES: usize = 8;
 
-/// Frames larger than this decode off the session's worker, and credited PUTs' metas.
+/// Frames larger than this decode off the session's worker, and PUTs' metas ([`large_meta`]).
 const LARGE_FRAME: usize = 1 << 20;
 
 /// How long a COMMIT waits for the engine to record the WRITE it follows.
@@ -1150,6 +1164,7 @@ async fn credit_grace(
     credit: u64,
     bytes: u64,
     meta: &[u8],
+    large: bool,
 ) {
     let since = Instant::now();
     let ((landing, len), (decoder, align)) = {
@@ -1160,9 +1175,9 @@ async fn credit_grace(
         let decoder = unit.meta_decoder(landing.1);
         (landing, decoder)
     };
-    // A large meta (a PUT of many keys) decodes off the worker, as a large frame does. If
-    // that panics, the request's handling decodes it (and fails) under the unit's lock.
-    let decoded = match meta.len() > LARGE_FRAME {
+    // A large meta (`large_meta`) decodes off the worker, as a large frame does. If that
+    // panics, the request's handling decodes it (and fails) under the unit's lock.
+    let decoded = match large {
         true => {
             let meta = meta.to_vec();
             super::bulk::run(move || decoder.decode_unbound(&meta, align)).await
