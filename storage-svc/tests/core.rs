@@ -2056,42 +2056,28 @@ fn a_clear_in_slices_compacts_once_it_is_done() {
             Response::Done
         );
     };
+    // Clears `indexes` one slice each, then ends the CLEAR; nothing is copied before its end.
+    let clear_in_slices = |h: &mut Harness, indexes: std::ops::RangeInclusive<u64>| {
+        let mut released = HashSet::new();
+        for i in indexes {
+            h.unit
+                .clear_step(S, "p", &[i], None, &mut released)
+                .unwrap();
+        }
+        assert_eq!(h.stats().compacted_bytes, 0);
+        h.unit.clear_end(released);
+        let s = h.stats();
+        (s.compacted_bytes, s.pool.used - s.credit_bytes, s.keys)
+    };
     let mut h = Harness::new(UnitConfig {
         compact_dead_fraction: 0.5,
         ..UnitConfig::default()
     });
     put(&mut h);
-    let mut released = HashSet::new();
-    for i in 1..=4 {
-        h.unit
-            .clear_step(S, "p", &[i], None, &mut released)
-            .unwrap();
-    }
-    assert_eq!(h.stats().compacted_bytes, 0);
-    h.unit.clear_end(released);
-    let s = h.stats();
-    assert_eq!(
-        (s.compacted_bytes, s.pool.used - s.credit_bytes, s.keys),
-        (0, 0, 0),
-        "{s:?}"
-    );
-
+    assert_eq!(clear_in_slices(&mut h, 1..=4), (0, 0, 0));
     // Three of four: the survivor is copied out once they are cleared.
     put(&mut h);
-    let mut released = HashSet::new();
-    for i in 1..=3 {
-        h.unit
-            .clear_step(S, "p", &[i], None, &mut released)
-            .unwrap();
-    }
-    assert_eq!(h.stats().compacted_bytes, 0);
-    h.unit.clear_end(released);
-    let s = h.stats();
-    assert_eq!(
-        (s.compacted_bytes, s.pool.used - s.credit_bytes, s.keys),
-        (65_536, 65_536, 1),
-        "{s:?}"
-    );
+    assert_eq!(clear_in_slices(&mut h, 1..=3), (65_536, 65_536, 1));
 }
 
 /// A PUT whose meta the driver decoded ahead (`Ahead::meta`) is stored from what it decoded,

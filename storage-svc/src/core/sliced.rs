@@ -21,11 +21,11 @@ use super::{logical_bytes, Memory, Output, SessionId, Unit};
 use crate::error::RemoteError;
 use crate::proto::Request;
 
-/// A slice of a PUT's store (or of a CLEAR) takes `slice_keys` divided by this many keys. A key stored costs
-/// several lookups (a random place in a table of megabytes, the value it replaces dropped):
-/// on the benchmark machine a slice of 4,096 keys stored into a field of a million took
-/// 1.4-1.9 ms, which every other session waits out on a unit of one core, at each of the
-/// several steps of its round trip. With slices of 512 keys, the hostile probe's p99 beside a
+/// A slice of a PUT's store (or of a CLEAR) takes `slice_keys` divided by this many keys. A
+/// key stored costs several lookups (a random place in a table of megabytes, the value it
+/// replaces dropped): on the benchmark machine a slice of 4,096 keys stored into a field of a
+/// million took 1.4-1.9 ms, which every other session waits out on a unit of one core, at
+/// each of the several steps of its round trip. With slices of 512 keys, the hostile probe's p99 beside a
 /// session storing 2^18 keys per PUT was 3.2-5.7 ms; with 128, 1.2-2.2 ms.
 const STORE_COST: u64 = 32;
 
@@ -108,9 +108,10 @@ impl Holds {
 pub struct Ahead {
     /// It checked the request's keys ([`check_keys`](super::check_keys)) and found them valid.
     pub keys_checked: bool,
-    /// A prepared PUT's meta, decoded with [`Unit::meta_decoder`] (of `u64::MAX`) and the
-    /// unit's alignment: the PUT's handling binds it to the block it leases instead of
-    /// decoding it.
+    /// A PUT's meta, decoded with [`Unit::meta_decoder`] (of `u64::MAX`) and the unit's
+    /// alignment, where the PUT asks for a receive block or carries nothing but its meta
+    /// ([`inline_empty`](super::inline_empty)): its handling binds it to the block it leases
+    /// (or to no bytes) instead of decoding it.
     pub meta: Option<tessera_framecodec::Unbound>,
 }
 
