@@ -1996,7 +1996,7 @@ fn a_put_in_slices_holds_its_partition_and_reserves_what_it_stores() {
         panic!("admitted beside the reservation")
     };
     assert_eq!(e.kind, ErrorKind::Capacity, "{e:?}");
-    h.unit.put_abandoned(&mut sliced);
+    h.unit.put_end(&mut sliced);
     assert_eq!(h.unit.waits(S, &get("p")), None);
     assert_eq!(single(h.unit.handle(h.now, S, 12, q)), Response::Done);
     assert_eq!(h.unit.stats().keys, 1);

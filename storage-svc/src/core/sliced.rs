@@ -234,14 +234,15 @@ impl<M: Memory> Unit<M> {
         if p.next < p.indexes.len() {
             return None;
         }
-        self.put_abandoned(p);
+        self.put_end(p);
         Some(std::mem::take(&mut p.answer))
     }
 
-    /// Ends `p` where it stands (its driver stops storing it: its answer is not sent): its
-    /// partition and what it still reserves are given back. Called by [`Unit::put_step`]
-    /// once the last slice is stored.
-    pub fn put_abandoned(&mut self, p: &mut SlicedPut<M::Dest>) {
+    /// Ends `p` where it stands: compacts the blocks it emptied where due, and gives back its
+    /// partition and what it still reserves. [`Unit::put_step`] calls it once the last slice
+    /// is stored; a driver that stops storing `p` before (its answer is not sent) calls it
+    /// itself.
+    pub fn put_end(&mut self, p: &mut SlicedPut<M::Dest>) {
         self.compact_released(std::mem::take(&mut p.released));
         self.holds.storing -= p.reserved;
         p.reserved = 0;
@@ -307,15 +308,11 @@ impl<M: Memory> Unit<M> {
     }
 
     /// Whether the READ of pulled PUT `put` of `session`, once done ([`Unit::read_done`]),
-    /// would store into a partition held by a request in slices; its partition if so.
+    /// would store into a partition held by a request in slices, as its COMMIT would if it
+    /// were pushed; its partition if so.
     pub fn read_waits(&self, session: SessionId, put: u64) -> Option<String> {
-        if self.holds.by.is_empty() {
-            return None;
-        }
-        let partition = self.puts.partition_of(session, put)?;
-        self.holds
-            .conflicts(partition, Access::Write)
-            .then(|| partition.to_owned())
+        self.waits(session, &Request::Commit { put })
+            .map(|(partition, _)| partition)
     }
 
     /// A request handled in slices holds `partition` with `access` until [`Unit::release`].

@@ -912,7 +912,7 @@ impl Drop for Storing<'_> {
     fn drop(&mut self) {
         // Never dropped under the unit's lock: each slice takes and leaves it.
         if let Some(mut put) = self.put.take() {
-            self.shared.unit.lock().put_abandoned(&mut put);
+            self.shared.unit.lock().put_end(&mut put);
         }
     }
 }

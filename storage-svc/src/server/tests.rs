@@ -783,28 +783,15 @@ async fn a_get_in_slices_sees_no_put_land_between_them() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
 async fn a_huge_get_out_of_order_is_checked_off_the_worker() {
     let server = unit().await;
-    let (tx, sliced) = std::sync::mpsc::channel();
-    fault::watch_get("shuffled-get", tx);
-    let (tx, checking) = std::sync::mpsc::channel();
-    fault::watch_check("shuffled-get", tx);
+    let (checking, sliced) = watch_check_then_handling("shuffled-get");
     let b = client(&server).await;
     // Every index once, out of order: the duplicate check needs its set.
     let reader = raw_get(&server, "shuffled-get", shuffled(1 << 20)).await;
-    checking
-        .recv_timeout(Duration::from_secs(120))
-        .expect("the GET's keys were never checked");
+    started(checking).await;
     // Small requests of another session on the GET's partition until the GET is answered.
     // Those answered before the GET took the unit's lock for its first slice (right after
     // its check, with no wait between) were served while its keys were checked.
-    let (mut small, mut during_check, mut checked) = (0, 0, false);
-    while !reader.is_finished() {
-        b.clear("shuffled-get", &[small]).await.unwrap();
-        checked = checked || sliced.try_recv().is_ok();
-        if !checked {
-            during_check += 1;
-        }
-        small += 1;
-    }
+    let (small, during_check) = small_clears_until(&b, "shuffled-get", &reader, &sliced).await;
     all_missing(reader.await.unwrap());
     assert!(
         during_check > 0,
@@ -814,15 +801,44 @@ async fn a_huge_get_out_of_order_is_checked_off_the_worker() {
     server.shutdown().await;
 }
 
+/// Watches the request of many keys on `partition`: the first receiver hears when the check
+/// of its keys begins, the second when it is handled (its first slice, or its store).
+fn watch_check_then_handling(
+    partition: &str,
+) -> (std::sync::mpsc::Receiver<()>, std::sync::mpsc::Receiver<()>) {
+    let (tx, handled) = std::sync::mpsc::channel();
+    fault::watch_get(partition, tx);
+    let (tx, checking) = std::sync::mpsc::channel();
+    fault::watch_check(partition, tx);
+    (checking, handled)
+}
+
+/// CLEARs of `partition` by `b`, a key each, until `big` is finished: how many in all, and
+/// how many were answered before `handled` heard that the big request was handled.
+async fn small_clears_until<T>(
+    b: &Client,
+    partition: &str,
+    big: &tokio::task::JoinHandle<T>,
+    handled: &std::sync::mpsc::Receiver<()>,
+) -> (u64, u64) {
+    let (mut small, mut before, mut seen) = (0, 0, false);
+    while !big.is_finished() {
+        b.clear(partition, &[small]).await.unwrap();
+        seen = seen || handled.try_recv().is_ok();
+        if !seen {
+            before += 1;
+        }
+        small += 1;
+    }
+    (small, before)
+}
+
 /// The keys of a PUT of 2^20 indexes out of order are checked on a bulk thread: on a unit
 /// with one worker, another session's requests are served while the check runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
 async fn a_huge_put_out_of_order_is_checked_off_the_worker() {
     let server = unit().await;
-    let (tx, stored) = std::sync::mpsc::channel();
-    fault::watch_get("shuffled-put", tx);
-    let (tx, checking) = std::sync::mpsc::channel();
-    fault::watch_check("shuffled-put", tx);
+    let (checking, stored) = watch_check_then_handling("shuffled-put");
     let a = Arc::new(client(&server).await);
     let b = client(&server).await;
     // Each index's value is the index.
@@ -833,24 +849,11 @@ async fn a_huge_put_out_of_order_is_checked_off_the_worker() {
         let a = a.clone();
         tokio::spawn(async move { a.put("shuffled-put", &indexes, &columns).await })
     };
-    tokio::task::spawn_blocking(move || {
-        checking
-            .recv_timeout(Duration::from_secs(120))
-            .expect("the PUT's keys were never checked")
-    })
-    .await
-    .unwrap();
+    started(checking).await;
     // Small requests of another session until the PUT is answered. Those answered before it
     // was handled were served while its keys were checked.
-    let (mut small, mut during_check, mut handled) = (0, 0, false);
-    while !writer.is_finished() {
-        b.clear("shuffled-put-other", &[small]).await.unwrap();
-        handled = handled || stored.try_recv().is_ok();
-        if !handled {
-            during_check += 1;
-        }
-        small += 1;
-    }
+    let (small, during_check) =
+        small_clears_until(&b, "shuffled-put-other", &writer, &stored).await;
     writer.await.unwrap().unwrap();
     assert!(
         during_check > 0,
