@@ -108,16 +108,17 @@ fn soak_attacks() -> Vec<Kind> {
     ]
 }
 
-/// Attack threads: pinned, and at the lowest priority, so that what the probe measures is the
-/// unit's fairness, not the attacker's own client work (encoding 2^20 keys) taking the probe's
-/// core from it: on this 2-core machine they share cpu 0.
+/// Attack threads: pinned, and in Linux's idle scheduling class, so that what the probe
+/// measures is the unit's fairness, not the attacker's own client work (building 2^20 keys,
+/// encoding 2^18) taking the probe's core from it: on this 2-core machine they share cpu 0.
+/// At nice 19 that was not enough. The probe busy-polls, so it is often preempted rather than
+/// woken. The scheduler then gave the attacker its share in whole ticks. `perf sched` showed
+/// the attack thread running 2-3 ms at a time, ending on 4 ms tick boundaries, and the probe
+/// runnable behind it for as long. That was the probe's p99 under `missing_gets` (2.2-2.5 ms,
+/// 270-310 us in the idle class).
 fn pin_attack() {
     let _ = pin(ATTACK_CPU);
-    // SAFETY: setpriority with PRIO_PROCESS and who = 0 changes this thread's nice value (Linux
-    // applies it per thread); it reads and writes no memory of ours.
-    unsafe {
-        libc::setpriority(libc::PRIO_PROCESS, 0, 19);
-    }
+    load::idle_priority();
 }
 
 /// Runs the suite.
@@ -155,7 +156,7 @@ fn suite(report: &mut Report, s: &Settings) -> Result<()> {
     let how = format!(
         "checksummed PUT + GET of 1 MiB over {k}, {} round trips in {:.0} s; probe pinned to \
          cpu {PROBE_CPU}, unit process (the tessera-storage binary, with a token) to cpu \
-         {UNIT_CPU}, attackers to cpu {}",
+         {UNIT_CPU}, attackers to cpu {} in the idle scheduling class",
         alone.len(),
         phase.as_secs_f64(),
         ATTACK_CPU % online()

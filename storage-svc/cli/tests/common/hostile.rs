@@ -896,7 +896,7 @@ async fn off_worker<T: Send + 'static>(len: usize, f: impl FnOnce() -> T + Send 
 /// not stays as it is): it runs only when no other thread of its cpu wants to, so the load
 /// generator's bulk work, tens of milliseconds of fresh memory for a large value, never
 /// delays the requests it times.
-fn idle_priority() {
+pub fn idle_priority() {
     let param = libc::sched_param { sched_priority: 0 };
     // SAFETY: sched_setscheduler reads `param` and changes the calling thread (pid 0) only.
     unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) };
