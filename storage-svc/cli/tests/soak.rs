@@ -97,15 +97,25 @@ async fn soak_beside_attackers_loses_and_corrupts_nothing() {
 }
 
 /// The soak's check tells a value from every other: another seed's value of the same length,
-/// a page of another value, one byte changed, a value cut short; also past the pattern, where
-/// the bytes come from an RNG.
+/// a page of another value, one byte changed, a value cut short, the stamp of its last page
+/// changed; also values made and checked in several parts, and past the pattern, where the
+/// bytes come from an RNG.
 #[test]
 fn the_soak_check_tells_each_value_from_others() {
     use hostile::{content, matches};
     use tessera_storage::Value;
-    for len in [1000, 3 * 4096 + 5, (64 << 20) + 1] {
+    for len in [1000, 3 * 4096 + 5, (1 << 20) + 4097, (64 << 20) + 1] {
         let v = content(7, len);
         assert!(matches(&Value::Bytes(v.clone()), 7, len), "{len}");
+        if len < 64 << 20 {
+            let stamp = 7u64.to_le_bytes();
+            assert!(v
+                .chunks(4096)
+                .all(|p| p[..p.len().min(8)] == stamp[..p.len().min(8)]));
+        }
+        let mut last = v.to_vec();
+        last[(len - 1) / 4096 * 4096] ^= 1;
+        assert!(!matches(&Value::Bytes(last.into()), 7, len), "{len}");
         assert!(!matches(&Value::Bytes(content(8, len)), 7, len), "{len}");
         assert!(!matches(&Value::Bytes(v.slice(..len - 1)), 7, len), "{len}");
         let mut changed = v.to_vec();

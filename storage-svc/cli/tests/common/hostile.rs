@@ -649,17 +649,27 @@ pub fn content(seed: u64, len: usize) -> Bytes {
         let mut rng = Rng::new(seed);
         let mut v = Vec::with_capacity(len + 8);
         while v.len() < len {
+            if v.len() % GIVE_WAY_EVERY == 0 && !v.is_empty() {
+                give_way();
+            }
             v.extend_from_slice(&rng.next_u64().to_le_bytes());
         }
         v.truncate(len);
         return Bytes::from(v);
     }
     let at = offset(seed);
-    let mut v = pattern()[at..at + len].to_vec();
     let stamp = seed.to_le_bytes();
-    for page in v.chunks_mut(PAGE) {
-        let n = page.len().min(8);
-        page[..n].copy_from_slice(&stamp[..n]);
+    let mut v = Vec::with_capacity(len);
+    for (i, part) in pattern()[at..at + len].chunks(GIVE_WAY_EVERY).enumerate() {
+        if i > 0 {
+            give_way();
+        }
+        let from = v.len();
+        v.extend_from_slice(part);
+        for page in v[from..].chunks_mut(PAGE) {
+            let n = page.len().min(8);
+            page[..n].copy_from_slice(&stamp[..n]);
+        }
     }
     Bytes::from(v)
 }
@@ -679,10 +689,29 @@ pub fn matches(got: &Value, seed: u64, len: usize) -> bool {
     let at = offset(seed);
     let want = &pattern()[at..at + len];
     let stamp = seed.to_le_bytes();
-    data.chunks(PAGE).zip(want.chunks(PAGE)).all(|(got, want)| {
-        let n = got.len().min(8);
-        got[..n] == stamp[..n] && got[n..] == want[n..]
+    let parts = data.chunks(GIVE_WAY_EVERY).zip(want.chunks(GIVE_WAY_EVERY));
+    parts.enumerate().all(|(i, (got, want))| {
+        if i > 0 {
+            give_way();
+        }
+        got.chunks(PAGE).zip(want.chunks(PAGE)).all(|(got, want)| {
+            let n = got.len().min(8);
+            got[..n] == stamp[..n] && got[n..] == want[n..]
+        })
     })
+}
+
+/// Bytes of a value made or checked between two offers of the thread's core ([`give_way`]),
+/// a multiple of [`PAGE`]: about 100 us of work into fresh pages.
+const GIVE_WAY_EVERY: usize = 256 << 10;
+
+/// Offers the core to any other thread that wants it. A value over [`SMALL_VALUE`] is made
+/// on a thread of its own at the idle priority, and that is not enough: the runtime's worker
+/// busy-polls, so it is often preempted rather than woken, and the scheduler then runs an
+/// idle thread it picked (a new one starts with as much claim as any) until the next tick,
+/// 4 ms here, with the worker runnable behind it.
+fn give_way() {
+    std::thread::yield_now();
 }
 
 // ----- probe ------------------------------------------------------------------------------
@@ -879,7 +908,9 @@ enum Known {
 /// a 64 MiB value's bytes on the runtime's worker, or beside it at the same priority, would
 /// hold up every session's requests, and their latencies would measure the load generator
 /// instead of the unit (in the 32-session load of the benchmarks, the small PUTs' p99 was
-/// 130-170 times their median with the generator at the workers' priority, 7 without).
+/// 130-170 times their median with the generator at the workers' priority, 7 without on the
+/// machine of that day; on a later one 12-15 at the idle priority alone, 3.2-3.4 once the thread gives way
+/// between parts of the value, [`give_way`]).
 async fn off_worker<T: Send + 'static>(len: usize, f: impl FnOnce() -> T + Send + 'static) -> T {
     if len <= SMALL_VALUE {
         return f();
@@ -893,9 +924,9 @@ async fn off_worker<T: Send + 'static>(len: usize, f: impl FnOnce() -> T + Send 
 }
 
 /// Puts the calling thread in Linux's SCHED_IDLE class (open to every thread; one that may
-/// not stays as it is): it runs only when no other thread of its cpu wants to, so the load
-/// generator's bulk work, tens of milliseconds of fresh memory for a large value, never
-/// delays the requests it times.
+/// not stays as it is): it gets next to no share of a cpu other threads want, and gives way
+/// to any that wakes, so the load generator's bulk work, tens of milliseconds of fresh memory
+/// for a large value, seldom delays the requests it times (see [`give_way`] for when it does).
 pub fn idle_priority() {
     let param = libc::sched_param { sched_priority: 0 };
     // SAFETY: sched_setscheduler reads `param` and changes the calling thread (pid 0) only.
