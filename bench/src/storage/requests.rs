@@ -359,6 +359,8 @@ pub(super) async fn load32(
             sessions: 32,
             duration: Duration::from_secs(secs),
             warmup: Duration::from_secs(warmup),
+            // No attackers here: the generator's threads give way to the sessions' worker.
+            give_way: true,
             ..SoakConfig::default()
         },
     )

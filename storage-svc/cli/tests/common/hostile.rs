@@ -645,12 +645,17 @@ fn offset(seed: u64) -> usize {
 /// value passes for one of this value. Made at memcpy speed: the load generator's own work
 /// must not be what a soak measures. Values longer than the pattern come from an RNG.
 pub fn content(seed: u64, len: usize) -> Bytes {
+    content_in_parts(seed, len, keep_core)
+}
+
+/// [`content`], calling `between` after each [`PART`] of it.
+fn content_in_parts(seed: u64, len: usize, between: fn()) -> Bytes {
     if len > PATTERN - PAGE {
         let mut rng = Rng::new(seed);
         let mut v = Vec::with_capacity(len + 8);
         while v.len() < len {
-            if v.len() % GIVE_WAY_EVERY == 0 && !v.is_empty() {
-                give_way();
+            if v.len() % PART == 0 && !v.is_empty() {
+                between();
             }
             v.extend_from_slice(&rng.next_u64().to_le_bytes());
         }
@@ -660,9 +665,9 @@ pub fn content(seed: u64, len: usize) -> Bytes {
     let at = offset(seed);
     let stamp = seed.to_le_bytes();
     let mut v = Vec::with_capacity(len);
-    for (i, part) in pattern()[at..at + len].chunks(GIVE_WAY_EVERY).enumerate() {
+    for (i, part) in pattern()[at..at + len].chunks(PART).enumerate() {
         if i > 0 {
-            give_way();
+            between();
         }
         let from = v.len();
         v.extend_from_slice(part);
@@ -676,6 +681,11 @@ pub fn content(seed: u64, len: usize) -> Bytes {
 
 /// Whether `got` is exactly [`content`]`(seed, len)`, as bytes.
 pub fn matches(got: &Value, seed: u64, len: usize) -> bool {
+    matches_in_parts(got, seed, len, keep_core)
+}
+
+/// [`matches`], calling `between` after each [`PART`] of the value.
+fn matches_in_parts(got: &Value, seed: u64, len: usize, between: fn()) -> bool {
     let data: &[u8] = match got {
         Value::Bytes(b) => b,
         _ => return false,
@@ -684,15 +694,15 @@ pub fn matches(got: &Value, seed: u64, len: usize) -> bool {
         return false;
     }
     if len > PATTERN - PAGE {
-        return data == &content(seed, len)[..];
+        return data == &content_in_parts(seed, len, between)[..];
     }
     let at = offset(seed);
     let want = &pattern()[at..at + len];
     let stamp = seed.to_le_bytes();
-    let parts = data.chunks(GIVE_WAY_EVERY).zip(want.chunks(GIVE_WAY_EVERY));
+    let parts = data.chunks(PART).zip(want.chunks(PART));
     parts.enumerate().all(|(i, (got, want))| {
         if i > 0 {
-            give_way();
+            between();
         }
         got.chunks(PAGE).zip(want.chunks(PAGE)).all(|(got, want)| {
             let n = got.len().min(8);
@@ -701,18 +711,17 @@ pub fn matches(got: &Value, seed: u64, len: usize) -> bool {
     })
 }
 
-/// Bytes of a value made or checked between two offers of the thread's core ([`give_way`]),
-/// a multiple of [`PAGE`]: about 100 us of work into fresh pages.
-const GIVE_WAY_EVERY: usize = 256 << 10;
+/// Bytes of a value made or checked between two calls of the `between` given, a multiple of
+/// [`PAGE`]: about 100 us of work into fresh pages.
+const PART: usize = 256 << 10;
 
-/// Offers the core to any other thread that wants it. A value over [`SMALL_VALUE`] is made
-/// on a thread of its own at the idle priority, and that is not enough: the runtime's worker
-/// busy-polls, so it is often preempted rather than woken, and the scheduler then runs an
-/// idle thread it picked (a new one starts with as much claim as any) until the next tick,
-/// 4 ms here, with the worker runnable behind it.
+/// Offers the core to any other thread that wants it ([`SoakConfig::give_way`]).
 fn give_way() {
     std::thread::yield_now();
 }
+
+/// Goes on at once.
+fn keep_core() {}
 
 // ----- probe ------------------------------------------------------------------------------
 
@@ -810,6 +819,15 @@ pub struct SoakConfig {
     pub large: usize,
     pub large_in_flight: usize,
     pub max_bytes: usize,
+    /// Whether a thread making or checking a large value offers its core between parts of
+    /// it. A value over [`SMALL_VALUE`] is made at the idle priority, and that is not enough
+    /// for the sessions' latencies: their runtime's worker busy-polls, so it is often
+    /// preempted rather than woken, and the scheduler then runs an idle thread it picked (a
+    /// new one starts with as much claim as any) until the next tick, 4 ms here, with the
+    /// worker runnable behind it. Off beside attackers that share the core at the idle
+    /// priority too: each offer would hand one of them a tick (the hostile suite's soak made
+    /// a tenth of its requests with it).
+    pub give_way: bool,
 }
 
 impl Default for SoakConfig {
@@ -822,6 +840,7 @@ impl Default for SoakConfig {
             large: 1 << 20,
             large_in_flight: 2,
             max_bytes: 64 << 20,
+            give_way: false,
         }
     }
 }
@@ -909,8 +928,8 @@ enum Known {
 /// hold up every session's requests, and their latencies would measure the load generator
 /// instead of the unit (in the 32-session load of the benchmarks, the small PUTs' p99 was
 /// 130-170 times their median with the generator at the workers' priority, 7 without on the
-/// machine of that day; on a later one 12-15 at the idle priority alone, 3.2-3.4 once the thread gives way
-/// between parts of the value, [`give_way`]).
+/// machine of that day; on a later one 12-15 at the idle priority alone, 3.2-3.4 once the
+/// thread also gave way between parts of the value, [`SoakConfig::give_way`]).
 async fn off_worker<T: Send + 'static>(len: usize, f: impl FnOnce() -> T + Send + 'static) -> T {
     if len <= SMALL_VALUE {
         return f();
@@ -926,7 +945,8 @@ async fn off_worker<T: Send + 'static>(len: usize, f: impl FnOnce() -> T + Send 
 /// Puts the calling thread in Linux's SCHED_IDLE class (open to every thread; one that may
 /// not stays as it is): it gets next to no share of a cpu other threads want, and gives way
 /// to any that wakes, so the load generator's bulk work, tens of milliseconds of fresh memory
-/// for a large value, seldom delays the requests it times (see [`give_way`] for when it does).
+/// for a large value, seldom delays the requests it times (see [`SoakConfig::give_way`] for
+/// when it does).
 pub fn idle_priority() {
     let param = libc::sched_param { sched_priority: 0 };
     // SAFETY: sched_setscheduler reads `param` and changes the calling thread (pid 0) only.
@@ -984,6 +1004,12 @@ async fn soak_session(
         }
     };
     let part = format!("soak-{id}");
+    let asking = Asking {
+        id,
+        timeout,
+        between: if cfg.give_way { give_way } else { keep_core },
+    };
+    let between = asking.between;
     let mut rng = Rng::new(0x50a4 ^ (id << 32));
     let mut known: HashMap<u64, Known> = HashMap::new();
     let mut generation = 0u64;
@@ -1007,7 +1033,7 @@ async fn soak_session(
             let cols = vec![(
                 "v".to_string(),
                 vec![Value::Bytes(
-                    off_worker(len, move || content(seed, len)).await,
+                    off_worker(len, move || content_in_parts(seed, len, between)).await,
                 )],
             )];
             let t = Instant::now();
@@ -1028,16 +1054,25 @@ async fn soak_session(
             }
             if len > cfg.large {
                 // Verified and cleared while the permit is held.
-                check_get(&client, &part, key, &known, timeout, &mut r, id).await;
-                clear(&client, &part, key, &mut known, timeout, &mut r, id).await;
+                check_get(&client, &part, key, &known, asking, &mut r).await;
+                clear(&client, &part, key, &mut known, asking, &mut r).await;
             }
         } else if op < 8 {
-            check_get(&client, &part, key, &known, timeout, &mut r, id).await;
+            check_get(&client, &part, key, &known, asking, &mut r).await;
         } else {
-            clear(&client, &part, key, &mut known, timeout, &mut r, id).await;
+            clear(&client, &part, key, &mut known, asking, &mut r).await;
         }
     }
     r
+}
+
+/// What a soak session's requests share.
+#[derive(Clone, Copy)]
+struct Asking {
+    id: u64,
+    timeout: Duration,
+    /// Called between parts of a large value made or checked.
+    between: fn(),
 }
 
 async fn check_get(
@@ -1045,10 +1080,14 @@ async fn check_get(
     part: &str,
     key: u64,
     known: &HashMap<u64, Known>,
-    timeout: Duration,
+    asking: Asking,
     r: &mut SoakReport,
-    id: u64,
 ) {
+    let Asking {
+        id,
+        timeout,
+        between,
+    } = asking;
     let t = Instant::now();
     let res = tokio::time::timeout(timeout, client.get(part, &[key], &["v"])).await;
     let took = t.elapsed();
@@ -1058,7 +1097,10 @@ async fn check_get(
             r.get.push(took);
             let mismatch = match expected {
                 Some(Known::Stored { seed, len }) => {
-                    !off_worker(len, move || matches(&cols[0][0], seed, len)).await
+                    !off_worker(len, move || {
+                        matches_in_parts(&cols[0][0], seed, len, between)
+                    })
+                    .await
                 }
                 _ => false,
             };
@@ -1095,10 +1137,10 @@ async fn clear(
     part: &str,
     key: u64,
     known: &mut HashMap<u64, Known>,
-    timeout: Duration,
+    asking: Asking,
     r: &mut SoakReport,
-    id: u64,
 ) {
+    let Asking { id, timeout, .. } = asking;
     let t = Instant::now();
     match tokio::time::timeout(timeout, client.clear(part, &[key])).await {
         Ok(Ok(())) => {
