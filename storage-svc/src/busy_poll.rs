@@ -559,6 +559,7 @@ mod tests {
     //! Bounds here are generous lower or upper limits on behaviour (polls for the whole
     //! window, or stops long before it), never speed goals.
     use super::*;
+    use crate::testing::{current_cpu, pin, Spinner};
     use std::io::Write;
     use std::os::unix::net::UnixStream;
     use std::sync::atomic::AtomicBool;
@@ -690,35 +691,14 @@ mod tests {
     /// waiting until what it was to send is expected.
     #[test]
     fn a_spin_past_the_window_ends_when_another_thread_wants_the_core() {
-        let pin = |cpu: i32| {
-            // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET and
-            // sched_setaffinity are given that set and its size, for the calling thread.
-            unsafe {
-                let mut set: libc::cpu_set_t = std::mem::zeroed();
-                libc::CPU_SET(cpu as usize, &mut set);
-                assert_eq!(libc::sched_setaffinity(0, size_of_val(&set), &set), 0);
-            }
-        };
-        // SAFETY: sched_getcpu takes no arguments.
-        let cpu = unsafe { libc::sched_getcpu() };
-        assert!(cpu >= 0);
-        pin(cpu);
-        let stop = Arc::new(AtomicBool::new(false));
-        let other = std::thread::spawn({
-            let stop = stop.clone();
-            move || {
-                pin(cpu);
-                while !stop.load(Ordering::Relaxed) {
-                    std::hint::spin_loop();
-                }
-            }
-        });
+        let cpu = current_cpu();
+        assert!(pin(cpu));
+        let other = Spinner::on(cpu);
         let poll = BusyPoll::expecting(Duration::from_millis(1), Duration::from_secs(2)).unwrap();
         let _waiting = poll.waiting();
         poll.expect(Instant::now(), Duration::from_secs(2));
         let took = timed(poll.on_park());
-        stop.store(true, Ordering::Relaxed);
-        other.join().unwrap();
+        drop(other);
         assert!(took < Duration::from_secs(1), "{took:?}");
     }
 
@@ -897,17 +877,7 @@ mod tests {
     /// another core, it is spun for again.
     #[test]
     fn a_session_whose_peer_shares_its_core_is_not_awaited() {
-        let pin = |cpu: usize| {
-            // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET and
-            // sched_setaffinity are given that set and its size, for the calling thread.
-            unsafe {
-                let mut set: libc::cpu_set_t = std::mem::zeroed();
-                libc::CPU_SET(cpu, &mut set);
-                libc::sched_setaffinity(0, size_of_val(&set), &set) == 0
-            }
-        };
-        // SAFETY: sched_getcpu takes no arguments.
-        let cpu = unsafe { libc::sched_getcpu() } as usize;
+        let cpu = current_cpu();
         assert!(pin(cpu));
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let mut client = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();

@@ -12,6 +12,7 @@ use tessera_transport::RemoteDesc;
 use crate::core::{Exposed, Landing, Memory, PoolStats, Written};
 use crate::error::MemoryError;
 use tessera_sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use tessera_sync::unchecked::{AtomicBool as StdAtomicBool, Ordering as StdOrdering};
 use tessera_sync::Arc;
 
 /// Heap memory that counts the bytes of its live blocks and refuses a lease past its
@@ -220,5 +221,61 @@ impl Written for Lands {
 impl Landing for Lands {
     fn ranges_written(&self, _ranges: &[(u64, u64)]) -> bool {
         self.0.load(Ordering::SeqCst)
+    }
+}
+
+/// The cpu the calling thread runs on now.
+#[allow(unsafe_code)] // FFI: sched_getcpu(3).
+pub fn current_cpu() -> usize {
+    // SAFETY: sched_getcpu takes no arguments.
+    let cpu = unsafe { libc::sched_getcpu() };
+    usize::try_from(cpu).expect("sched_getcpu")
+}
+
+/// Pins the calling thread to `cpu`; false where it may not run there.
+#[allow(unsafe_code)] // FFI: sched_setaffinity(2).
+pub fn pin(cpu: usize) -> bool {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET and sched_setaffinity are
+    // given that set and its size, for the calling thread.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, size_of_val(&set), &set) == 0
+    }
+}
+
+/// A thread of the normal scheduling class spinning on one cpu, wanting it all, until
+/// dropped.
+pub struct Spinner {
+    stop: Arc<StdAtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Spinner {
+    /// Starts spinning on `cpu`.
+    pub fn on(cpu: usize) -> Spinner {
+        let stop = Arc::new(StdAtomicBool::new(false));
+        let thread = std::thread::spawn({
+            let stop = stop.clone();
+            move || {
+                assert!(pin(cpu), "pinning a spinner to cpu {cpu}");
+                while !stop.load(StdOrdering::Relaxed) {
+                    std::hint::spin_loop();
+                }
+            }
+        });
+        Spinner {
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for Spinner {
+    fn drop(&mut self) {
+        self.stop.store(true, StdOrdering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
     }
 }

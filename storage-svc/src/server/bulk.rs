@@ -153,29 +153,16 @@ fn cpu_time(id: libc::pthread_t) -> Option<Duration> {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::atomic::{AtomicBool, Ordering};
-    use std::sync::Arc;
     use std::time::{Duration, Instant};
 
     use super::{nice_now, run, BULK_NICE, NICEST};
+    use crate::testing::{current_cpu, pin, Spinner};
 
     /// The calling thread's scheduling policy.
     #[allow(unsafe_code)] // FFI: sched_getscheduler(2).
     fn policy() -> i32 {
         // SAFETY: sched_getscheduler takes no pointers; pid 0 is the calling thread.
         unsafe { libc::sched_getscheduler(0) }
-    }
-
-    /// Pins the calling thread to `cpu`.
-    #[allow(unsafe_code)] // FFI: sched_setaffinity(2).
-    fn pin(cpu: usize) {
-        // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET and sched_setaffinity are
-        // given that set and its size, for the calling thread.
-        unsafe {
-            let mut set: libc::cpu_set_t = std::mem::zeroed();
-            libc::CPU_SET(cpu, &mut set);
-            assert_eq!(libc::sched_setaffinity(0, size_of_val(&set), &set), 0);
-        }
     }
 
     #[tokio::test]
@@ -194,21 +181,10 @@ mod tests {
     /// idle class; it is moved to its nice value, and finishes.
     #[tokio::test]
     async fn a_starved_job_leaves_the_idle_class() {
-        // SAFETY: sched_getcpu takes no arguments.
-        #[allow(unsafe_code)]
-        let cpu = unsafe { libc::sched_getcpu() } as usize;
-        let stop = Arc::new(AtomicBool::new(false));
-        let spinner = std::thread::spawn({
-            let stop = stop.clone();
-            move || {
-                pin(cpu);
-                while !stop.load(Ordering::Relaxed) {
-                    std::hint::spin_loop();
-                }
-            }
-        });
+        let cpu = current_cpu();
+        let spinner = Spinner::on(cpu);
         let job = run(move || {
-            pin(cpu);
+            assert!(pin(cpu));
             let start = Instant::now();
             while policy() == libc::SCHED_IDLE && start.elapsed() < Duration::from_secs(20) {
                 std::hint::spin_loop();
@@ -216,8 +192,7 @@ mod tests {
             (policy(), nice_now())
         });
         let (policy, nice) = job.await.unwrap();
-        stop.store(true, Ordering::Relaxed);
-        spinner.join().unwrap();
+        drop(spinner);
         assert_eq!(policy, libc::SCHED_OTHER);
         assert_eq!(nice, (nice_now() + BULK_NICE).min(NICEST));
     }
