@@ -385,6 +385,59 @@ fn capacity_in_bytes_refuses_whole_put() {
     assert_eq!(h.stats().bytes, 40_000);
 }
 
+/// Dropping a partition takes its keys and bytes out of the unit's accounts at once, and
+/// its values out of the store, and hands them to the driver: their blocks go back to the
+/// pool only where it drops what `take_garbage` gives it (the server does, outside the
+/// unit's lock). Another partition keeps its values and blocks.
+#[test]
+fn a_dropped_partitions_values_are_freed_where_the_driver_drops_them() {
+    let mut h = Harness::new(UnitConfig::default());
+    // Zeros: the test memory stores a prepared PUT's block as leased (zeroed).
+    let big = Value::Tensor(Tensor::from_slice(&[20_000], &vec![0u8; 20_000]).unwrap());
+    let two = batch(1, vec![big.clone(); 2]);
+    assert_eq!(h.put("p", &[1, 2], &["x"], &two), Response::Done);
+    assert_eq!(h.put("q", &[1, 2], &["x"], &two), Response::Done);
+    let before = h.stats();
+    assert!(h.unit.take_garbage().is_empty());
+    h.req(Request::DropPartition {
+        partition: "p".into(),
+    });
+    let s = h.stats();
+    assert_eq!((s.keys, s.bytes), (2, 40_000));
+    assert_eq!(s.pool.used, before.pool.used, "still held by the garbage");
+    let garbage = h.unit.take_garbage();
+    assert!(!garbage.is_empty());
+    drop(garbage);
+    let s = h.stats();
+    assert!(
+        s.pool.used < before.pool.used,
+        "{} {}",
+        s.pool.used,
+        before.pool.used
+    );
+    assert!(
+        h.get("q", &[1, 2], &["x"]).unwrap() == two,
+        "q kept its values"
+    );
+    assert_eq!(h.get("p", &[1], &["x"]).unwrap_err(), ErrorKind::Missing);
+    // The name can be used again, its accounts from zero.
+    assert_eq!(
+        h.put("p", &[3], &["x"], &batch(1, vec![big])),
+        Response::Done
+    );
+    let s = h.stats();
+    assert_eq!((s.keys, s.bytes), (3, 60_000));
+    h.req(Request::DropPartition {
+        partition: "q".into(),
+    });
+    h.req(Request::DropPartition {
+        partition: "p".into(),
+    });
+    drop(h.unit.take_garbage());
+    let s = h.stats();
+    assert_eq!((s.keys, s.bytes, s.pool.used - s.credit_bytes), (0, 0, 0));
+}
+
 #[test]
 fn prepared_put_lifecycle_cancel_ttl_quarantine() {
     let ttl = Duration::from_secs(5);
@@ -883,6 +936,7 @@ proptest! {
             prop_assert_eq!((s.leased_bytes, s.pending_puts), (0, 0));
         }
         h.req(Request::DropPartition { partition: "p".into() });
+        drop(h.unit.take_garbage());
         let s = h.stats();
         prop_assert_eq!(s.pool.used - s.credit_bytes, 0);
     }

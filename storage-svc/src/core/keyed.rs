@@ -114,10 +114,6 @@ impl<V> IndexMap<V> {
     pub(crate) fn values_mut(&mut self) -> impl Iterator<Item = &mut V> {
         self.shards.iter_mut().flat_map(|m| m.values_mut())
     }
-
-    pub(crate) fn into_values(self) -> impl Iterator<Item = V> {
-        self.shards.into_iter().flat_map(|m| m.into_values())
-    }
 }
 
 /// A [`BuildHasher`] with a random key of its own (see the module's documentation).
@@ -231,7 +227,7 @@ mod tests {
         for v in m.values_mut() {
             *v += 1;
         }
-        let mut all: Vec<u64> = m.into_values().collect();
+        let mut all: Vec<u64> = m.values_mut().map(|v| *v).collect();
         all.sort_unstable();
         assert_eq!(all.len(), 9_999);
         assert_eq!(all[0], 1);

@@ -243,6 +243,21 @@ pub struct Unit<M: Memory> {
     sliced_put: Option<Box<SlicedPut<M::Dest>>>,
     /// What the driver did ahead of the request [`Unit::handle_slicing`] is handling.
     ahead: Ahead,
+    /// Values taken out of the store, for the driver to free ([`Unit::take_garbage`]).
+    garbage: Garbage,
+}
+
+/// Values the unit took out of its store, freed when this drops: where the driver drops it
+/// outside the unit's lock, no other request waits for that (a dropped partition of a
+/// million scalars takes tens of milliseconds to free).
+#[derive(Default)]
+pub struct Garbage(Vec<store::Detached>);
+
+impl Garbage {
+    /// Whether there is nothing to free.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
 }
 
 fn err(kind: ErrorKind, message: impl Into<String>) -> RemoteError {
@@ -288,7 +303,14 @@ impl<M: Memory> Unit<M> {
             slicing: false,
             sliced_put: None,
             ahead: Ahead::default(),
+            garbage: Garbage::default(),
         }
+    }
+
+    /// What the requests handled since the last call took out of the store (the values of a
+    /// dropped partition), for the caller to free once it has let go of the unit's lock.
+    pub fn take_garbage(&mut self) -> Garbage {
+        std::mem::take(&mut self.garbage)
     }
 
     /// Whether PUT payloads that do not travel inline are pulled (the client names its frames
@@ -485,8 +507,10 @@ impl<M: Memory> Unit<M> {
                 fields,
             } => self.clear(&partition, &indexes, fields.as_deref()),
             Request::DropPartition { partition } => {
-                let c = Compaction::new(&mut self.mem, &self.cfg);
-                self.store.drop_partition(&partition, c);
+                let dropped = self
+                    .store
+                    .drop_partition(&partition, self.cfg.key_overhead_bytes);
+                self.garbage.0.extend(dropped);
                 Ok(Response::Done)
             }
             Request::Stats => Ok(Response::Stats(self.stats())),

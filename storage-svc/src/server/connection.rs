@@ -505,9 +505,15 @@ async fn session(
                                         fault::get_done(&p);
                                     }
                                     unit.trim_memory();
-                                    out
+                                    (out, unit.take_garbage())
                                 }));
                                 drop(unit);
+                                // A dropped partition's values are freed here, outside the
+                                // unit's lock.
+                                let handled = handled.map(|(out, garbage)| {
+                                    drop(garbage);
+                                    out
+                                });
                                 match handled {
                                     Ok(Ok(out)) => {
                                         #[cfg(test)]

@@ -518,6 +518,9 @@ async fn registered_memory_grows_and_shrinks(backend: Backend) {
         c.put("q", &[i], &column(384 << 10, 1)).await.unwrap();
     }
     assert_eq!(check(&server).pool.capacity, 8 * MIB);
+    // A dropped partition's values are freed with the request (outside the unit's lock).
+    c.drop_partition("q").await.unwrap();
+    assert_eq!(check(&server).pool.used, 0);
     drop(c);
     server.shutdown().await;
 }
